@@ -1,0 +1,55 @@
+"""Process settings, read from the environment (prefix ``ISOGATE_``) and ``.env``.
+
+Per-model and per-tenant rules live in ``policies/`` (see ``gateway.policies``); this module
+holds only what differs between deployments of the same policies.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="ISOGATE_", env_file=".env", extra="ignore")
+
+    # Serving
+    host: str = "127.0.0.1"
+    port: int = 8080
+    policies_dir: Path = REPO_ROOT / "policies"
+    log_level: str = "info"
+    log_json: bool = True
+
+    # Request bounds. The body limit sits above the largest prompt we want to refuse
+    # *cheaply* (by byte length, without tokenizing) rather than with a bare 413.
+    max_body_bytes: int = 64 * 1024 * 1024
+    # Prompts whose text is at least this long are tokenized off the event loop.
+    tokenize_in_thread_min_chars: int = 16_384
+
+    # Upstream (SGLang workers)
+    upstream_connect_timeout_s: float = 2.0
+    upstream_timeout_s: float = 120.0
+    # A worker that has not answered a capacity poll for this long is not routed to.
+    capacity_poll_interval_s: float = 1.0
+    capacity_stale_after_s: float = 5.0
+    # Tokens kept free in every pool on top of prompt + max_tokens.
+    admission_safety_margin_tokens: int = 16
+
+    # State
+    database_url: str = f"sqlite:///{REPO_ROOT / '.run' / 'isogate.db'}"
+    redis_url: str | None = None
+    # The admin key (raw). Requests bearing it may administer tenants and read every audit event.
+    admin_key: str | None = None
+    # Secret from which per-tenant cache salts (SGLang ``extra_key``) are derived.
+    cache_salt_secret: str = Field(default="dev-insecure-cache-salt-secret", min_length=16)
+    audit_spool_dir: Path = REPO_ROOT / ".run" / "audit-spool"
+    audit_batch_size: int = 500
+    audit_flush_interval_s: float = 0.2
+    auth_cache_ttl_s: float = 5.0
+
+    # Canary prober (gateway.canary): 0 disables it.
+    canary_interval_s: float = 0.0
