@@ -1,0 +1,519 @@
+"""The SQL store: tenants, API keys and the audit log (SQLAlchemy 2 Core).
+
+One schema for SQLite (the default, one file) and PostgreSQL (at scale); the schema itself
+is created and upgraded only by the Alembic migrations in ``migrations/`` (``Store.migrate``,
+``isogate migrate``). The ``Table`` objects here mirror the latest migration.
+
+Why a *sync* engine, called through ``asyncio.to_thread`` by the async parts:
+
+- The hot path never touches the database: authentication is served from an in-memory
+  cache (``gateway.auth``) and audit writes are batched off the request path
+  (``gateway.audit``), so one thread hop per cache miss or per batch of hundreds of events
+  costs nothing that matters.
+- SQLAlchemy's asyncio layer needs greenlet plus one async driver per database (aiosqlite,
+  asyncpg/psycopg-async), with different failure modes; the sync drivers (the stdlib
+  ``sqlite3`` and psycopg 3) are what Alembic and the CLI use anyway, so one code path
+  serves the gateway, the CLI, the migrations and the bench.
+
+Methods of ``Store`` are blocking; call them from a thread in async code.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import secrets
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import orjson
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    Column,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    TypeDecorator,
+    and_,
+    create_engine,
+    event,
+    insert,
+    or_,
+    select,
+    update,
+)
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.exc import IntegrityError
+
+MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
+
+ADMIN_TENANT_ID = "__admin__"
+KEY_PREFIX = "sk-iso-"
+
+OUTCOMES = (
+    "served",
+    "rejected",
+    "rate_limited",
+    "verification_failed",
+    "upstream_error",
+    "client_cancelled",
+)
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """Timestamps are UTC everywhere: ``timestamptz`` in PostgreSQL; in SQLite naive UTC text,
+    whose lexical order is time order. Always handed back timezone-aware."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Any) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("naive datetime given to the store; use a UTC-aware datetime")
+        value = value.astimezone(UTC)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: datetime | None, dialect: Any) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+metadata = MetaData()
+
+tenants = Table(
+    "tenants",
+    metadata,
+    Column("id", String(64), primary_key=True),
+    Column("name", String(200), nullable=False),
+    Column("disabled", Boolean, nullable=False, default=False),
+    Column("created_at", UTCDateTime, nullable=False),
+)
+
+api_keys = Table(
+    "api_keys",
+    metadata,
+    Column("id", String(40), primary_key=True),  # public key id, "key_..."
+    Column("tenant_id", String(64), ForeignKey("tenants.id"), nullable=False),
+    # SHA-256 of the raw key, hex. The raw key is never stored.
+    Column("key_hash", String(64), nullable=False),
+    Column("name", String(200), nullable=False),
+    Column("created_at", UTCDateTime, nullable=False),
+    Column("revoked_at", UTCDateTime, nullable=True),
+    Index("ix_api_keys_tenant_id", "tenant_id"),
+    Index("uq_api_keys_key_hash", "key_hash", unique=True),
+)
+
+audit_events = Table(
+    "audit_events",
+    metadata,
+    # Insertion order (spool replay keeps it); not exposed, queries order by time.
+    Column("seq", BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True),
+    Column("generation_id", String(100), nullable=False),
+    Column("tenant_id", String(64), nullable=False),
+    Column("key_id", String(40)),
+    Column("model", String(200)),
+    Column("outcome", String(32), nullable=False),
+    Column("status", Integer, nullable=False),
+    Column("code", String(100)),
+    Column("prefill_worker", String(300)),
+    Column("decode_worker", String(300)),
+    Column("prompt_tokens", Integer),
+    Column("completion_tokens", Integer),
+    Column("stream", Boolean, nullable=False),
+    Column("latency_ms", Float, nullable=False),
+    Column("created_at", UTCDateTime, nullable=False),
+    Column("detail", Text),
+    Index("uq_audit_generation_id", "generation_id", unique=True),
+    Index("ix_audit_tenant_time", "tenant_id", "created_at", "generation_id"),
+    Index("ix_audit_time", "created_at", "generation_id"),
+)
+
+AUDIT_COLUMNS = (
+    "generation_id", "tenant_id", "key_id", "model", "outcome", "status", "code",
+    "prefill_worker", "decode_worker", "prompt_tokens", "completion_tokens", "stream",
+    "latency_ms", "created_at", "detail",
+)
+
+
+class StoreConflict(Exception):
+    """A row with that id already exists."""
+
+
+class StoreNotFound(Exception):
+    """No row with that id."""
+
+
+@dataclass(frozen=True, slots=True)
+class TenantRecord:
+    id: str
+    name: str
+    disabled: bool
+    created_at: datetime
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "object": "tenant",
+            "id": self.id,
+            "name": self.name,
+            "disabled": self.disabled,
+            "created_at": rfc3339(self.created_at),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class KeyRecord:
+    id: str
+    tenant_id: str
+    name: str
+    created_at: datetime
+    revoked_at: datetime | None
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "object": "api_key",
+            "id": self.id,
+            "tenant": self.tenant_id,
+            "name": self.name,
+            "created_at": rfc3339(self.created_at),
+            "revoked_at": rfc3339(self.revoked_at) if self.revoked_at else None,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class KeyLookup:
+    """What authentication needs to know about a presented key."""
+
+    key_id: str
+    tenant_id: str
+    revoked: bool
+    tenant_disabled: bool
+
+
+@dataclass(frozen=True, slots=True)
+class AuditQuery:
+    """Filters of an audit query. ``tenant_id`` None means every tenant (admin only)."""
+
+    tenant_id: str | None = None
+    since: datetime | None = None  # inclusive
+    until: datetime | None = None  # exclusive
+    outcome: str | None = None
+    model: str | None = None
+    generation_id: str | None = None
+    limit: int = 100
+    # Keyset position: return events strictly older than (created_at, generation_id).
+    after: tuple[datetime, str] | None = None
+
+
+def hash_key(raw_key: str) -> str:
+    """Keys are 256-bit random tokens, so a plain SHA-256 is a sound one-way hash for them."""
+    return hashlib.sha256(raw_key.encode()).hexdigest()
+
+
+def new_raw_key() -> str:
+    return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+def new_key_id() -> str:
+    return "key_" + secrets.token_hex(8)
+
+
+def rfc3339(moment: datetime) -> str:
+    return moment.astimezone(UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+def encode_cursor(created_at: datetime, generation_id: str) -> str:
+    payload = orjson.dumps([rfc3339(created_at), generation_id])
+    return base64.urlsafe_b64encode(payload).decode().rstrip("=")
+
+
+def decode_cursor(cursor: str) -> tuple[datetime, str]:
+    """Raises ValueError for anything that is not a cursor this module made."""
+    try:
+        padded = cursor + "=" * (-len(cursor) % 4)
+        moment, generation_id = orjson.loads(base64.urlsafe_b64decode(padded.encode()))
+        parsed = datetime.fromisoformat(moment)
+    except Exception as exc:  # any malformed cursor is the same client error
+        raise ValueError("malformed cursor") from exc
+    if not isinstance(generation_id, str) or parsed.tzinfo is None:
+        raise ValueError("malformed cursor")
+    return parsed, generation_id
+
+
+class Store:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.dialect = engine.dialect.name
+
+    # -- schema -----------------------------------------------------------------------
+
+    def migrate(self, revision: str = "head") -> None:
+        """Apply the Alembic migrations up to ``revision`` (idempotent)."""
+        from alembic import command
+
+        command.upgrade(alembic_config(self.engine), revision)
+
+    def current_revision(self) -> str | None:
+        from alembic.runtime.migration import MigrationContext
+
+        with self.engine.connect() as conn:
+            return MigrationContext.configure(conn).get_current_revision()
+
+    def dispose(self) -> None:
+        self.engine.dispose()
+
+    # -- tenants ----------------------------------------------------------------------
+
+    def create_tenant(self, tenant_id: str, name: str | None = None) -> TenantRecord:
+        record = TenantRecord(tenant_id, name or tenant_id, False, _now())
+        try:
+            with self.engine.begin() as conn:
+                conn.execute(
+                    insert(tenants).values(
+                        id=record.id, name=record.name, disabled=False, created_at=record.created_at
+                    )
+                )
+        except IntegrityError as exc:
+            raise StoreConflict(f"tenant {tenant_id!r} already exists") from exc
+        return record
+
+    def get_tenant(self, tenant_id: str) -> TenantRecord:
+        with self.engine.connect() as conn:
+            row = conn.execute(select(tenants).where(tenants.c.id == tenant_id)).one_or_none()
+        if row is None:
+            raise StoreNotFound(f"no tenant {tenant_id!r}")
+        return TenantRecord(row.id, row.name, row.disabled, row.created_at)
+
+    def list_tenants(self) -> list[TenantRecord]:
+        with self.engine.connect() as conn:
+            rows = conn.execute(select(tenants).order_by(tenants.c.id)).all()
+        return [TenantRecord(r.id, r.name, r.disabled, r.created_at) for r in rows]
+
+    def set_tenant_disabled(self, tenant_id: str, disabled: bool) -> TenantRecord:
+        with self.engine.begin() as conn:
+            result = conn.execute(
+                update(tenants).where(tenants.c.id == tenant_id).values(disabled=disabled)
+            )
+        if result.rowcount == 0:
+            raise StoreNotFound(f"no tenant {tenant_id!r}")
+        return self.get_tenant(tenant_id)
+
+    # -- keys -------------------------------------------------------------------------
+
+    def create_key(self, tenant_id: str, name: str | None = None) -> tuple[str, KeyRecord]:
+        """Returns (raw key, record). The raw key exists only in this return value."""
+        raw_key = new_raw_key()
+        record = KeyRecord(new_key_id(), tenant_id, name or "", _now(), None)
+        with self.engine.begin() as conn:
+            exists = conn.execute(select(tenants.c.id).where(tenants.c.id == tenant_id)).first()
+            if exists is None:
+                raise StoreNotFound(f"no tenant {tenant_id!r}")
+            conn.execute(
+                insert(api_keys).values(
+                    id=record.id,
+                    tenant_id=tenant_id,
+                    key_hash=hash_key(raw_key),
+                    name=record.name,
+                    created_at=record.created_at,
+                    revoked_at=None,
+                )
+            )
+        return raw_key, record
+
+    def list_keys(self, tenant_id: str | None = None) -> list[KeyRecord]:
+        query = select(api_keys).order_by(api_keys.c.tenant_id, api_keys.c.created_at, api_keys.c.id)
+        if tenant_id is not None:
+            query = query.where(api_keys.c.tenant_id == tenant_id)
+        with self.engine.connect() as conn:
+            rows = conn.execute(query).all()
+        return [KeyRecord(r.id, r.tenant_id, r.name, r.created_at, r.revoked_at) for r in rows]
+
+    def get_key(self, key_id: str) -> KeyRecord:
+        with self.engine.connect() as conn:
+            r = conn.execute(select(api_keys).where(api_keys.c.id == key_id)).one_or_none()
+        if r is None:
+            raise StoreNotFound(f"no key {key_id!r}")
+        return KeyRecord(r.id, r.tenant_id, r.name, r.created_at, r.revoked_at)
+
+    def revoke_key(self, key_id: str) -> KeyRecord:
+        """Revoking an already revoked key keeps its first revocation time."""
+        with self.engine.begin() as conn:
+            conn.execute(
+                update(api_keys)
+                .where(api_keys.c.id == key_id, api_keys.c.revoked_at.is_(None))
+                .values(revoked_at=_now())
+            )
+        return self.get_key(key_id)
+
+    def lookup_key(self, key_hash: str) -> KeyLookup | None:
+        query = (
+            select(api_keys.c.id, api_keys.c.tenant_id, api_keys.c.revoked_at, tenants.c.disabled)
+            .join(tenants, tenants.c.id == api_keys.c.tenant_id)
+            .where(api_keys.c.key_hash == key_hash)
+        )
+        with self.engine.connect() as conn:
+            row = conn.execute(query).one_or_none()
+        if row is None:
+            return None
+        return KeyLookup(row.id, row.tenant_id, row.revoked_at is not None, bool(row.disabled))
+
+    # -- audit ------------------------------------------------------------------------
+
+    def insert_audit_rows(self, rows: Sequence[dict[str, Any]]) -> None:
+        """Insert in the given order, in one transaction; rows whose generation_id is already
+        stored are skipped, so replaying a batch is harmless."""
+        if not rows:
+            return
+        dialect_insert = pg_insert if self.dialect == "postgresql" else sqlite_insert
+        statement = dialect_insert(audit_events).on_conflict_do_nothing(
+            index_elements=["generation_id"]
+        )
+        with self.engine.begin() as conn:
+            conn.execute(statement, list(rows))
+
+    def query_audit(self, query: AuditQuery) -> tuple[list[dict[str, Any]], str | None]:
+        """Newest first; returns (rows, next_cursor or None)."""
+        t = audit_events
+        conditions = []
+        if query.tenant_id is not None:
+            conditions.append(t.c.tenant_id == query.tenant_id)
+        if query.since is not None:
+            conditions.append(t.c.created_at >= query.since)
+        if query.until is not None:
+            conditions.append(t.c.created_at < query.until)
+        if query.outcome is not None:
+            conditions.append(t.c.outcome == query.outcome)
+        if query.model is not None:
+            conditions.append(t.c.model == query.model)
+        if query.generation_id is not None:
+            conditions.append(t.c.generation_id == query.generation_id)
+        if query.after is not None:
+            moment, generation_id = query.after
+            conditions.append(
+                or_(
+                    t.c.created_at < moment,
+                    and_(t.c.created_at == moment, t.c.generation_id < generation_id),
+                )
+            )
+        statement = (
+            select(*(t.c[name] for name in AUDIT_COLUMNS))
+            .where(*conditions)
+            .order_by(t.c.created_at.desc(), t.c.generation_id.desc())
+            .limit(query.limit + 1)
+        )
+        with self.engine.connect() as conn:
+            rows = [dict(r._mapping) for r in conn.execute(statement)]
+        next_cursor = None
+        if len(rows) > query.limit:
+            rows = rows[: query.limit]
+            last = rows[-1]
+            next_cursor = encode_cursor(last["created_at"], last["generation_id"])
+        return rows, next_cursor
+
+    def count_audit(self) -> int:
+        from sqlalchemy import func
+
+        with self.engine.connect() as conn:
+            return int(conn.execute(select(func.count()).select_from(audit_events)).scalar_one())
+
+
+def audit_row_json(row: dict[str, Any]) -> dict[str, object]:
+    """The public shape of one audit event."""
+    return {
+        "object": "audit.event",
+        "id": row["generation_id"],
+        "generation_id": row["generation_id"],
+        "tenant": row["tenant_id"],
+        "key_id": row["key_id"],
+        "model": row["model"],
+        "outcome": row["outcome"],
+        "status": row["status"],
+        "code": row["code"],
+        "prefill_worker": row["prefill_worker"],
+        "decode_worker": row["decode_worker"],
+        "prompt_tokens": row["prompt_tokens"],
+        "completion_tokens": row["completion_tokens"],
+        "stream": bool(row["stream"]),
+        "latency_ms": row["latency_ms"],
+        "created_at": rfc3339(row["created_at"]),
+        "detail": row["detail"],
+    }
+
+
+def create_store(database_url: str, *, migrate: bool = False) -> Store:
+    """An engine for ``database_url`` (SQLite file or PostgreSQL via psycopg 3).
+
+    ``migrate=True`` also applies the migrations (what a single-node SQLite deployment wants
+    at start); a PostgreSQL deployment runs ``isogate migrate`` once instead.
+    """
+    url = make_url(normalize_url(database_url))
+    if url.get_backend_name() == "sqlite":
+        if url.database and url.database != ":memory:":
+            Path(url.database).parent.mkdir(parents=True, exist_ok=True)
+        engine = create_engine(url, connect_args={"timeout": 5})
+        event.listen(engine, "connect", _sqlite_on_connect)
+    elif url.get_backend_name() == "postgresql":
+        engine = create_engine(
+            url,
+            pool_size=5,
+            max_overflow=5,
+            pool_pre_ping=True,
+            # Fail fast while the database is down: the audit log spools instead of waiting.
+            connect_args={"connect_timeout": 3},
+        )
+    else:
+        raise ValueError(f"unsupported database URL {database_url!r}: use sqlite:// or postgresql://")
+    store = Store(engine)
+    if migrate:
+        store.migrate()
+    return store
+
+
+def normalize_url(database_url: str) -> str:
+    """``postgresql://`` and ``postgres://`` mean psycopg 3 here (not psycopg2)."""
+    for prefix in ("postgresql://", "postgres://"):
+        if database_url.startswith(prefix):
+            return "postgresql+psycopg://" + database_url[len(prefix):]
+    return database_url
+
+
+def alembic_config(engine: Engine):
+    from alembic.config import Config
+
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    # env.py uses this engine rather than building its own from a URL (keeps connect options).
+    config.attributes["engine"] = engine
+    return config
+
+
+def _sqlite_on_connect(dbapi_connection: Any, _record: Any) -> None:
+    cursor = dbapi_connection.cursor()
+    # WAL: readers (audit queries) do not block the batched writer, and vice versa.
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA synchronous=NORMAL")
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.execute("PRAGMA busy_timeout=5000")
+    cursor.close()
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+def rows_from_events(events: Iterable[Any]) -> list[dict[str, Any]]:
+    """Audit rows from objects with the AuditEvent attributes."""
+    return [{name: getattr(e, name) for name in AUDIT_COLUMNS} for e in events]
