@@ -1,0 +1,288 @@
+"""The audit log: one event per request, whatever its outcome, written in batches.
+
+``record`` only appends to an in-memory queue (never blocks, never raises). A writer task
+inserts the queue in batches of ``settings.audit_batch_size`` every
+``settings.audit_flush_interval_s``, from a thread (the store is synchronous).
+
+While the database cannot be written, batches go to the spool directory instead: one
+JSON-lines file per batch, written to a temporary name, fsynced and renamed, so a file is
+either whole or absent. Once a spool file exists, every later batch is spooled behind it
+(never written around it), and the writer retries the database with a backoff; when it
+answers, the files are replayed oldest first, each deleted only after its rows committed.
+Replay is idempotent (``generation_id`` is unique and inserts skip known ids), so a crash
+between commit and delete duplicates nothing. Spool files left by a previous run are
+replayed at start. ``close`` drains the queue into the database, or into the spool while
+the database is down: after it returns, every recorded event is on durable storage.
+
+What a hard kill (SIGKILL, power loss) loses: the events still in memory, at most one
+flush interval's worth.
+
+One spool directory belongs to one process: the log takes an exclusive lock on it and
+falls back to a ``pid-<pid>`` subdirectory when another live process holds it; directories
+of dead processes are adopted and replayed at start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import logging
+import os
+import time
+from collections import deque
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from gateway.settings import Settings
+from gateway.store import AUDIT_COLUMNS
+
+if TYPE_CHECKING:
+    from gateway.store import Store
+
+log = logging.getLogger("isogate.audit")
+
+_RETRY_MIN_S = 0.5
+_RETRY_MAX_S = 5.0
+
+
+@dataclass(slots=True)
+class AuditEvent:
+    generation_id: str
+    tenant_id: str
+    key_id: str | None
+    model: str | None
+    # "served" | "rejected" | "rate_limited" | "verification_failed" | "upstream_error"
+    # | "client_cancelled"
+    outcome: str
+    status: int  # HTTP status the client got
+    code: str | None  # error code for non-served outcomes
+    prefill_worker: str | None
+    decode_worker: str | None
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    stream: bool
+    latency_ms: float
+    created_at: datetime  # UTC, request start
+    detail: str | None = None  # short reason for failures; never prompt or completion text
+
+    def row(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in AUDIT_COLUMNS}
+
+
+class AuditSpool:
+    """Ordered, durable batches on local disk: one whole file per batch."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        self._lock_file: int | None = None
+        self._next_number = 0
+
+    def open(self) -> list[Path]:
+        """Lock a directory for this process; return the orphaned directories to adopt."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        if not self._try_lock(self.directory):
+            own = self.directory / f"pid-{os.getpid()}"
+            own.mkdir(exist_ok=True)
+            if not self._try_lock(own):
+                raise RuntimeError(f"audit spool {own} is locked by another process")
+            orphans: list[Path] = []
+            self.directory = own
+        else:
+            orphans = [
+                sub for sub in sorted(self.directory.glob("pid-*")) if sub.is_dir() and _unlocked(sub)
+            ]
+        existing = self.files()
+        self._next_number = int(existing[-1].stem) + 1 if existing else 0
+        return orphans
+
+    def close(self) -> None:
+        if self._lock_file is not None:
+            os.close(self._lock_file)
+            self._lock_file = None
+
+    def files(self) -> list[Path]:
+        return sorted(self.directory.glob("[0-9]*.jsonl"))
+
+    def append(self, rows: list[dict[str, Any]]) -> None:
+        path = self.directory / f"{self._next_number:016d}.jsonl"
+        self._next_number += 1
+        temporary = path.with_suffix(".tmp")
+        with open(temporary, "wb") as handle:
+            handle.write(b"".join(orjson.dumps(row) + b"\n" for row in rows))
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.rename(temporary, path)
+        _fsync_directory(self.directory)
+
+    def adopt(self, orphan: Path) -> None:
+        """Move a dead process's spool files behind ours, keeping their order."""
+        for path in sorted(orphan.glob("[0-9]*.jsonl")):
+            target = self.directory / f"{self._next_number:016d}.jsonl"
+            self._next_number += 1
+            os.rename(path, target)
+        for leftover in orphan.iterdir():
+            leftover.unlink()
+        orphan.rmdir()
+        _fsync_directory(self.directory)
+
+    @staticmethod
+    def read(path: Path) -> list[dict[str, Any]]:
+        rows = []
+        for line in path.read_bytes().splitlines():
+            if line:
+                row = orjson.loads(line)
+                row["created_at"] = datetime.fromisoformat(row["created_at"])
+                rows.append(row)
+        return rows
+
+    def _try_lock(self, directory: Path) -> bool:
+        fd = os.open(directory / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        self._lock_file = fd
+        return True
+
+
+class AuditLog:
+    def __init__(self, store: Store, settings: Settings):
+        self._store = store
+        self._batch_size = max(1, settings.audit_batch_size)
+        self._flush_interval_s = settings.audit_flush_interval_s
+        self._spool = AuditSpool(Path(settings.audit_spool_dir))
+        self._queue: deque[AuditEvent] = deque()
+        self._wake = asyncio.Event()
+        # One writer at a time (the task, or flush/close): the spool order depends on it.
+        self._writing = asyncio.Lock()
+        self._closing = False
+        self._task: asyncio.Task[None] | None = None
+        self._retry_at = 0.0
+        self._retry_delay_s = _RETRY_MIN_S
+        self.database_ok = True
+
+    @property
+    def queued(self) -> int:
+        """Events recorded but neither in the database nor in the spool yet."""
+        return len(self._queue)
+
+    @property
+    def spool_files(self) -> int:
+        return len(self._spool.files())
+
+    async def start(self) -> None:
+        orphans = self._spool.open()
+        for orphan in orphans:
+            self._spool.adopt(orphan)
+        if self._spool.files():
+            log.warning("audit: %d spooled batches from an earlier run to replay", self.spool_files)
+        self._task = asyncio.create_task(self._run(), name="audit-writer")
+
+    def record(self, event: AuditEvent) -> None:
+        try:
+            self._queue.append(event)
+            if len(self._queue) >= self._batch_size:
+                self._wake.set()
+        except Exception:  # never let auditing break a request
+            log.exception("audit: could not queue an event")
+
+    async def flush(self) -> None:
+        """Write everything queued so far (to the database, or the spool while it is down)."""
+        await self._write(force_retry=True)
+
+    async def close(self) -> None:
+        self._closing = True
+        self._wake.set()
+        if self._task is not None:
+            await self._task
+            self._task = None
+        else:
+            await self._write(force_retry=True)
+        self._spool.close()
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=self._flush_interval_s)
+            except TimeoutError:
+                pass
+            self._wake.clear()
+            closing = self._closing
+            try:
+                await self._write(force_retry=closing)
+            except Exception:  # the writer must survive anything, e.g. a full disk
+                log.exception("audit: writer failed; retrying")
+                await asyncio.sleep(_RETRY_MIN_S)
+                continue
+            if closing and not self._queue:
+                return
+
+    async def _write(self, *, force_retry: bool) -> None:
+        async with self._writing:
+            await self._write_locked(force_retry=force_retry)
+
+    async def _write_locked(self, *, force_retry: bool) -> None:
+        if self._spool.files() and (force_retry or time.monotonic() >= self._retry_at):
+            await self._replay()
+        while self._queue:
+            count = min(self._batch_size, len(self._queue))
+            batch = [self._queue.popleft() for _ in range(count)]
+            rows = [event.row() for event in batch]
+            if self._spool.files() or not await self._insert(rows):
+                await asyncio.to_thread(self._spool.append, rows)
+
+    async def _replay(self) -> None:
+        files = self._spool.files()
+        while files:
+            chunk: list[Path] = []
+            rows: list[dict[str, Any]] = []
+            while files and (not rows or len(rows) < self._batch_size):
+                path = files.pop(0)
+                chunk.append(path)
+                rows.extend(await asyncio.to_thread(self._spool.read, path))
+            if not await self._insert(rows):
+                return
+            for path in chunk:
+                path.unlink()
+        log.warning("audit: spool replayed; database writes resumed")
+
+    async def _insert(self, rows: list[dict[str, Any]]) -> bool:
+        try:
+            await asyncio.to_thread(self._store.insert_audit_rows, rows)
+        except Exception as exc:
+            if self.database_ok:
+                log.error("audit: database write failed (%s); spooling to %s", exc, self._spool.directory)
+            self.database_ok = False
+            self._retry_at = time.monotonic() + self._retry_delay_s
+            self._retry_delay_s = min(self._retry_delay_s * 2, _RETRY_MAX_S)
+            return False
+        self.database_ok = True
+        self._retry_delay_s = _RETRY_MIN_S
+        return True
+
+
+def _unlocked(directory: Path) -> bool:
+    lock_path = directory / ".lock"
+    if not lock_path.exists():
+        return True
+    fd = os.open(lock_path, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)  # closing releases the probe's lock
+    return True
+
+
+def _fsync_directory(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,272 @@
+"""Per-tenant limits: requests per minute, tokens per minute, concurrent requests.
+
+RPM and TPM are token buckets that hold one minute's allowance and refill continuously
+(``limit / 60`` per second), so a tenant may burst up to its per-minute limit and then
+proceeds at the limit's rate. A request takes one RPM token and reserves ``prompt +
+max_tokens`` TPM tokens at admission; ``settle`` gives back what it did not use (or takes
+the overshoot, leaving the bucket in debt). Concurrency is a set of leases that expire after
+``lease_ttl_s``, so a replica that dies holding slots does not hold them forever.
+
+With Redis, one Lua script checks all three limits and takes from them atomically (nothing
+is taken unless all three pass), using Redis's clock, so any number of gateway replicas hold
+a tenant's limits together. Without Redis, the same algorithm runs in process memory. If
+Redis becomes unreachable, each replica falls back to its in-memory limiter (logged) rather
+than refusing every request: limits are about fairness, not isolation.
+
+Limits are passed on every call, so a policy reload takes effect on the next request.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from gateway.errors import rate_limited
+from gateway.policies import TenantLimits
+
+if TYPE_CHECKING:
+    import redis.asyncio
+
+log = logging.getLogger("isogate.limits")
+
+_WINDOW_MS = 60_000.0
+# Retry hint when the concurrency limit is reached: when a slot frees is unknown.
+_CONCURRENCY_RETRY_S = 1.0
+
+# KEYS: bucket hash, in-flight zset. ARGV: rpm, tpm, max_concurrent, reserved, lease id,
+# lease ttl (ms). Returns {0, 0} when admitted, else {which (1 concurrency, 2 rpm, 3 tpm),
+# retry after (ms)}.
+_ACQUIRE_LUA = """
+local rpm = tonumber(ARGV[1])
+local tpm = tonumber(ARGV[2])
+local max_concurrent = tonumber(ARGV[3])
+local reserved = tonumber(ARGV[4])
+local lease_ttl = tonumber(ARGV[6])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
+local state = redis.call('HMGET', KEYS[1], 'r', 't', 'ts')
+local r = tonumber(state[1]) or rpm
+local tokens = tonumber(state[2]) or tpm
+local ts = tonumber(state[3]) or now
+local elapsed = math.max(0, now - ts)
+r = math.min(rpm, r + elapsed * rpm / 60000)
+tokens = math.min(tpm, tokens + elapsed * tpm / 60000)
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
+if redis.call('ZCARD', KEYS[2]) >= max_concurrent then
+  return {1, 1000}
+end
+if r < 1 then
+  return {2, math.ceil((1 - r) * 60000 / rpm)}
+end
+if tokens < reserved then
+  return {3, math.ceil((reserved - tokens) * 60000 / tpm)}
+end
+redis.call('HSET', KEYS[1], 'r', r - 1, 't', tokens - reserved, 'ts', now)
+redis.call('PEXPIRE', KEYS[1], 600000)
+redis.call('ZADD', KEYS[2], now + lease_ttl, ARGV[5])
+redis.call('PEXPIRE', KEYS[2], lease_ttl + 60000)
+return {0, 0}
+"""
+
+# KEYS: bucket hash. ARGV: rpm, tpm, tokens to give back (negative: to take).
+_SETTLE_LUA = """
+local rpm = tonumber(ARGV[1])
+local tpm = tonumber(ARGV[2])
+local delta = tonumber(ARGV[3])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
+local state = redis.call('HMGET', KEYS[1], 'r', 't', 'ts')
+local r = tonumber(state[1]) or rpm
+local tokens = tonumber(state[2]) or tpm
+local ts = tonumber(state[3]) or now
+local elapsed = math.max(0, now - ts)
+r = math.min(rpm, r + elapsed * rpm / 60000)
+tokens = math.min(tpm, tokens + elapsed * tpm / 60000 + delta)
+redis.call('HSET', KEYS[1], 'r', r, 't', tokens, 'ts', now)
+redis.call('PEXPIRE', KEYS[1], 600000)
+return 0
+"""
+
+
+@dataclass(slots=True)
+class _Bucket:
+    requests: float
+    tokens: float
+    at_ms: float
+    inflight: dict[str, float] = field(default_factory=dict)  # lease id → expiry (ms)
+
+    def refill(self, limits: TenantLimits, now_ms: float) -> None:
+        elapsed = max(0.0, now_ms - self.at_ms)
+        rpm, tpm = limits.requests_per_minute, limits.tokens_per_minute
+        self.requests = min(rpm, self.requests + elapsed * rpm / _WINDOW_MS)
+        self.tokens = min(tpm, self.tokens + elapsed * tpm / _WINDOW_MS)
+        self.at_ms = now_ms
+
+
+class LimitLease:
+    """One admitted request's hold on its tenant's limits."""
+
+    def __init__(
+        self, limiter: TenantLimiter, tenant_id: str, limits: TenantLimits, reserved: int,
+        lease_id: str, *, in_redis: bool,
+    ):
+        self.tenant_id = tenant_id
+        self.reserved_tokens = reserved
+        self._limiter = limiter
+        self._limits = limits
+        self._lease_id = lease_id
+        self._in_redis = in_redis
+        self._settled = False
+        self._released = False
+
+    async def settle(self, actual_tokens: int) -> None:
+        """Correct the TPM reservation to the real count (once; later calls do nothing)."""
+        if self._settled:
+            return
+        self._settled = True
+        delta = self.reserved_tokens - max(0, actual_tokens)
+        if delta:
+            await self._limiter._settle(self, delta)
+
+    async def release(self) -> None:
+        """Give the concurrency slot back. Idempotent."""
+        if self._released:
+            return
+        self._released = True
+        await self._limiter._release(self)
+
+    async def __aenter__(self) -> LimitLease:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.release()
+
+
+class TenantLimiter:
+    def __init__(
+        self, redis: redis.asyncio.Redis | None, key_prefix: str = "isogate",
+        *, lease_ttl_s: float = 900.0,
+    ):
+        self._redis = redis
+        self._prefix = key_prefix
+        self._lease_ttl_ms = lease_ttl_s * 1000
+        self._buckets: dict[str, _Bucket] = {}
+        self._acquire_script = redis.register_script(_ACQUIRE_LUA) if redis is not None else None
+        self._settle_script = redis.register_script(_SETTLE_LUA) if redis is not None else None
+        self._warned_fallback = False
+
+    async def acquire(self, tenant_id: str, limits: TenantLimits, reserved_tokens: int) -> LimitLease:
+        reserved = max(0, reserved_tokens)
+        if reserved > limits.tokens_per_minute:
+            # Like OpenAI's "Request too large": a 429 that waiting alone will not cure.
+            raise rate_limited(
+                f"Request too large: {reserved} tokens (prompt + max_tokens) exceed the "
+                f"tenant's limit of {limits.tokens_per_minute} tokens per minute; "
+                "lower max_tokens or shorten the prompt.",
+                60.0,
+            )
+        lease_id = secrets.token_hex(8)
+        if self._redis is not None:
+            try:
+                verdict, retry_ms = await self._acquire_script(
+                    keys=[self._key(tenant_id, "bucket"), self._key(tenant_id, "inflight")],
+                    args=[
+                        limits.requests_per_minute, limits.tokens_per_minute,
+                        limits.max_concurrent, reserved, lease_id, int(self._lease_ttl_ms),
+                    ],
+                )
+            except Exception as exc:
+                if not _redis_unreachable(exc):
+                    raise
+                self._warn_fallback(exc)
+            else:
+                _raise_if_refused(int(verdict), int(retry_ms) / 1000, limits)
+                return LimitLease(self, tenant_id, limits, reserved, lease_id, in_redis=True)
+        self._acquire_local(tenant_id, limits, reserved, lease_id)
+        return LimitLease(self, tenant_id, limits, reserved, lease_id, in_redis=False)
+
+    def _acquire_local(self, tenant_id: str, limits: TenantLimits, reserved: int, lease_id: str) -> None:
+        now = time.monotonic() * 1000
+        bucket = self._buckets.get(tenant_id)
+        if bucket is None:
+            bucket = self._buckets[tenant_id] = _Bucket(
+                limits.requests_per_minute, limits.tokens_per_minute, now
+            )
+        bucket.refill(limits, now)
+        for expired in [lid for lid, expiry in bucket.inflight.items() if expiry <= now]:
+            del bucket.inflight[expired]
+        if len(bucket.inflight) >= limits.max_concurrent:
+            _raise_if_refused(1, _CONCURRENCY_RETRY_S, limits)
+        if bucket.requests < 1:
+            wait_ms = (1 - bucket.requests) * _WINDOW_MS / limits.requests_per_minute
+            _raise_if_refused(2, wait_ms / 1000, limits)
+        if bucket.tokens < reserved:
+            wait_ms = (reserved - bucket.tokens) * _WINDOW_MS / limits.tokens_per_minute
+            _raise_if_refused(3, wait_ms / 1000, limits)
+        bucket.requests -= 1
+        bucket.tokens -= reserved
+        bucket.inflight[lease_id] = now + self._lease_ttl_ms
+
+    async def _settle(self, lease: LimitLease, delta: int) -> None:
+        limits = lease._limits
+        if lease._in_redis and self._redis is not None:
+            try:
+                await self._settle_script(
+                    keys=[self._key(lease.tenant_id, "bucket")],
+                    args=[limits.requests_per_minute, limits.tokens_per_minute, delta],
+                )
+                return
+            except Exception as exc:
+                if not _redis_unreachable(exc):
+                    raise
+                self._warn_fallback(exc)
+                return  # the reservation stands: conservative
+        bucket = self._buckets.get(lease.tenant_id)
+        if bucket is not None:
+            now = time.monotonic() * 1000
+            bucket.refill(limits, now)
+            bucket.tokens = min(limits.tokens_per_minute, bucket.tokens + delta)
+
+    async def _release(self, lease: LimitLease) -> None:
+        if lease._in_redis and self._redis is not None:
+            try:
+                await self._redis.zrem(self._key(lease.tenant_id, "inflight"), lease._lease_id)
+            except Exception as exc:
+                if not _redis_unreachable(exc):
+                    raise
+                self._warn_fallback(exc)  # the lease expires on its own
+            return
+        bucket = self._buckets.get(lease.tenant_id)
+        if bucket is not None:
+            bucket.inflight.pop(lease._lease_id, None)
+
+    def _key(self, tenant_id: str, what: str) -> str:
+        # The hash tag keeps a tenant's keys in one slot of a Redis Cluster (one script).
+        return f"{self._prefix}:{{{tenant_id}}}:{what}"
+
+    def _warn_fallback(self, exc: Exception) -> None:
+        if not self._warned_fallback:
+            self._warned_fallback = True
+            log.error("limits: Redis unreachable (%s); enforcing limits per replica in memory", exc)
+
+
+def _raise_if_refused(verdict: int, retry_after_s: float, limits: TenantLimits) -> None:
+    if verdict == 0:
+        return
+    if verdict == 1:
+        message = f"Too many concurrent requests: the limit is {limits.max_concurrent}."
+    elif verdict == 2:
+        message = f"Rate limit reached: {limits.requests_per_minute} requests per minute."
+    else:
+        message = f"Rate limit reached: {limits.tokens_per_minute} tokens per minute."
+    raise rate_limited(message, max(retry_after_s, 0.001))
+
+
+def _redis_unreachable(exc: Exception) -> bool:
+    import redis.exceptions
+
+    return isinstance(exc, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError))
+
