@@ -1,0 +1,90 @@
+"""The OpenAI-compatible routes and the health endpoints.
+
+Handlers are thin: generation routes hand over to ``gateway.pipeline``; the rest read state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import BaseRoute, Route
+
+from . import protocol
+from .components import Components
+from .errors import APIError
+from .pipeline import handle_generation
+from .routing import best_limit, candidate_pairs
+
+
+def _components(request: Request) -> Components:
+    return request.app.state.components
+
+
+def _json(payload: object, status: int = 200) -> Response:
+    return Response(orjson.dumps(payload), status_code=status, media_type="application/json")
+
+
+async def chat_completions(request: Request) -> Response:
+    return await handle_generation(_components(request), request, "chat")
+
+
+async def completions(request: Request) -> Response:
+    return await handle_generation(_components(request), request, "completion")
+
+
+async def models(request: Request) -> Response:
+    components = _components(request)
+    principal = await components.authenticator.authenticate(request.headers.get("authorization"))
+    cards = []
+    margin = components.settings.admission_safety_margin_tokens
+    for model in components.policies.models.values():
+        max_context: int | None = None
+        bound: str | None = None
+        try:
+            tenant = principal.tenant_id if not principal.is_admin else ""
+            pairs = candidate_pairs(components.policies, model, tenant, components.capacity)
+            # The largest prompt admitted with a minimal completion, plus that completion.
+            limit = best_limit(pairs, model.max_context_tokens, 1, margin)
+            max_context, bound = limit.tokens + 1, limit.bound
+        except APIError:
+            pass  # no fresh pair now: the card says so with nulls rather than guessing
+        cards.append(protocol.model_card(model.name, 0, max_context, bound))
+    return _json(protocol.model_list(cards))
+
+
+async def healthz(request: Request) -> Response:
+    return _json({"status": "ok"})
+
+
+async def readyz(request: Request) -> Response:
+    """Ready when every model has at least one prefill and one decode worker answering."""
+    components = _components(request)
+    problems: dict[str, list[str]] = {}
+    for model in components.policies.models.values():
+        for role, urls in (("prefill", [w.url for p in model.pools for w in p.prefill]),
+                           ("decode", [w.url for p in model.pools for w in p.decode])):
+            if not any(components.capacity.get(url) for url in urls):
+                problems.setdefault(model.name, []).append(f"no {role} worker answering")
+    if problems:
+        return _json({"status": "unready", "problems": problems}, 503)
+    return _json({"status": "ready"})
+
+
+async def metrics(request: Request) -> Response:
+    components = _components(request)
+    body = await asyncio.to_thread(components.metrics.export, components.capacity, components.workers())
+    return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def openai_routes() -> list[BaseRoute]:
+    return [
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/healthz", healthz, methods=["GET"]),
+        Route("/readyz", readyz, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]

@@ -1,0 +1,195 @@
+"""Live KV pool capacity of every worker, polled from SGLang and shared between replicas.
+
+Each worker is polled every ``capacity_poll_interval_s`` on ``/server_info`` (pool size,
+``max_req_input_len``, page size, context length, whether ``engine_patch`` is loaded) and
+``/v1/loads`` (tokens in use). An observation older than ``capacity_stale_after_s`` is no
+observation: ``CapacityRegistry.get`` returns ``None`` and the worker is not routed to.
+Numbers are never guessed.
+
+With Redis configured, every replica writes what it observed under one key per worker
+(with the staleness TTL) and decides on what Redis holds, so all replicas decide on the same
+numbers; without Redis, on its own observations.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Iterable, Literal
+
+import httpx
+import orjson
+
+log = logging.getLogger(__name__)
+
+Role = Literal["prefill", "decode"]
+ENGINE_PATCH_MARKER = "isogate_engine_patch"
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerCapacity:
+    url: str
+    role: Role
+    observed_at: float  # wall-clock seconds of the poll that produced it
+    max_total_num_tokens: int
+    max_req_input_len: int | None
+    context_length: int | None
+    page_size: int
+    used_tokens: int
+    # Version string of engine_patch when the worker runs it, else None.
+    engine_patch: str | None
+
+    @property
+    def available_tokens(self) -> int:
+        return max(0, self.max_total_num_tokens - self.used_tokens)
+
+    def to_json(self) -> bytes:
+        return orjson.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> WorkerCapacity:
+        return cls(**orjson.loads(raw))
+
+
+def parse_worker_state(url: str, role: Role, server_info: dict[str, Any], loads: dict[str, Any],
+                       observed_at: float, models: dict[str, Any] | None = None) -> WorkerCapacity:
+    """Build a capacity record from SGLang's ``/server_info`` and ``/v1/loads`` bodies.
+
+    With several DP ranks a request lands on one of them: the pool is the smallest rank's
+    and the use is the least loaded rank's.
+    """
+    internal = server_info.get("internal_states") or [{}]
+    ranks = loads.get("loads") or []
+    pools = [int(r["max_total_num_tokens"]) for r in ranks if r.get("max_total_num_tokens")]
+    if not pools:
+        pools = [int(s["max_total_num_tokens"]) for s in internal if s.get("max_total_num_tokens")]
+    if not pools:
+        raise ValueError("worker reports no max_total_num_tokens")
+    used = min((int(r.get("num_used_tokens", 0)) for r in ranks), default=0)
+    max_req_input_len = _first_int(server_info, internal, "max_req_input_len")
+    # The advertised context length: the flag when set, else what /v1/models reports.
+    context_length = _first_int(server_info, internal, "context_length")
+    if context_length is None and models:
+        context_length = next((int(card["max_model_len"]) for card in models.get("data", [])
+                               if isinstance(card.get("max_model_len"), int)), None)
+    page_size = _first_int(server_info, internal, "page_size") or 1
+    marker = server_info.get(ENGINE_PATCH_MARKER) or next(
+        (s.get(ENGINE_PATCH_MARKER) for s in internal if s.get(ENGINE_PATCH_MARKER)), None
+    )
+    return WorkerCapacity(
+        url=url, role=role, observed_at=observed_at, max_total_num_tokens=min(pools),
+        max_req_input_len=max_req_input_len, context_length=context_length, page_size=page_size,
+        used_tokens=used, engine_patch=str(marker) if marker else None,
+    )
+
+
+def _first_int(top: dict[str, Any], internal: list[dict[str, Any]], key: str) -> int | None:
+    for source in (*internal, top):
+        value = source.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+async def poll_worker(client: httpx.AsyncClient, url: str, role: Role) -> WorkerCapacity:
+    observed_at = time.time()
+    info, loads, models = await asyncio.gather(
+        client.get(f"{url}/server_info"),
+        client.get(f"{url}/v1/loads", params={"include": "core"}),
+        client.get(f"{url}/v1/models"),
+    )
+    for response in (info, loads, models):
+        response.raise_for_status()
+    return parse_worker_state(url, role, info.json(), loads.json(), observed_at, models.json())
+
+
+class CapacityRegistry:
+    """The newest fresh observation of each worker; ``run`` keeps it current."""
+
+    def __init__(self, *, poll_interval_s: float, stale_after_s: float, redis: Any | None = None,
+                 key_prefix: str = "isogate", timeout_s: float = 2.0) -> None:
+        self._poll_interval_s = poll_interval_s
+        self._stale_after_s = stale_after_s
+        self._redis = redis
+        self._key_prefix = key_prefix
+        self._workers: dict[str, Role] = {}
+        self._observed: dict[str, WorkerCapacity] = {}
+        self._errors: dict[str, str] = {}
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s))
+        self._refreshed = asyncio.Event()
+
+    def set_workers(self, workers: Iterable[tuple[str, Role]]) -> None:
+        self._workers = dict(workers)
+        for url in list(self._observed):
+            if url not in self._workers:
+                del self._observed[url]
+
+    def get(self, url: str) -> WorkerCapacity | None:
+        """The worker's capacity, or None if it is unknown or stale."""
+        state = self._observed.get(url)
+        if state is None or time.time() - state.observed_at > self._stale_after_s:
+            return None
+        return state
+
+    def error(self, url: str) -> str | None:
+        return self._errors.get(url)
+
+    async def wait_refreshed(self) -> None:
+        await self._refreshed.wait()
+
+    async def refresh(self) -> None:
+        """Poll every worker once, publish, then adopt the shared view."""
+        urls = list(self._workers.items())
+        results = await asyncio.gather(
+            *(poll_worker(self._client, url, role) for url, role in urls), return_exceptions=True
+        )
+        fresh: dict[str, WorkerCapacity] = {}
+        for (url, _), result in zip(urls, results):
+            if isinstance(result, BaseException):
+                self._errors[url] = f"{type(result).__name__}: {result}"
+            else:
+                self._errors.pop(url, None)
+                fresh[url] = result
+        if self._redis is not None:
+            fresh = await self._share(fresh)
+        self._observed.update(fresh)
+        self._refreshed.set()
+
+    async def _share(self, fresh: dict[str, WorkerCapacity]) -> dict[str, WorkerCapacity]:
+        """Publish our observations; return the newest observation of every worker in Redis."""
+        ttl_ms = max(1, int(self._stale_after_s * 1000))
+        keys = [self._key(url) for url in self._workers]
+        try:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for url, state in fresh.items():
+                    pipe.set(self._key(url), state.to_json(), px=ttl_ms)
+                pipe.mget(keys)
+                replies = await pipe.execute()
+        except Exception as exc:  # Redis down: our own observations are still real ones.
+            log.warning("capacity: redis unavailable, deciding on local observations: %s", exc)
+            return fresh
+        shared: dict[str, WorkerCapacity] = {}
+        for url, raw in zip(self._workers, replies[-1]):
+            if raw is None:
+                continue
+            state = WorkerCapacity.from_json(raw)
+            mine = fresh.get(url)
+            shared[url] = state if mine is None or state.observed_at >= mine.observed_at else mine
+        return shared
+
+    def _key(self, url: str) -> str:
+        return f"{self._key_prefix}:capacity:{url}"
+
+    async def run(self) -> None:
+        while True:
+            started = time.monotonic()
+            try:
+                await self.refresh()
+            except Exception:  # never let the poller die; staleness takes workers out
+                log.exception("capacity: refresh failed")
+            await asyncio.sleep(max(0.0, self._poll_interval_s - (time.monotonic() - started)))
+
+    async def close(self) -> None:
+        await self._client.aclose()

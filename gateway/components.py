@@ -1,0 +1,133 @@
+"""Everything a request needs, built once per process and closed on shutdown.
+
+``Components`` is the one object the routes reach for (``request.app.state.components``);
+nothing in the gateway is a module-level global. Policies and tokenizers are swapped
+together on reload, so a request sees one consistent version of both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from .admission import ClaimLedger
+from .audit import AuditLog
+from .auth import Authenticator
+from .capacity import CapacityRegistry, Role
+from .dispatch import PDDispatcher
+from .limits import TenantLimiter
+from .metrics import Metrics
+from .policies import Policies, load_policies
+from .settings import Settings
+from .store import Store, create_store
+from .tokenize import ModelTokenizer
+from .verify import ContentScanner, NoScanner
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Components:
+    settings: Settings
+    policies: Policies
+    tokenizers: dict[str, ModelTokenizer]
+    capacity: CapacityRegistry
+    ledger: ClaimLedger
+    dispatcher: PDDispatcher
+    store: Store
+    authenticator: Authenticator
+    audit: AuditLog
+    limiter: TenantLimiter
+    metrics: Metrics
+    scanner: ContentScanner = field(default_factory=NoScanner)
+    redis: Any | None = None
+    http: httpx.AsyncClient | None = None
+    tasks: list[asyncio.Task[Any]] = field(default_factory=list)
+
+    def workers(self) -> list[tuple[str, Role]]:
+        return workers_of(self.policies)
+
+    def apply_policies(self, policies: Policies) -> None:
+        """Adopt new policies (already validated) together with their tokenizers."""
+        tokenizers = load_tokenizers(policies, self.settings, self.tokenizers, self.policies)
+        self.policies, self.tokenizers = policies, tokenizers
+        self.capacity.set_workers(self.workers())
+
+
+def workers_of(policies: Policies) -> list[tuple[str, Role]]:
+    seen: dict[str, Role] = {}
+    for model in policies.models.values():
+        for pool in model.pools:
+            for prefill in pool.prefill:
+                seen.setdefault(prefill.url, "prefill")
+            for decode in pool.decode:
+                seen.setdefault(decode.url, "decode")
+    return list(seen.items())
+
+
+def load_tokenizers(policies: Policies, settings: Settings, previous: dict[str, ModelTokenizer] | None = None,
+                    previous_policies: Policies | None = None) -> dict[str, ModelTokenizer]:
+    tokenizers: dict[str, ModelTokenizer] = {}
+    for name, model in policies.models.items():
+        old = previous_policies.models.get(name) if previous_policies else None
+        if previous and old is not None and old.tokenizer == model.tokenizer and name in previous:
+            tokenizers[name] = previous[name]
+        else:
+            tokenizers[name] = ModelTokenizer(model.tokenizer, thread_min_chars=settings.tokenize_in_thread_min_chars)
+    return tokenizers
+
+
+async def build_components(settings: Settings) -> Components:
+    policies = load_policies(settings.policies_dir)
+    tokenizers = load_tokenizers(policies, settings)
+    redis_client = None
+    if settings.redis_url:
+        import redis.asyncio as redis_asyncio
+
+        redis_client = redis_asyncio.from_url(settings.redis_url)
+    http = httpx.AsyncClient(
+        timeout=httpx.Timeout(settings.upstream_timeout_s, connect=settings.upstream_connect_timeout_s),
+        limits=httpx.Limits(max_connections=4096, max_keepalive_connections=512),
+    )
+    capacity = CapacityRegistry(
+        poll_interval_s=settings.capacity_poll_interval_s,
+        stale_after_s=settings.capacity_stale_after_s,
+        redis=redis_client,
+    )
+    capacity.set_workers(workers_of(policies))
+    store = create_store(settings.database_url)
+    components = Components(
+        settings=settings,
+        policies=policies,
+        tokenizers=tokenizers,
+        capacity=capacity,
+        ledger=ClaimLedger(),
+        dispatcher=PDDispatcher(http),
+        store=store,
+        authenticator=Authenticator(store, settings),
+        audit=AuditLog(store, settings),
+        limiter=TenantLimiter(redis_client),
+        metrics=Metrics(),
+        redis=redis_client,
+        http=http,
+    )
+    await components.audit.start()
+    components.tasks.append(asyncio.create_task(capacity.run(), name="capacity-poller"))
+    return components
+
+
+async def close_components(components: Components) -> None:
+    for task in components.tasks:
+        task.cancel()
+    await asyncio.gather(*components.tasks, return_exceptions=True)
+    await components.audit.close()
+    await components.capacity.close()
+    if components.http is not None:
+        await components.http.aclose()
+    if components.redis is not None:
+        await components.redis.aclose()
+    components.store.dispose()

@@ -1,0 +1,158 @@
+"""Send a tokenized request to a (prefill, decode) pair the way SGLang's own PD router does.
+
+Both workers get the same ``/generate`` body: ``input_ids`` (never text), sampling
+parameters, the generation ID as ``rid``, the tenant's cache salt as ``extra_key`` and the
+bootstrap triple that pairs them for the KV transfer; both get the isolation headers that
+``engine_patch`` carries through the engine. Output is read from decode. Prefill always runs
+non-streaming: it produces no text the client sees, only its status matters.
+
+Transport failures become OpenAI errors here (503 worker down, 504 timeout, 502 otherwise).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+from urllib.parse import urlsplit
+
+import httpx
+import orjson
+
+from .errors import APIError, unavailable, upstream_failed, upstream_timeout
+from .ids import bootstrap_room
+from .routing import WorkerPair
+
+TENANT_HEADER = "X-Isolation-Tenant"
+GENERATION_HEADER = "X-Isolation-Generation"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRequest:
+    generation_id: str
+    tenant_id: str
+    input_ids: list[int]
+    sampling_params: dict[str, Any]
+    cache_salt: str
+
+
+def generate_body(pair: WorkerPair, request: EngineRequest, *, stream: bool) -> bytes:
+    bootstrap_host = pair.prefill.bootstrap_host or urlsplit(pair.prefill.url).hostname
+    return orjson.dumps(
+        {
+            "input_ids": request.input_ids,
+            "sampling_params": request.sampling_params,
+            "stream": stream,
+            "rid": request.generation_id,
+            "extra_key": request.cache_salt,
+            "bootstrap_host": bootstrap_host,
+            "bootstrap_port": pair.prefill.bootstrap_port,
+            "bootstrap_room": bootstrap_room(request.generation_id),
+        }
+    )
+
+
+def isolation_headers(request: EngineRequest) -> dict[str, str]:
+    return {
+        TENANT_HEADER: request.tenant_id,
+        GENERATION_HEADER: request.generation_id,
+        "Content-Type": "application/json",
+    }
+
+
+class UpstreamStreamError(Exception):
+    """The engine reported an error inside a stream that had already started."""
+
+
+class PDDispatcher:
+    def __init__(self, client: httpx.AsyncClient) -> None:
+        self._client = client
+
+    async def generate(self, pair: WorkerPair, request: EngineRequest) -> dict[str, Any]:
+        headers = isolation_headers(request)
+        prefill = self._post(pair.prefill.url, generate_body(pair, request, stream=False), headers, "prefill")
+        decode = self._post(pair.decode.url, generate_body(pair, request, stream=False), headers, "decode")
+        prefill_task = asyncio.ensure_future(prefill)
+        decode_task = asyncio.ensure_future(decode)
+        try:
+            # A failed prefill leaves decode waiting for a transfer that never comes: fail fast.
+            for finished in asyncio.as_completed((prefill_task, decode_task)):
+                await finished
+        except BaseException:
+            for task in (prefill_task, decode_task):
+                task.cancel()
+            await asyncio.gather(prefill_task, decode_task, return_exceptions=True)
+            raise
+        return decode_task.result()
+
+    async def stream(self, pair: WorkerPair, request: EngineRequest) -> AsyncIterator[dict[str, Any]]:
+        """Decode's chunks, parsed; raises APIError before the first chunk, UpstreamStreamError after."""
+        headers = isolation_headers(request)
+        prefill_task = asyncio.ensure_future(
+            self._post(pair.prefill.url, generate_body(pair, request, stream=False), headers, "prefill")
+        )
+        try:
+            async with _transport_errors("decode", pair.decode.url):
+                async with self._client.stream(
+                    "POST", f"{pair.decode.url}/generate",
+                    content=generate_body(pair, request, stream=True), headers=headers,
+                ) as response:
+                    if response.status_code != 200:
+                        raise _engine_error("decode", response.status_code, await response.aread())
+                    async for line in response.aiter_lines():
+                        if prefill_task.done() and prefill_task.exception() is not None:
+                            raise prefill_task.exception()  # type: ignore[misc]
+                        if not line.startswith("data:"):
+                            continue
+                        payload = line[5:].strip()
+                        if payload == "[DONE]":
+                            break
+                        chunk = orjson.loads(payload)
+                        if "error" in chunk:
+                            raise UpstreamStreamError(_error_message(chunk))
+                        yield chunk
+            await prefill_task
+        finally:
+            if not prefill_task.done():
+                prefill_task.cancel()
+            with contextlib.suppress(BaseException):
+                await prefill_task
+
+    async def _post(self, url: str, body: bytes, headers: dict[str, str], role: str) -> dict[str, Any]:
+        async with _transport_errors(role, url):
+            response = await self._client.post(f"{url}/generate", content=body, headers=headers)
+        if response.status_code != 200:
+            raise _engine_error(role, response.status_code, response.content)
+        return orjson.loads(response.content)
+
+
+@contextlib.asynccontextmanager
+async def _transport_errors(role: str, url: str) -> AsyncIterator[None]:
+    try:
+        yield
+    except httpx.TimeoutException as exc:
+        raise upstream_timeout(f"The {role} worker did not answer in time.") from exc
+    except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
+        raise unavailable(f"The {role} worker is unavailable.", code="worker_unavailable") from exc
+
+
+def _engine_error(role: str, status: int, body: bytes) -> APIError:
+    try:
+        message = _error_message(orjson.loads(body))
+    except orjson.JSONDecodeError:
+        message = body[:200].decode("utf-8", "replace")
+    if 400 <= status < 500 and status not in (408, 429):
+        return APIError(400, f"The {role} worker refused the request: {message}", "invalid_request_error", "engine_rejected")
+    if status == 503:
+        return unavailable(f"The {role} worker is unavailable: {message}", code="worker_unavailable")
+    return upstream_failed(f"The {role} worker failed (HTTP {status}): {message}")
+
+
+def _error_message(body: Any) -> str:
+    if isinstance(body, dict):
+        error = body.get("error", body.get("detail", body.get("message", body)))
+        if isinstance(error, dict):
+            return str(error.get("message", error))
+        return str(error)
+    return str(body)

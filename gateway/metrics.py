@@ -1,0 +1,53 @@
+"""Prometheus metrics, all under ``isogate_``, on the gateway's own registry (no globals)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from .capacity import CapacityRegistry
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter("isogate_requests", "Generation requests by model, tenant and outcome.",
+                                ["model", "tenant", "outcome"], registry=self.registry)
+        self.admission_refusals = Counter("isogate_admission_refusals", "Prompts refused by gate 1, by the bound that set the limit.",
+                                          ["model", "bound"], registry=self.registry)
+        self.refused_untokenized = Counter("isogate_admission_refused_untokenized",
+                                           "Prompts refused on byte length alone, without tokenizing.",
+                                           ["model"], registry=self.registry)
+        self.verification_failures = Counter("isogate_verification_failures", "Responses withheld by an isolation check.",
+                                             ["model", "reason"], registry=self.registry)
+        self.canary_hits = Counter("isogate_canary_hits", "Outputs that carried another tenant's canary marker.",
+                                   ["model"], registry=self.registry)
+        self.latency = Histogram("isogate_request_duration_seconds", "Request latency through the gateway.",
+                                 ["model", "outcome"], buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.pool_tokens = Gauge("isogate_worker_kv_pool_tokens", "Live KV pool capacity per worker.",
+                                 ["worker", "role"], registry=self.registry)
+        self.used_tokens = Gauge("isogate_worker_kv_used_tokens", "KV tokens in use per worker.",
+                                 ["worker", "role"], registry=self.registry)
+        self.worker_fresh = Gauge("isogate_worker_capacity_fresh", "1 when the worker's capacity data is fresh.",
+                                  ["worker", "role"], registry=self.registry)
+
+    def refused_untokenized_inc(self, model: str) -> None:
+        self.refused_untokenized.labels(model).inc()
+
+    def verification_failed(self, model: str, reason: str) -> None:
+        # Reasons are short fixed phrases; numbers are cut so the label set stays bounded.
+        self.verification_failures.labels(model, reason.split(":")[0][:60]).inc()
+
+    def observe_request(self, model: str, tenant: str, outcome: str, seconds: float) -> None:
+        self.requests.labels(model, tenant, outcome).inc()
+        self.latency.labels(model, outcome).observe(seconds)
+
+    def export(self, capacity: CapacityRegistry, workers: list[tuple[str, str]]) -> bytes:
+        for url, role in workers:
+            state = capacity.get(url)
+            self.worker_fresh.labels(url, role).set(1 if state else 0)
+            if state:
+                self.pool_tokens.labels(url, role).set(state.max_total_num_tokens)
+                self.used_tokens.labels(url, role).set(state.used_tokens)
+        return generate_latest(self.registry)

@@ -1,0 +1,386 @@
+"""The request path, top to bottom: auth → tokenize → admit → route → dispatch → verify → audit.
+
+One function per OpenAI generation route runs these steps in order; every step either
+passes a value to the next or raises an ``APIError``. Whatever happens, exactly one audit
+event is recorded and every claim (rate-limit lease, KV tokens) is released: the non-streaming
+path does it in ``finally``, the streaming path hands both to ``GuardedStream``, which does it
+when the stream ends, fails or is cancelled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, AsyncIterator, Literal
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from . import protocol
+from .admission import Claim, context_length_exceeded
+from .audit import AuditEvent
+from .auth import Principal
+from .components import Components
+from .dispatch import EngineRequest, UpstreamStreamError
+from .errors import APIError, bad_request, not_found, unavailable
+from .ids import new_generation_id
+from .limits import LimitLease
+from .logs import current_generation_id
+from .policies import ModelPolicy
+from .protocol import RESERVED_HEADER_PREFIXES, ChatCompletionRequest, CompletionRequest
+from .routing import WorkerPair, best_limit, candidate_pairs, choose_pair
+from .tokenize import ChatTurn
+from .verify import Expectation, IsolationFailure, StreamGuard, check_meta, check_text
+
+log = logging.getLogger("isogate.request")
+
+Kind = Literal["chat", "completion"]
+
+
+@dataclass
+class Trace:
+    """What the audit event of one request will say; filled in as the request advances."""
+
+    generation_id: str
+    created_at: datetime
+    started: float
+    stream: bool = False
+    principal: Principal | None = None
+    model: str | None = None
+    pair: WorkerPair | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    releases: list[Any] = field(default_factory=list)
+
+    def event(self, outcome: str, status: int, code: str | None = None, detail: str | None = None) -> AuditEvent:
+        return AuditEvent(
+            generation_id=self.generation_id,
+            tenant_id=self.principal.tenant_id if self.principal else "",
+            key_id=self.principal.key_id if self.principal else None,
+            model=self.model,
+            outcome=outcome,
+            status=status,
+            code=code,
+            prefill_worker=self.pair.prefill.url if self.pair else None,
+            decode_worker=self.pair.decode.url if self.pair else None,
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            stream=self.stream,
+            latency_ms=(time.perf_counter() - self.started) * 1000.0,
+            created_at=self.created_at,
+            detail=detail,
+        )
+
+
+async def handle_generation(components: Components, request: Request, kind: Kind) -> Response:
+    trace = Trace(new_generation_id(), datetime.now(timezone.utc), time.perf_counter())
+    current_generation_id.set(trace.generation_id)
+    try:
+        # auth
+        trace.principal = principal = await components.authenticator.authenticate(
+            request.headers.get("authorization")
+        )
+        if principal.is_admin:
+            raise APIError(403, "The admin key cannot run generations; use a tenant key.",
+                           "permission_error", "admin_key_not_allowed")
+        _refuse_isolation_headers(request)
+        body = await read_body(request, components.settings.max_body_bytes)
+        parsed = protocol.parse_request(body, ChatCompletionRequest if kind == "chat" else CompletionRequest)
+        trace.stream = parsed.stream
+        trace.model = parsed.model
+        policies = components.policies
+        model = policies.models.get(parsed.model)
+        if model is None:
+            raise not_found(f"The model '{parsed.model}' does not exist.", code="model_not_found", param="model")
+        max_tokens = _max_tokens(parsed, model)
+
+        # tokenize (refusing, before tokenizing, what its byte length alone proves too long)
+        pairs = candidate_pairs(policies, model, principal.tenant_id, components.capacity)
+        margin = components.settings.admission_safety_margin_tokens
+        limit = best_limit(pairs, model.max_context_tokens, max_tokens, margin)
+        input_ids = await _tokenize(components, model, parsed, limit, max_tokens)
+        trace.prompt_tokens = prompt_tokens = len(input_ids)
+
+        # admit
+        if prompt_tokens > limit.tokens:
+            raise context_length_exceeded(prompt_tokens, limit, max_tokens)
+        lease = await components.limiter.acquire(
+            principal.tenant_id, policies.tenant(principal.tenant_id).limits, prompt_tokens + max_tokens
+        )
+        trace.releases.append(lease)
+
+        # route
+        pair = choose_pair(pairs, components.ledger, prompt_tokens, model.max_context_tokens, max_tokens, margin)
+        if pair is None:
+            raise unavailable("Every worker pair that could hold this request is busy; try again shortly.",
+                              code="capacity_busy")
+        trace.pair = pair
+        trace.releases.append(components.ledger.claim(pair.urls, prompt_tokens + max_tokens + margin))
+
+        engine_request = EngineRequest(
+            generation_id=trace.generation_id,
+            tenant_id=principal.tenant_id,
+            input_ids=input_ids,
+            sampling_params=_sampling_params(parsed, max_tokens),
+            cache_salt=cache_salt(components.settings.cache_salt_secret, principal.tenant_id),
+        )
+        expected = Expectation(trace.generation_id, principal.tenant_id, prompt_tokens, max_tokens,
+                               model.require_engine_tags)
+
+        # dispatch → verify → audit
+        if parsed.stream:
+            return await _stream(components, trace, pair, engine_request, expected, kind, parsed.include_usage)
+        output = await components.dispatcher.generate(pair, engine_request)
+        meta = output.get("meta_info")
+        check_meta(meta, expected)
+        text = output.get("text", "")
+        check_text(components.scanner, text, principal.tenant_id)
+        finish_reason = _finish_reason(meta)
+        trace.completion_tokens = meta.get("completion_tokens", 0)
+        usage = protocol.usage(prompt_tokens, trace.completion_tokens, meta.get("cached_tokens", 0))
+        build = protocol.chat_completion if kind == "chat" else protocol.completion
+        result = build(trace.generation_id, model.name, protocol.now(), text, finish_reason, usage)
+        await _settle(trace)
+        components.audit.record(trace.event("served", 200))
+        return Response(orjson.dumps(result), media_type="application/json")
+    except IsolationFailure as failure:
+        await _settle(trace)
+        _record_failure(components, trace, failure)
+        return failure.api_error().response()
+    except APIError as error:
+        await _settle(trace)
+        components.audit.record(trace.event(_outcome(error), error.status, error.code, error.message[:300]))
+        return error.response()
+    finally:
+        await _release(trace)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"Request body exceeds {limit} bytes.", "invalid_request_error", "request_too_large")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"Request body exceeds {limit} bytes.", "invalid_request_error", "request_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def cache_salt(secret: str, tenant_id: str) -> str:
+    """The tenant's SGLang ``extra_key``: prefix-cache entries never match across tenants."""
+    return hmac.new(secret.encode(), tenant_id.encode(), hashlib.sha256).hexdigest()[:32]
+
+
+def _refuse_isolation_headers(request: Request) -> None:
+    for name in request.headers.keys():
+        if name.startswith(RESERVED_HEADER_PREFIXES):
+            raise bad_request(f"Header '{name}' is set by the gateway and may not be supplied by a client.",
+                              code="reserved_header")
+
+
+def _max_tokens(parsed: ChatCompletionRequest | CompletionRequest, model: ModelPolicy) -> int:
+    requested = parsed.requested_max_tokens
+    if requested is None:
+        return model.default_max_tokens
+    if requested > model.max_output_tokens:
+        raise bad_request(f"max_tokens is {requested}; this model allows at most {model.max_output_tokens}.",
+                          code="invalid_value", param="max_tokens")
+    return requested
+
+
+async def _tokenize(components: Components, model: ModelPolicy, parsed: ChatCompletionRequest | CompletionRequest,
+                    limit, max_tokens: int) -> list[int]:
+    tokenizer = components.tokenizers[model.name]
+    if isinstance(parsed, CompletionRequest) and isinstance(parsed.prompt, list) and parsed.prompt \
+            and isinstance(parsed.prompt[0], int):
+        if len(parsed.prompt) > limit.tokens:
+            raise context_length_exceeded(len(parsed.prompt), limit, max_tokens)
+        return tokenizer.check_token_ids(parsed.prompt)
+    if isinstance(parsed, ChatCompletionRequest):
+        turns = [ChatTurn(m.role, m.text()) for m in parsed.messages]
+        text_bytes = sum(len(t.content.encode("utf-8")) for t in turns)
+    else:
+        text = parsed.prompt if isinstance(parsed.prompt, str) else parsed.prompt[0]
+        text_bytes = len(text.encode("utf-8"))
+    at_least = tokenizer.min_tokens_for_bytes(text_bytes)
+    if at_least > limit.tokens:
+        components.metrics.refused_untokenized_inc(model.name)
+        raise context_length_exceeded(f"at least {at_least}", limit, max_tokens)
+    if isinstance(parsed, ChatCompletionRequest):
+        return await tokenizer.encode_chat(turns)
+    return await tokenizer.encode_text(text)
+
+
+def _sampling_params(parsed: ChatCompletionRequest | CompletionRequest, max_tokens: int) -> dict[str, Any]:
+    params: dict[str, Any] = {
+        "max_new_tokens": max_tokens,
+        "temperature": parsed.temperature,
+        "top_p": parsed.top_p,
+        "presence_penalty": parsed.presence_penalty,
+        "frequency_penalty": parsed.frequency_penalty,
+    }
+    if parsed.stop is not None:
+        params["stop"] = parsed.stop
+    if parsed.seed is not None:
+        params["sampling_seed"] = parsed.seed
+    return params
+
+
+def _finish_reason(meta: dict[str, Any]) -> str:
+    reason = meta.get("finish_reason")
+    kind = reason.get("type") if isinstance(reason, dict) else reason
+    if kind == "abort":
+        # An engine abort reported with 200 is a failure, never content (see ARCHITECTURE: the
+        # 0.5.23 abort with status_code=None answers 200).
+        message = reason.get("message") if isinstance(reason, dict) else None
+        raise IsolationFailure(f"engine aborted the request: {message or 'no reason given'}")
+    return "length" if kind == "length" else "stop"
+
+
+def _outcome(error: APIError) -> str:
+    if error.status == 429:
+        return "rate_limited"
+    if error.status in (502, 503, 504):
+        return "upstream_error"
+    return "rejected"
+
+
+def _record_failure(components: Components, trace: Trace, failure: IsolationFailure) -> None:
+    log.error("isolation check failed", extra={"generation_id": trace.generation_id, "reason": failure.reason,
+                                               "tenant_id": trace.principal.tenant_id if trace.principal else None})
+    components.metrics.verification_failed(trace.model or "", failure.reason)
+    components.audit.record(trace.event("verification_failed", 502, "isolation_check_failed", failure.reason))
+
+
+async def _settle(trace: Trace) -> None:
+    for item in trace.releases:
+        if isinstance(item, LimitLease) and trace.completion_tokens is not None and trace.prompt_tokens is not None:
+            await item.settle(trace.prompt_tokens + trace.completion_tokens)
+
+
+async def _release(trace: Trace) -> None:
+    releases, trace.releases = trace.releases, []
+    for item in releases:
+        if isinstance(item, Claim):
+            item.release()
+        else:
+            await item.release()
+
+
+# ---- streaming ---------------------------------------------------------------------------
+
+async def _stream(components: Components, trace: Trace, pair: WorkerPair, engine_request: EngineRequest,
+                  expected: Expectation, kind: Kind, include_usage: bool) -> Response:
+    """Pull and check the first engine chunk before answering, so early failures keep their status."""
+    chunks = components.dispatcher.stream(pair, engine_request).__aiter__()
+    guard = StreamGuard(components.scanner, expected.tenant_id)
+    try:
+        first = await chunks.__anext__()
+        check_meta(first.get("meta_info"), expected)
+        first_delta = guard.feed(first.get("text", ""))
+    except StopAsyncIteration:
+        raise APIError(502, "The decode worker ended the stream without output.", "upstream_error", "upstream_error")
+    except BaseException:
+        await chunks.aclose()
+        raise
+    stream = GuardedStream(components, trace, _sse_events(components, trace, chunks, first, first_delta, guard,
+                                                          expected, kind, include_usage))
+    trace.releases = []  # the stream owns them now
+    return stream
+
+
+async def _sse_events(components: Components, trace: Trace, chunks: AsyncIterator[dict[str, Any]],
+                      first: dict[str, Any], first_delta: str, guard: StreamGuard, expected: Expectation,
+                      kind: Kind, include_usage: bool) -> AsyncIterator[bytes]:
+    model, gid, created = trace.model or "", trace.generation_id, protocol.now()
+    if kind == "chat":
+        yield _sse(protocol.chat_chunk(gid, model, created, {"role": "assistant", "content": ""}, None))
+
+    def content(delta: str) -> bytes:
+        if kind == "chat":
+            return _sse(protocol.chat_chunk(gid, model, created, {"content": delta}, None))
+        return _sse(protocol.completion_chunk(gid, model, created, delta, None))
+
+    if first_delta:
+        yield content(first_delta)
+    meta = first["meta_info"]
+    async for chunk in chunks:
+        meta = chunk.get("meta_info")
+        check_meta(meta, expected)
+        delta = guard.feed(chunk.get("text", ""))
+        if delta:
+            yield content(delta)
+    finish_reason = _finish_reason(meta)
+    tail = guard.finish()
+    if tail:
+        yield content(tail)
+    if kind == "chat":
+        yield _sse(protocol.chat_chunk(gid, model, created, {}, finish_reason))
+    else:
+        yield _sse(protocol.completion_chunk(gid, model, created, "", finish_reason))
+    trace.completion_tokens = meta.get("completion_tokens", 0)
+    if include_usage:
+        usage = protocol.usage(expected.prompt_tokens, trace.completion_tokens, meta.get("cached_tokens", 0))
+        object_ = "chat.completion.chunk" if kind == "chat" else "text_completion"
+        yield _sse(protocol.usage_chunk(gid, model, created, object_, usage))
+    yield b"data: [DONE]\n\n"
+
+
+def _sse(payload: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+class GuardedStream(Response):
+    """An SSE response that always audits and releases, however the stream ends.
+
+    A failure after the first byte cannot change the status any more: the stream ends with one
+    OpenAI-format error event and nothing else (no ``[DONE]``), so a client never mistakes a
+    withheld response for a complete one.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(self, components: Components, trace: Trace, events: AsyncIterator[bytes]) -> None:
+        super().__init__(status_code=200, media_type=self.media_type,
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._components = components
+        self._trace = trace
+        self._events = events
+        self._releases = list(trace.releases)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        trace, components = self._trace, self._components
+        trace.releases = self._releases
+        outcome: tuple[str, int, str | None, str | None] = ("client_cancelled", 499, "client_cancelled", None)
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            try:
+                async for event in self._events:
+                    await send({"type": "http.response.body", "body": event, "more_body": True})
+                outcome = ("served", 200, None, None)
+            except IsolationFailure as failure:
+                await send({"type": "http.response.body", "body": _sse(failure.api_error().body()), "more_body": True})
+                log.error("isolation check failed mid-stream", extra={"generation_id": trace.generation_id,
+                                                                      "reason": failure.reason})
+                components.metrics.verification_failed(trace.model or "", failure.reason)
+                outcome = ("verification_failed", 200, "isolation_check_failed", failure.reason)
+            except (APIError, UpstreamStreamError) as error:
+                api_error = error if isinstance(error, APIError) else APIError(
+                    502, f"The decode worker failed mid-stream: {error}", "upstream_error", "upstream_error")
+                await send({"type": "http.response.body", "body": _sse(api_error.body()), "more_body": True})
+                outcome = ("upstream_error", 200, api_error.code, api_error.message[:300])
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            await self._events.aclose()
+            await _settle(trace)
+            await _release(trace)
+            components.audit.record(trace.event(*outcome))

@@ -1,0 +1,137 @@
+"""The model's own tokenizer and chat template, so the gateway counts exactly what the engine runs.
+
+The gateway renders the chat template (HF-compatible Jinja) and encodes with the model's
+``tokenizer.json``; the engine receives ``input_ids``, never text, so the count used for
+admission is the count the engine sees. Large prompts are encoded off the event loop.
+
+``min_tokens_for_bytes`` gives a lower bound on the token count from the UTF-8 byte length
+alone (no token is longer than the longest entry in the vocabulary), which lets admission
+refuse a 50 MB prompt without tokenizing it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Sequence
+
+import anyio.to_thread
+from jinja2.exceptions import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+from .errors import bad_request
+
+
+class TokenizerLoadError(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class ChatTurn:
+    role: str
+    content: str
+
+
+class ModelTokenizer:
+    def __init__(self, directory: Path, *, thread_min_chars: int = 16_384) -> None:
+        tokenizer_file = directory / "tokenizer.json"
+        config_file = directory / "tokenizer_config.json"
+        if not tokenizer_file.is_file():
+            raise TokenizerLoadError(f"{tokenizer_file}: missing (the model's own tokenizer is required)")
+        self._tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        config: dict[str, Any] = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        self.bos_token = _token_text(config.get("bos_token"))
+        self.eos_token = _token_text(config.get("eos_token"))
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: take "default"
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        self._template = _compile_template(template) if template else None
+        self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        self.max_token_bytes = _longest_token_bytes(self._tokenizer)
+        self._thread_min_chars = thread_min_chars
+
+    # -- counting without tokenizing ------------------------------------------------------
+
+    def min_tokens_for_bytes(self, byte_length: int) -> int:
+        return -(-byte_length // self.max_token_bytes)
+
+    # -- encoding --------------------------------------------------------------------------
+
+    def render_chat(self, turns: Sequence[ChatTurn]) -> str:
+        if self._template is None:
+            raise bad_request("This model has no chat template; use /v1/completions.", code="no_chat_template")
+        try:
+            return self._template.render(
+                messages=[{"role": t.role, "content": t.content} for t in turns],
+                add_generation_prompt=True,
+                bos_token=self.bos_token,
+                eos_token=self.eos_token,
+            )
+        except TemplateError as exc:
+            raise bad_request(f"The chat template rejected the messages: {exc}", code="invalid_messages") from exc
+
+    async def encode_chat(self, turns: Sequence[ChatTurn]) -> list[int]:
+        # The template places BOS/EOS itself; adding special tokens again would double them.
+        return await self._encode(self.render_chat(turns), add_special_tokens=False)
+
+    async def encode_text(self, text: str) -> list[int]:
+        return await self._encode(text, add_special_tokens=True)
+
+    def check_token_ids(self, ids: Sequence[int]) -> list[int]:
+        for index, token in enumerate(ids):
+            if not 0 <= token < self.vocab_size:
+                raise bad_request(
+                    f"Token id {token} at position {index} is outside the vocabulary (0..{self.vocab_size - 1}).",
+                    code="invalid_value", param="prompt",
+                )
+        return list(ids)
+
+    async def _encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        if len(text) < self._thread_min_chars:
+            return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        # Long prompts would stall every other request on the loop for tens of milliseconds.
+        encoding = await anyio.to_thread.run_sync(
+            lambda: self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        )
+        return encoding.ids
+
+
+def _compile_template(source: str):
+    def raise_exception(message: str) -> None:
+        raise TemplateError(message)
+
+    def strftime_now(fmt: str) -> str:
+        return datetime.now(timezone.utc).strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    try:
+        return env.from_string(source)
+    except TemplateError as exc:
+        raise TokenizerLoadError(f"chat template does not compile: {exc}") from exc
+
+
+def _token_text(value: Any) -> str:
+    if isinstance(value, dict):  # AddedToken serialised form
+        return str(value.get("content", ""))
+    return value or ""
+
+
+def _longest_token_bytes(tokenizer: Tokenizer) -> int:
+    """Bytes of the longest vocabulary entry once decoded (at least 1).
+
+    Decoding a partial UTF-8 byte yields U+FFFD (3 bytes), which only overestimates: the bound
+    derived from it stays a valid lower bound on the token count.
+    """
+    longest = 1
+    for token_id in range(tokenizer.get_vocab_size(with_added_tokens=True)):
+        text = tokenizer.decode([token_id], skip_special_tokens=False)
+        longest = max(longest, len(text.encode("utf-8")))
+    for added in tokenizer.get_added_tokens_decoder().values():
+        longest = max(longest, len(added.content.encode("utf-8")))
+    return longest

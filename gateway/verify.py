@@ -1,0 +1,129 @@
+"""Gates 2-4 as seen from outside the engine: nothing reaches a client before it is checked.
+
+An HTTP 200 and "transfer complete" prove nothing about whose KV pages decode read. What the
+gateway can prove from outside is that the engine answered *this* request: it echoes the
+generation and tenant IDs that ``engine_patch`` carried through prefill and decode, it counted
+exactly the prompt the gateway tokenized, and it generated no more than was asked. Any
+mismatch fails the request closed (HTTP 502 ``isolation_check_failed``; for a stream, an error
+event and nothing more), never a 200.
+
+Canary scanning (``gateway.canary``) adds the content check: no output carries a live marker
+of another tenant. Streamed text is held back by the longest marker's length minus one, so a
+marker split across chunks is caught before any byte of it is sent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from .errors import APIError, isolation_check_failed
+
+
+class IsolationFailure(Exception):
+    """The engine's answer does not belong to the request; ``reason`` says which check failed."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+    def api_error(self) -> APIError:
+        return isolation_check_failed(f"The response failed an isolation check and was withheld ({self.reason}).")
+
+
+@dataclass(frozen=True, slots=True)
+class Expectation:
+    generation_id: str
+    tenant_id: str
+    prompt_tokens: int
+    max_tokens: int
+    require_tags: bool
+
+
+def check_meta(meta: Any, expected: Expectation) -> None:
+    """Check one engine response (or stream chunk) ``meta_info`` against the request."""
+    if not isinstance(meta, dict):
+        raise IsolationFailure("response carries no meta_info")
+    if meta.get("id") != expected.generation_id:
+        raise IsolationFailure("meta_info.id is not this request's generation ID")
+    if expected.require_tags:
+        if meta.get("isolation_generation") != expected.generation_id:
+            raise IsolationFailure("engine echoed another generation ID" if "isolation_generation" in meta
+                                   else "engine did not echo the generation ID")
+        if meta.get("isolation_tenant") != expected.tenant_id:
+            raise IsolationFailure("engine echoed another tenant" if "isolation_tenant" in meta
+                                   else "engine did not echo the tenant")
+    prompt_tokens = meta.get("prompt_tokens")
+    if prompt_tokens != expected.prompt_tokens:
+        raise IsolationFailure(
+            f"engine counted {prompt_tokens} prompt tokens, the gateway sent {expected.prompt_tokens}"
+        )
+    completion_tokens = meta.get("completion_tokens", 0)
+    if not isinstance(completion_tokens, int) or not 0 <= completion_tokens <= expected.max_tokens:
+        raise IsolationFailure(f"completion_tokens {completion_tokens} outside 0..{expected.max_tokens}")
+    cached_tokens = meta.get("cached_tokens", 0)
+    if not isinstance(cached_tokens, int) or not 0 <= cached_tokens <= expected.prompt_tokens:
+        raise IsolationFailure(f"cached_tokens {cached_tokens} outside 0..{expected.prompt_tokens}")
+
+
+class ContentScanner(Protocol):
+    """Finds another tenant's live canary marker in output text (see ``gateway.canary``)."""
+
+    @property
+    def holdback_chars(self) -> int: ...
+
+    def foreign_marker(self, text: str, tenant_id: str) -> str | None: ...
+
+
+class NoScanner:
+    holdback_chars = 0
+
+    def foreign_marker(self, text: str, tenant_id: str) -> str | None:
+        return None
+
+
+class StreamGuard:
+    """Turns the engine's cumulative stream text into checked deltas for the client.
+
+    SGLang streams the whole text so far in every chunk. ``feed`` returns the part that is
+    safe to send now: new text minus a hold-back tail that could still be the start of a
+    marker; ``finish`` releases the tail once the full text has been scanned.
+    """
+
+    def __init__(self, scanner: ContentScanner, tenant_id: str) -> None:
+        self._scanner = scanner
+        self._tenant_id = tenant_id
+        self._text = ""
+        self._sent = 0
+
+    @property
+    def text(self) -> str:
+        return self._text
+
+    def feed(self, cumulative_text: str) -> str:
+        if not cumulative_text.startswith(self._text):
+            raise IsolationFailure("stream text was rewritten by the engine")
+        self._text = cumulative_text
+        self._scan()
+        safe_until = max(self._sent, len(self._text) - self._scanner.holdback_chars)
+        delta = self._text[self._sent:safe_until]
+        self._sent = safe_until
+        return delta
+
+    def finish(self) -> str:
+        self._scan()
+        delta = self._text[self._sent:]
+        self._sent = len(self._text)
+        return delta
+
+    def _scan(self) -> None:
+        # Only the unsent region plus a marker-length overlap can hold a new marker.
+        start = max(0, self._sent - self._scanner.holdback_chars)
+        marker = self._scanner.foreign_marker(self._text[start:], self._tenant_id)
+        if marker is not None:
+            raise IsolationFailure("output carries another tenant's canary marker")
+
+
+def check_text(scanner: ContentScanner, text: str, tenant_id: str) -> None:
+    if scanner.foreign_marker(text, tenant_id) is not None:
+        raise IsolationFailure("output carries another tenant's canary marker")
