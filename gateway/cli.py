@@ -24,19 +24,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     serve.add_argument("--host")
     serve.add_argument("--port", type=int)
     serve.add_argument("--workers", type=int, default=1, help="uvicorn worker processes")
-    serve.set_defaults(run=_serve)
+    serve.set_defaults(func=_serve)
 
     check = commands.add_parser("check-pools", help="deployment gate: advertised context vs live KV pools")
     check.add_argument("--policies-dir", type=Path)
     check.add_argument("--worker", action="append", default=[], metavar="ROLE=URL",
                        help="check this worker instead of the policies' (repeatable), e.g. prefill=http://h:30000")
-    check.set_defaults(run=_check_pools)
+    check.set_defaults(func=_check_pools)
 
     from . import cli_admin
 
     cli_admin.register(commands)
     args = parser.parse_args(argv)
-    return int(args.run(args) or 0)
+    return int(args.func(args) or 0)
 
 
 def _serve(args: argparse.Namespace) -> int:

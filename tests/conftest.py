@@ -1,0 +1,57 @@
+"""Session-wide fixtures: ONE real SGLang PD pair on the CPU and one gateway in front of it.
+
+A PD pair takes about 35 s and 4.5 GB to start, so every end-to-end test shares this one;
+tests that need another shape (the incident's) start their own and stop it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gateway.dev.cluster import PDCluster, default_cluster_spec, default_engine_python
+from tests.harness import GatewayProcess, PoolSpec, write_policies
+
+MODEL = "tiny-llama"
+# Ports of the shared session cluster (other suites use other ranges).
+SESSION_PREFILL_PORT, SESSION_DECODE_PORT, SESSION_BOOTSTRAP_PORT = 32000, 32001, 32002
+SESSION_POOL_TOKENS = 8192
+
+
+@pytest.fixture(scope="session")
+def pd_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDCluster]:
+    engine_python = default_engine_python()
+    if not engine_python.exists():
+        pytest.fail(f"{engine_python} is missing: `make test` installs it (scripts/install-engine)")
+    spec = default_cluster_spec(
+        log_dir=tmp_path_factory.mktemp("session-sglang-logs"),
+        prefill_port=SESSION_PREFILL_PORT,
+        decode_port=SESSION_DECODE_PORT,
+        bootstrap_port=SESSION_BOOTSTRAP_PORT,
+        prefill_max_total_tokens=SESSION_POOL_TOKENS,
+        decode_max_total_tokens=SESSION_POOL_TOKENS,
+    )
+    with PDCluster(spec) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="session")
+def gateway(pd_cluster: PDCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
+    work = tmp_path_factory.mktemp("gateway")
+    policies = write_policies(
+        work / "policies",
+        model_name=MODEL,
+        tokenizer_dir=pd_cluster.spec.model_dir,
+        pools=[PoolSpec("shared", ((pd_cluster.prefill_url, pd_cluster.bootstrap_port),), (pd_cluster.decode_url,))],
+        require_engine_tags=os.environ.get("ISOGATE_TEST_REQUIRE_ENGINE_TAGS", "1") == "1",
+    )
+    with GatewayProcess(policies_dir=policies, work_dir=work) as process:
+        yield process
+
+
+@pytest.fixture(scope="session")
+def tenant(gateway: GatewayProcess) -> tuple[str, str]:
+    return gateway.create_tenant()

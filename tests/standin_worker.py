@@ -1,0 +1,155 @@
+"""A stand-in SGLang worker, for what real SGLang cannot do on purpose: lie, hang, or drop.
+
+It answers the capacity endpoints with the shapes recorded from real SGLang 0.5.23
+(``tests/data``) and ``/generate`` according to a ``Behaviour``. It is never used where a real
+worker would do: honest-path tests run against real SGLang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from tests.harness import free_port
+
+DATA = Path(__file__).parent / "data"
+
+
+@dataclass
+class Behaviour:
+    """How the stand-in answers ``/generate``. Defaults: an honest, tag-echoing decode."""
+
+    text_chunks: tuple[str, ...] = ("Hello", " world")
+    echo_tags: bool = True
+    wrong_generation: bool = False
+    wrong_tenant: bool = False
+    wrong_meta_id: bool = False
+    prompt_tokens_delta: int = 0
+    extra_completion_tokens: int = 0
+    hang: bool = False
+    drop_connection: bool = False
+    status: int = 200
+    lie_from_chunk: int = 0  # for streams: lie only from this chunk on (0 = from the first)
+    pool_tokens: int = 8192
+    engine_patch: str | None = "standin"
+
+
+@dataclass
+class StandInWorker:
+    role: str
+    behaviour: Behaviour = field(default_factory=Behaviour)
+    port: int = field(default_factory=free_port)
+    requests: list[dict[str, Any]] = field(default_factory=list)
+    _server: uvicorn.Server | None = None
+    _thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def app(self) -> Starlette:
+        info = json.loads((DATA / f"server_info_{self.role}.json").read_text())
+        loads = json.loads((DATA / f"loads_{self.role}.json").read_text())
+
+        async def server_info(request: Request) -> Response:
+            body = dict(info)
+            body["internal_states"] = [dict(info["internal_states"][0], max_total_num_tokens=self.behaviour.pool_tokens)]
+            if self.behaviour.engine_patch:
+                body["isogate_engine_patch"] = self.behaviour.engine_patch
+            return JSONResponse(body)
+
+        async def v1_loads(request: Request) -> Response:
+            body = dict(loads)
+            body["loads"] = [dict(loads["loads"][0], max_total_num_tokens=self.behaviour.pool_tokens)]
+            return JSONResponse(body)
+
+        async def v1_models(request: Request) -> Response:
+            return JSONResponse({"object": "list", "data": [{"id": "standin", "max_model_len": 65536}]})
+
+        async def generate(request: Request) -> Response:
+            body = orjson.loads(await request.body())
+            body["_headers"] = dict(request.headers)
+            self.requests.append(body)
+            b = self.behaviour
+            if b.hang:
+                await asyncio.sleep(3600)
+            if b.drop_connection:
+                raise ConnectionResetError("stand-in drops the connection")
+            if b.status != 200:
+                return JSONResponse({"error": {"message": "stand-in failure"}}, status_code=b.status)
+            if self.role == "prefill":
+                return JSONResponse({"text": "", "meta_info": self._meta(body, 0, 1, lie=False)})
+            if body.get("stream"):
+                return StreamingResponse(self._stream(body), media_type="text/event-stream")
+            text = "".join(b.text_chunks)
+            return JSONResponse({"text": text, "meta_info": self._meta(body, len(b.text_chunks), len(b.text_chunks), lie=True)})
+
+        return Starlette(routes=[
+            Route("/server_info", server_info), Route("/v1/loads", v1_loads), Route("/v1/models", v1_models),
+            Route("/generate", generate, methods=["POST"]),
+        ])
+
+    async def _stream(self, body: dict[str, Any]):
+        text = ""
+        chunks = self.behaviour.text_chunks
+        for index, chunk in enumerate(chunks):
+            text += chunk
+            lie = index >= self.behaviour.lie_from_chunk
+            meta = self._meta(body, index + 1, len(chunks), lie=lie)
+            yield b"data: " + orjson.dumps({"text": text, "meta_info": meta}) + b"\n\n"
+            await asyncio.sleep(0.01)
+        yield b"data: [DONE]\n\n"
+
+    def _meta(self, body: dict[str, Any], completion_tokens: int, total: int, *, lie: bool) -> dict[str, Any]:
+        b = self.behaviour
+        headers = body["_headers"]
+        generation = headers.get("x-isolation-generation", "")
+        tenant = headers.get("x-isolation-tenant", "")
+        meta: dict[str, Any] = {
+            "id": "gen_OTHER" if (lie and b.wrong_meta_id) else body.get("rid"),
+            "prompt_tokens": len(body.get("input_ids", [])) + (b.prompt_tokens_delta if lie else 0),
+            "completion_tokens": completion_tokens + (b.extra_completion_tokens if lie else 0),
+            "cached_tokens": 0,
+            "finish_reason": {"type": "length", "length": total} if completion_tokens == total else None,
+        }
+        if b.echo_tags:
+            meta["isolation_generation"] = "gen_01OTHERGENERATION0000000" if (lie and b.wrong_generation) else generation
+            meta["isolation_tenant"] = "some-other-tenant" if (lie and b.wrong_tenant) else tenant
+        return meta
+
+    def start(self) -> StandInWorker:
+        config = uvicorn.Config(self.app(), host="127.0.0.1", port=self.port, log_level="warning", lifespan="off")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 10
+        while not self._server.started:
+            if time.monotonic() > deadline:
+                raise RuntimeError("stand-in worker did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+            self._server.force_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def __enter__(self) -> StandInWorker:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
