@@ -1,0 +1,207 @@
+"""The development PD pair: real SGLang 0.5.23 prefill + decode on the CPU, and the tiny model.
+
+The `engine` tests start ONE cluster for the module (about 35 s, 4.5 GB) and reuse it. The
+rest are cheap checks of the model generator and the process handling.
+"""
+
+import asyncio
+import json
+import random
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from tokenizers import Tokenizer
+
+from gateway.dev.cluster import (
+    ClusterStartError,
+    ManagedProcess,
+    PDCluster,
+    RouterProcess,
+    _group_members,
+    default_cluster_spec,
+    default_engine_python,
+)
+from gateway.dev.model import CHAT_TEMPLATE, MODEL_FILES, ensure_tiny_model
+
+# Ports of this module (the dev range is 30000-30099; `python -m gateway.dev.cluster` uses 30000-30031).
+PREFILL_PORT, DECODE_PORT, BOOTSTRAP_PORT = 30040, 30050, 30060
+ROUTER_PORT, ROUTER_PROMETHEUS_PORT = 30070, 30071
+PREFILL_POOL_TOKENS, DECODE_POOL_TOKENS = 4096, 6144
+MAX_NEW_TOKENS = 12
+PROMPT = "Hello, world! How are you today?"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDCluster]:
+    engine_python = default_engine_python()
+    if not engine_python.exists():
+        pytest.fail(f"{engine_python} is missing: run scripts/install-engine first")
+    spec = default_cluster_spec(
+        log_dir=tmp_path_factory.mktemp("sglang-logs"),
+        prefill_port=PREFILL_PORT,
+        decode_port=DECODE_PORT,
+        bootstrap_port=BOOTSTRAP_PORT,
+        prefill_max_total_tokens=PREFILL_POOL_TOKENS,
+        decode_max_total_tokens=DECODE_POOL_TOKENS,
+    )
+    with PDCluster(spec) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(cluster: PDCluster) -> list[int]:
+    tokenizer = Tokenizer.from_file(str(cluster.spec.model_dir / "tokenizer.json"))
+    return tokenizer.encode(PROMPT).ids
+
+
+def generate_body(input_ids: list[int]) -> dict[str, object]:
+    return {
+        "input_ids": input_ids,
+        "sampling_params": {"temperature": 0.0, "max_new_tokens": MAX_NEW_TOKENS},
+    }
+
+
+async def generate_through_pd_pair(cluster: PDCluster, input_ids: list[int]) -> dict:
+    """Send the same body to prefill and decode at once, as sglang_router does."""
+    body = {
+        **generate_body(input_ids),
+        "bootstrap_host": "127.0.0.1",
+        "bootstrap_port": cluster.bootstrap_port,
+        "bootstrap_room": random.getrandbits(63),
+    }
+    async with httpx.AsyncClient(timeout=60.0) as client:
+        prefill, decode = await asyncio.gather(
+            client.post(f"{cluster.prefill_url}/generate", json=body),
+            client.post(f"{cluster.decode_url}/generate", json=body),
+        )
+    assert prefill.status_code == 200, prefill.text
+    assert decode.status_code == 200, decode.text
+    return decode.json()
+
+
+@pytest.mark.engine
+def test_pd_pair_generates_the_requested_greedy_tokens(
+    cluster: PDCluster, prompt_ids: list[int]
+) -> None:
+    result = asyncio.run(generate_through_pd_pair(cluster, prompt_ids))
+
+    assert len(result["output_ids"]) == MAX_NEW_TOKENS
+    assert result["meta_info"]["prompt_tokens"] == len(prompt_ids)
+    assert result["meta_info"]["finish_reason"] == {"type": "length", "length": MAX_NEW_TOKENS}
+
+
+@pytest.mark.engine
+def test_pd_pair_greedy_output_is_deterministic_across_rooms(
+    cluster: PDCluster, prompt_ids: list[int]
+) -> None:
+    first = asyncio.run(generate_through_pd_pair(cluster, prompt_ids))
+    second = asyncio.run(generate_through_pd_pair(cluster, prompt_ids))
+    other_prompt = asyncio.run(generate_through_pd_pair(cluster, prompt_ids[::-1]))
+
+    assert first["output_ids"] == second["output_ids"]
+    assert first["meta_info"]["id"] != second["meta_info"]["id"]
+    # Random dummy weights still depend on the input: a different prompt, different output.
+    assert other_prompt["output_ids"] != first["output_ids"]
+
+
+@pytest.mark.engine
+def test_router_output_equals_direct_pd_dispatch(
+    cluster: PDCluster, prompt_ids: list[int]
+) -> None:
+    direct = asyncio.run(generate_through_pd_pair(cluster, prompt_ids))
+
+    with RouterProcess(cluster, port=ROUTER_PORT, prometheus_port=ROUTER_PROMETHEUS_PORT) as router:
+        routed = httpx.post(f"{router.url}/generate", json=generate_body(prompt_ids), timeout=60.0)
+
+    assert routed.status_code == 200, routed.text
+    assert routed.json()["output_ids"] == direct["output_ids"]
+
+
+@pytest.mark.engine
+def test_workers_report_the_configured_pool_sizes(cluster: PDCluster) -> None:
+    prefill = httpx.get(f"{cluster.prefill_url}/server_info", timeout=10.0).json()
+    decode = httpx.get(f"{cluster.decode_url}/server_info", timeout=10.0).json()
+
+    assert (prefill["disaggregation_mode"], prefill["max_total_num_tokens"]) == (
+        "prefill",
+        PREFILL_POOL_TOKENS,
+    )
+    assert (decode["disaggregation_mode"], decode["max_total_num_tokens"]) == (
+        "decode",
+        DECODE_POOL_TOKENS,
+    )
+
+
+def test_tiny_model_is_generated_identically_every_time(tmp_path: Path) -> None:
+    first = ensure_tiny_model(tmp_path / "a")
+    second = ensure_tiny_model(tmp_path / "b")
+
+    for name in MODEL_FILES:
+        assert (first / name).read_bytes() == (second / name).read_bytes(), name
+    config = json.loads((first / "config.json").read_text())
+    assert (config["architectures"], config["vocab_size"], config["num_hidden_layers"]) == (
+        ["LlamaForCausalLM"],
+        512,
+        2,
+    )
+
+
+def test_tiny_model_is_not_regenerated_when_present(tmp_path: Path) -> None:
+    directory = ensure_tiny_model(tmp_path / "model")
+    marker_mtime = (directory / "tokenizer.json").stat().st_mtime_ns
+
+    ensure_tiny_model(directory)
+
+    assert (directory / "tokenizer.json").stat().st_mtime_ns == marker_mtime
+
+
+def test_tiny_tokenizer_round_trips_text_and_knows_its_specials(tmp_path: Path) -> None:
+    directory = ensure_tiny_model(tmp_path / "model")
+    tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    text = "Tenant A asks: what is 2 + 2? Ünïcode too."
+
+    assert tokenizer.get_vocab_size() == 512
+    assert tokenizer.decode(tokenizer.encode(text).ids) == text
+    assert [tokenizer.token_to_id(t) for t in ("<|bos|>", "<|eos|>", "<|pad|>")] == [0, 1, 2]
+    tokenizer_config = json.loads((directory / "tokenizer_config.json").read_text())
+    assert tokenizer_config["chat_template"] == CHAT_TEMPLATE
+
+
+def test_stopping_a_managed_process_kills_its_whole_group(tmp_path: Path) -> None:
+    # A parent that ignores SIGTERM, with a child: both must be gone after stop().
+    script = "import signal, subprocess, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); " \
+        "subprocess.Popen(['sleep', '300']); time.sleep(300)"
+    process = ManagedProcess("tree", [sys.executable, "-c", script], {}, tmp_path / "tree.log")
+    process.start()
+    pgid = process.pid
+    assert pgid is not None
+    _wait_for(lambda: len(_group_members(pgid)) == 2)
+
+    process.stop(grace_s=0.5)
+
+    assert _group_members(pgid) == []
+
+
+def test_cluster_start_fails_fast_with_the_log_tail(tmp_path: Path) -> None:
+    not_sglang = tmp_path / "python"
+    not_sglang.write_text("#!/bin/sh\necho 'engine exploded on purpose' >&2\nexit 3\n")
+    not_sglang.chmod(0o755)
+    spec = default_cluster_spec(
+        log_dir=tmp_path, engine_python=not_sglang, model_dir=tmp_path / "model"
+    )
+
+    with pytest.raises(ClusterStartError, match="engine exploded on purpose"):
+        PDCluster(spec, startup_timeout_s=30.0).start()
+
+
+def _wait_for(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(0.05)
+
