@@ -99,7 +99,6 @@ async def create_key(request: Request) -> Response:
     body = await _json_object(request, allowed={"name"})
     name = _optional_name(body)
     raw_key, record = await _call(components.store.create_key, request.path_params["tenant_id"], name)
-    components.authenticator.forget_unknown()
     # The only time the raw key leaves the gateway; only its hash is stored.
     return _json({**record.to_json(), "key": raw_key}, 201)
 

@@ -5,7 +5,8 @@ key is hashed and looked up in a small in-memory cache first; the database is as
 a miss, from a thread. Cache entries live ``settings.auth_cache_ttl_s``: a key revoked (or a
 tenant disabled) through this process is forgotten at once (``forget_key``,
 ``forget_tenant``), through another replica within the TTL. Unknown keys are cached too
-(negatively), so a client retrying a bad key does not reach the database on every request.
+(negatively), so a client retrying a bad key does not reach the database on every request;
+a new key is a fresh random token, so no negative entry can stand in its way.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import hashlib
 import hmac
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -83,10 +85,6 @@ class Authenticator:
         """Drop every key of a tenant from the cache at once (after disabling it)."""
         self._forget(lambda lookup: lookup.tenant_id == tenant_id)
 
-    def forget_unknown(self) -> None:
-        """Drop negative entries (after creating a key, so it works at once here)."""
-        self._forget(lambda lookup: False, unknown_too=True)
-
     async def _lookup(self, key_hash: str) -> KeyLookup | None:
         now = time.monotonic()
         cached = self._cache.get(key_hash)
@@ -115,11 +113,11 @@ class Authenticator:
             self._cache.popitem(last=False)
         return lookup
 
-    def _forget(self, matches, unknown_too: bool = False) -> None:
+    def _forget(self, matches: Callable[[KeyLookup], bool]) -> None:
         stale = [
             key_hash
             for key_hash, (lookup, _) in self._cache.items()
-            if (lookup is None and unknown_too) or (lookup is not None and matches(lookup))
+            if lookup is not None and matches(lookup)
         ]
         for key_hash in stale:
             del self._cache[key_hash]

@@ -453,17 +453,19 @@ def audit_row_json(row: dict[str, Any]) -> dict[str, object]:
     }
 
 
-def create_store(database_url: str, *, migrate: bool = False) -> Store:
+def create_store(database_url: str, *, migrate: bool = False, busy_timeout_s: float = 5.0) -> Store:
     """An engine for ``database_url`` (SQLite file or PostgreSQL via psycopg 3).
 
     ``migrate=True`` also applies the migrations (what a single-node SQLite deployment wants
     at start); a PostgreSQL deployment runs ``isogate migrate`` once instead.
+    ``busy_timeout_s``: how long an SQLite write waits for another process's lock before
+    failing (the audit log then spools); for PostgreSQL, the connect timeout.
     """
     url = make_url(normalize_url(database_url))
     if url.get_backend_name() == "sqlite":
         if url.database and url.database != ":memory:":
             Path(url.database).parent.mkdir(parents=True, exist_ok=True)
-        engine = create_engine(url, connect_args={"timeout": 5})
+        engine = create_engine(url, connect_args={"timeout": busy_timeout_s})
         event.listen(engine, "connect", _sqlite_on_connect)
     elif url.get_backend_name() == "postgresql":
         engine = create_engine(
@@ -472,7 +474,7 @@ def create_store(database_url: str, *, migrate: bool = False) -> Store:
             max_overflow=5,
             pool_pre_ping=True,
             # Fail fast while the database is down: the audit log spools instead of waiting.
-            connect_args={"connect_timeout": 3},
+            connect_args={"connect_timeout": max(1, round(busy_timeout_s))},
         )
     else:
         raise ValueError(f"unsupported database URL {database_url!r}: use sqlite:// or postgresql://")
@@ -506,7 +508,6 @@ def _sqlite_on_connect(dbapi_connection: Any, _record: Any) -> None:
     cursor.execute("PRAGMA journal_mode=WAL")
     cursor.execute("PRAGMA synchronous=NORMAL")
     cursor.execute("PRAGMA foreign_keys=ON")
-    cursor.execute("PRAGMA busy_timeout=5000")
     cursor.close()
 
 
