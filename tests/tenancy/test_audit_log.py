@@ -1,0 +1,246 @@
+"""The batched audit writer: nothing lost, nothing duplicated, order kept, through outages.
+
+The outages are real: for SQLite another connection holds the write lock (what another
+process would do); for PostgreSQL the network path to the real server is cut by a
+``SeverableProxy`` (the server is shared, so it cannot be stopped for one test).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+from sqlalchemy import select
+from sqlalchemy.engine import make_url
+
+from gateway.audit import AuditEvent, AuditLog, AuditSpool
+from gateway.settings import Settings
+from gateway.store import AUDIT_COLUMNS, Store, audit_events, create_store
+
+from .severable_proxy import SeverableProxy
+
+pytestmark = pytest.mark.anyio
+
+T0 = datetime(2026, 11, 29, 12, 0, 0, tzinfo=UTC)
+
+
+def make_event(i: int, tenant_id: str = "acme") -> AuditEvent:
+    outcomes = ("served", "rejected", "rate_limited", "verification_failed", "upstream_error", "client_cancelled")
+    outcome = outcomes[i % len(outcomes)]
+    return AuditEvent(
+        generation_id=f"gen-{i:06d}", tenant_id=tenant_id, key_id=f"key_{i % 3}", model=f"m{i % 2}",
+        outcome=outcome, status=200 if outcome == "served" else 400 + i % 100,
+        code=None if outcome == "served" else f"code_{i % 5}",
+        prefill_worker=f"http://p{i % 4}:30000", decode_worker=f"http://d{i % 4}:30001",
+        prompt_tokens=i, completion_tokens=i * 2, stream=bool(i % 2), latency_ms=i / 7,
+        created_at=T0 + timedelta(milliseconds=i), detail=None if outcome == "served" else f"reason {i}",
+    )
+
+
+def stored_in_insertion_order(store: Store) -> list[dict[str, object]]:
+    with store.engine.connect() as conn:
+        rows = conn.execute(
+            select(*(audit_events.c[name] for name in AUDIT_COLUMNS)).order_by(audit_events.c.seq)
+        ).all()
+    return [dict(r._mapping) for r in rows]
+
+
+def assert_stored_exactly(store: Store, events: list[AuditEvent]) -> None:
+    """Every event once, with its content, in the order it was recorded."""
+    stored = stored_in_insertion_order(store)
+    assert [r["generation_id"] for r in stored] == [e.generation_id for e in events]
+    assert stored == [e.row() for e in events]
+
+
+class Outage:
+    """Makes the database unwritable for the gateway's store, then writable again."""
+
+    def __init__(self, database_url: str):
+        self.database_url = database_url
+        self._lock: sqlite3.Connection | None = None
+        self._proxy: SeverableProxy | None = None
+        if database_url.startswith("postgresql"):
+            url = make_url(database_url)
+            self._proxy = SeverableProxy(url.host or "127.0.0.1", url.port or 5432)
+            self._proxy.restore()
+            self.store_url = url.set(port=self._proxy.port).render_as_string(hide_password=False)
+        else:
+            self.store_url = database_url
+
+    def begin(self) -> None:
+        if self._proxy is not None:
+            self._proxy.sever()
+        else:
+            self._lock = sqlite3.connect(self.database_url.removeprefix("sqlite:///"), isolation_level=None)
+            self._lock.execute("BEGIN EXCLUSIVE")
+
+    def end(self) -> None:
+        if self._proxy is not None:
+            self._proxy.restore()
+        elif self._lock is not None:
+            self._lock.execute("COMMIT")
+            self._lock.close()
+            self._lock = None
+
+    def close(self) -> None:
+        if self._proxy is not None:
+            self._proxy.sever()
+        self.end()
+
+
+@pytest.fixture
+def outage(store: Store, database_url: str) -> Iterator[Outage]:
+    outage = Outage(database_url)
+    yield outage
+    outage.close()
+
+
+def gateway_store(outage: Outage) -> Store:
+    # Short timeouts so that a failed write is noticed quickly.
+    return create_store(outage.store_url, busy_timeout_s=0.2)
+
+
+async def wait_until(condition, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.05)
+
+
+async def test_every_recorded_event_is_stored_once_in_record_order(store: Store, settings: Settings) -> None:
+    audit = AuditLog(store, settings)
+    await audit.start()
+    events = [make_event(i) for i in range(1234)]
+    for event in events:
+        audit.record(event)
+    await audit.close()
+    assert_stored_exactly(store, events)
+    assert audit.spool_files == 0
+
+
+async def test_record_never_blocks_the_caller(store: Store, settings: Settings) -> None:
+    audit = AuditLog(store, settings)
+    await audit.start()
+    events = [make_event(i) for i in range(20_000)]
+    started = time.perf_counter()
+    for event in events:
+        audit.record(event)
+    per_event_us = (time.perf_counter() - started) / len(events) * 1e6
+    await audit.close()
+    assert per_event_us < 20, per_event_us
+    assert store.count_audit() == len(events)
+
+
+async def test_database_outage_loses_nothing_duplicates_nothing_and_keeps_order(
+    store: Store, settings: Settings, outage: Outage
+) -> None:
+    gateway = gateway_store(outage)
+    audit = AuditLog(gateway, settings)
+    await audit.start()
+    events = [make_event(i) for i in range(600)]
+    for event in events[:100]:
+        audit.record(event)
+    await wait_until(lambda: store.count_audit() == 100)
+
+    outage.begin()
+    for start in range(100, 400, 30):  # traffic keeps coming while the database is down
+        for event in events[start:start + 30]:
+            audit.record(event)
+        await asyncio.sleep(0.1)
+    await wait_until(lambda: audit.queued == 0)
+    assert not audit.database_ok
+    assert audit.spool_files > 0
+    assert store.count_audit() == 100
+
+    outage.end()
+    for event in events[400:]:
+        audit.record(event)
+    await wait_until(lambda: audit.spool_files == 0 and audit.queued == 0 and store.count_audit() == 600)
+    await audit.close()
+    gateway.dispose()
+    assert audit.database_ok
+    assert_stored_exactly(store, events)
+
+
+async def test_shutdown_during_outage_spools_and_the_next_start_replays(
+    store: Store, settings: Settings, outage: Outage
+) -> None:
+    events = [make_event(i) for i in range(300)]
+    gateway = gateway_store(outage)
+    first = AuditLog(gateway, settings)
+    await first.start()
+    for event in events[:50]:
+        first.record(event)
+    await first.flush()
+    outage.begin()
+    for event in events[50:200]:
+        first.record(event)
+    await first.close()  # graceful shutdown with the database down: all on disk
+    gateway.dispose()
+    assert first.queued == 0
+    assert len(list(Path(settings.audit_spool_dir).glob("*.jsonl"))) > 0
+    assert store.count_audit() == 50  # readers are not blocked by either outage
+
+    outage.end()
+    gateway = gateway_store(outage)
+    second = AuditLog(gateway, settings)
+    await second.start()
+    for event in events[200:]:
+        second.record(event)
+    await second.close()
+    gateway.dispose()
+    assert_stored_exactly(store, events)
+    assert second.spool_files == 0
+
+
+async def test_replaying_a_batch_that_was_already_stored_duplicates_nothing(store: Store, settings: Settings) -> None:
+    events = [make_event(i) for i in range(120)]
+    first = AuditLog(store, settings)
+    await first.start()
+    for event in events[:80]:
+        first.record(event)
+    await first.close()
+    # A crash between a replayed batch's commit and the deletion of its file leaves the
+    # file behind: it holds events already stored (40..79) and new ones (80..119).
+    spool = AuditSpool(Path(settings.audit_spool_dir))
+    spool.open()
+    spool.append([e.row() for e in events[40:]])
+    spool.close()
+
+    second = AuditLog(store, settings)
+    await second.start()
+    await second.close()
+    assert_stored_exactly(store, events)
+
+
+async def test_spool_of_a_dead_process_is_adopted_and_replayed(store: Store, settings: Settings) -> None:
+    events = [make_event(i) for i in range(60)]
+    orphan = Path(settings.audit_spool_dir) / "pid-999999"
+    orphan.mkdir(parents=True)
+    dead = AuditSpool(orphan)
+    dead.append([e.row() for e in events[:30]])
+    dead.append([e.row() for e in events[30:]])
+
+    audit = AuditLog(store, settings)
+    await audit.start()
+    await audit.close()
+    assert not orphan.exists()
+    assert_stored_exactly(store, events)
+
+
+async def test_two_logs_on_one_spool_directory_do_not_share_files(store: Store, settings: Settings) -> None:
+    first, second = AuditLog(store, settings), AuditLog(store, settings)
+    await first.start()
+    await second.start()
+    assert first._spool.directory != second._spool.directory
+    first.record(make_event(1))
+    second.record(make_event(2))
+    await first.close()
+    await second.close()
+    assert store.count_audit() == 2
