@@ -347,11 +347,15 @@ class GuardedStream(Response):
     withheld response for a complete one.
     """
 
-    media_type = "text/event-stream"
-
     def __init__(self, components: Components, trace: Trace, events: AsyncIterator[bytes]) -> None:
-        super().__init__(status_code=200, media_type=self.media_type,
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        # Not Response.__init__: it would declare Content-Length: 0 for the empty initial body.
+        self.status_code = 200
+        self.background = None
+        self.raw_headers = [
+            (b"content-type", b"text/event-stream; charset=utf-8"),
+            (b"cache-control", b"no-cache"),
+            (b"x-accel-buffering", b"no"),
+        ]
         self._components = components
         self._trace = trace
         self._events = events

@@ -33,6 +33,8 @@ def pd_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDCluster]:
         bootstrap_port=SESSION_BOOTSTRAP_PORT,
         prefill_max_total_tokens=SESSION_POOL_TOKENS,
         decode_max_total_tokens=SESSION_POOL_TOKENS,
+        # A safe deployment: no prompt under the context length can exceed a pool.
+        context_length=SESSION_POOL_TOKENS,
     )
     with PDCluster(spec) as cluster:
         yield cluster
