@@ -109,7 +109,7 @@ async def handle_generation(components: Components, request: Request, kind: Kind
 
         # admit
         if prompt_tokens > limit.tokens:
-            raise context_length_exceeded(prompt_tokens, limit, max_tokens)
+            raise _refuse(components, model, prompt_tokens, limit, max_tokens)
         lease = await components.limiter.acquire(
             principal.tenant_id, policies.tenant(principal.tenant_id).limits, prompt_tokens + max_tokens
         )
@@ -148,6 +148,7 @@ async def handle_generation(components: Components, request: Request, kind: Kind
         result = build(trace.generation_id, model.name, protocol.now(), text, finish_reason, usage)
         await _settle(trace)
         components.audit.record(trace.event("served", 200))
+        _observe(components, trace, "served")
         return Response(orjson.dumps(result), media_type="application/json")
     except IsolationFailure as failure:
         await _settle(trace)
@@ -156,6 +157,7 @@ async def handle_generation(components: Components, request: Request, kind: Kind
     except APIError as error:
         await _settle(trace)
         components.audit.record(trace.event(_outcome(error), error.status, error.code, error.message[:300]))
+        _observe(components, trace, _outcome(error))
         return error.response()
     finally:
         await _release(trace)
@@ -203,7 +205,7 @@ async def _tokenize(components: Components, model: ModelPolicy, parsed: ChatComp
     if isinstance(parsed, CompletionRequest) and isinstance(parsed.prompt, list) and parsed.prompt \
             and isinstance(parsed.prompt[0], int):
         if len(parsed.prompt) > limit.tokens:
-            raise context_length_exceeded(len(parsed.prompt), limit, max_tokens)
+            raise _refuse(components, model, len(parsed.prompt), limit, max_tokens)
         return tokenizer.check_token_ids(parsed.prompt)
     if isinstance(parsed, ChatCompletionRequest):
         turns = [ChatTurn(m.role, m.text()) for m in parsed.messages]
@@ -214,7 +216,7 @@ async def _tokenize(components: Components, model: ModelPolicy, parsed: ChatComp
     at_least = tokenizer.min_tokens_for_bytes(text_bytes)
     if at_least > limit.tokens:
         components.metrics.refused_untokenized_inc(model.name)
-        raise context_length_exceeded(f"at least {at_least}", limit, max_tokens)
+        raise _refuse(components, model, f"at least {at_least}", limit, max_tokens)
     if isinstance(parsed, ChatCompletionRequest):
         return await tokenizer.encode_chat(turns)
     return await tokenizer.encode_text(text)
@@ -259,6 +261,22 @@ def _record_failure(components: Components, trace: Trace, failure: IsolationFail
                                                "tenant_id": trace.principal.tenant_id if trace.principal else None})
     components.metrics.verification_failed(trace.model or "", failure.reason)
     components.audit.record(trace.event("verification_failed", 502, "isolation_check_failed", failure.reason))
+    _observe(components, trace, "verification_failed")
+
+
+def _refuse(components: Components, model: ModelPolicy, prompt_tokens: int | str, limit,
+            max_tokens: int) -> APIError:
+    """Gate 1's refusal, counted by the bound that set the limit."""
+    components.metrics.admission_refusals.labels(model.name, limit.bound).inc()
+    return context_length_exceeded(prompt_tokens, limit, max_tokens)
+
+
+def _observe(components: Components, trace: Trace, outcome: str) -> None:
+    """The request counter and latency histogram, at the same points as the audit event."""
+    tenant = trace.principal.tenant_id if trace.principal else ""
+    # A model name the client made up is not a label value: that would let clients grow the series.
+    model = trace.model if trace.model in components.policies.models else ""
+    components.metrics.observe_request(model, tenant, outcome, time.perf_counter() - trace.started)
 
 
 async def _settle(trace: Trace) -> None:
@@ -388,3 +406,4 @@ class GuardedStream(Response):
             await _settle(trace)
             await _release(trace)
             components.audit.record(trace.event(*outcome))
+            _observe(components, trace, outcome[0])
