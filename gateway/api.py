@@ -15,6 +15,7 @@ from starlette.routing import BaseRoute, Route
 from . import protocol
 from .components import Components
 from .errors import APIError
+from .openapi import openapi_json
 from .pipeline import handle_generation
 from .routing import best_limit, candidate_pairs
 
@@ -87,4 +88,5 @@ def openai_routes() -> list[BaseRoute]:
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        Route("/openapi.json", openapi_json, methods=["GET"]),
     ]
