@@ -51,7 +51,6 @@ from sqlalchemy import (
     select,
     update,
 )
-from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import IntegrityError
@@ -146,6 +145,19 @@ AUDIT_COLUMNS = (
     "generation_id", "tenant_id", "key_id", "model", "outcome", "status", "code",
     "prefill_worker", "decode_worker", "prompt_tokens", "completion_tokens", "stream",
     "latency_ms", "created_at", "detail",
+)
+
+
+_PG_ARRAY_TYPES = {
+    "status": "integer", "prompt_tokens": "integer", "completion_tokens": "integer",
+    "stream": "boolean", "latency_ms": "double precision", "created_at": "timestamptz",
+}
+_PG_UNNEST_INSERT = (
+    f"INSERT INTO audit_events ({', '.join(AUDIT_COLUMNS)}) "
+    f"SELECT {', '.join(AUDIT_COLUMNS)} FROM unnest("
+    + ", ".join(f"%s::{_PG_ARRAY_TYPES.get(name, 'text')}[]" for name in AUDIT_COLUMNS)
+    + f") WITH ORDINALITY AS incoming({', '.join(AUDIT_COLUMNS)}, ordinal) "
+    "ORDER BY ordinal ON CONFLICT (generation_id) DO NOTHING"
 )
 
 
@@ -377,12 +389,24 @@ class Store:
         stored are skipped, so replaying a batch is harmless."""
         if not rows:
             return
-        dialect_insert = pg_insert if self.dialect == "postgresql" else sqlite_insert
-        statement = dialect_insert(audit_events).on_conflict_do_nothing(
-            index_elements=["generation_id"]
-        )
+        if self.dialect == "postgresql":
+            self._insert_audit_rows_postgres(rows)
+            return
+        statement = sqlite_insert(audit_events).on_conflict_do_nothing(index_elements=["generation_id"])
         with self.engine.begin() as conn:
             conn.execute(statement, list(rows))
+
+    def _insert_audit_rows_postgres(self, rows: Sequence[dict[str, Any]]) -> None:
+        # One statement per batch: every column travels as one array parameter and unnest
+        # turns them back into rows. One round trip and one plan, where executemany costs a
+        # statement per row (about twice the client CPU per event).
+        columns = [[row[name] for row in rows] for name in AUDIT_COLUMNS]
+        for moment in columns[AUDIT_COLUMNS.index("created_at")]:
+            if moment.tzinfo is None:
+                raise ValueError("naive datetime given to the store; use a UTC-aware datetime")
+        with self.engine.begin() as conn:
+            with conn.connection.driver_connection.cursor() as cursor:
+                cursor.execute(_PG_UNNEST_INSERT, columns)
 
     def query_audit(self, query: AuditQuery) -> tuple[list[dict[str, Any]], str | None]:
         """Newest first; returns (rows, next_cursor or None)."""

@@ -1,0 +1,259 @@
+"""Audit log bench: insert throughput, and the newest-100-of-one-tenant query among 1M events.
+
+``run_audit_bench(database_url)`` measures one database; ``main`` runs SQLite and PostgreSQL
+and writes ``bench/results/audit.json``. Each run works in a database of its own (a fresh
+SQLite file, or a fresh PostgreSQL schema that is dropped afterwards), migrated with the
+real migrations, so the indexes measured are the ones deployed.
+
+Measured:
+- ``store_insert_events_per_s``: ``Store.insert_audit_rows`` in batches of
+  ``Settings.audit_batch_size`` (what the audit writer does), one transaction per batch.
+- ``audit_log_events_per_s``: the whole writer: ``AuditLog.record`` for every event, then
+  ``close`` (all events committed).
+- ``query_*_ms``: p50/p99 of ``Store.query_audit`` (SQL + row conversion, what the API
+  handler calls) for one tenant's newest 100 events, once the table holds ``total_rows``
+  events of ``tenants`` tenants (loaded in bulk, in SQL, to keep the bench short).
+
+    .venv/bin/python -m bench.audit_bench [--rows 1000000] [--postgres-url URL] [--sqlite-only]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import secrets
+import statistics
+import tempfile
+import time
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+from sqlalchemy import text
+from sqlalchemy.engine import make_url
+
+from gateway.audit import AuditEvent, AuditLog
+from gateway.settings import Settings
+from gateway.store import AuditQuery, Store, create_store, decode_cursor, normalize_url
+
+DEFAULT_POSTGRES_URL = os.environ.get(
+    "ISOGATE_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+)
+RESULTS = Path(__file__).resolve().parent / "results" / "audit.json"
+OUTCOMES = ("served",) * 17 + ("rejected", "rate_limited", "upstream_error")
+BASE_TIME = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def run_audit_bench(
+    database_url: str,
+    *,
+    total_rows: int = 1_000_000,
+    tenants: int = 100,
+    insert_events: int = 50_000,
+    queries: int = 300,
+    batch_size: int = 500,
+) -> dict[str, Any]:
+    """Measure one database (an SQLite URL, or a PostgreSQL URL: a schema is made for it)."""
+    with _scratch_database(database_url) as url:
+        store = create_store(url, migrate=True)
+        try:
+            return _measure(store, url, total_rows, tenants, insert_events, queries, batch_size)
+        finally:
+            store.dispose()
+
+
+def _measure(store: Store, url: str, total_rows: int, tenants: int, insert_events: int,
+             queries: int, batch_size: int) -> dict[str, Any]:
+    result: dict[str, Any] = {"database": store.dialect, "total_rows": total_rows, "tenants": tenants}
+
+    # 1. Batched inserts through the store, as the writer does them.
+    rows = [_event(i, tenants).row() for i in range(insert_events)]
+    started = time.perf_counter()
+    for start in range(0, len(rows), batch_size):
+        store.insert_audit_rows(rows[start:start + batch_size])
+    result["store_insert_events_per_s"] = round(insert_events / (time.perf_counter() - started))
+
+    # 2. The whole audit writer: record() then close().
+    with tempfile.TemporaryDirectory() as spool:
+        settings = Settings(database_url=url, audit_spool_dir=Path(spool), audit_batch_size=batch_size,
+                            _env_file=None)
+        events = [_event(insert_events + i, tenants) for i in range(insert_events)]
+        result["audit_log_events_per_s"] = round(asyncio.run(_writer_throughput(store, settings, events)))
+
+    # 3. Fill up to total_rows in bulk (SQL-side generation), then query.
+    started = time.perf_counter()
+    _bulk_fill(store, total_rows - store.count_audit(), tenants, offset=2 * insert_events)
+    result["bulk_fill_s"] = round(time.perf_counter() - started, 1)
+    result["stored_rows"] = store.count_audit()
+
+    tenant_ids = [f"tenant-{i:03d}" for i in range(tenants)]
+    rng = random.Random(7)
+    shapes = {
+        "tenant_newest_100": lambda: AuditQuery(tenant_id=rng.choice(tenant_ids), limit=100),
+        "tenant_newest_100_page_2": None,  # filled below: the page after the newest 100
+        "tenant_outcome_rate_limited_100": lambda: AuditQuery(
+            tenant_id=rng.choice(tenant_ids), outcome="rate_limited", limit=100),
+        "all_tenants_newest_100": lambda: AuditQuery(limit=100),
+    }
+    for name, make_query in shapes.items():
+        timings = []
+        for _ in range(queries):
+            if make_query is None:
+                first, cursor = store.query_audit(AuditQuery(tenant_id=rng.choice(tenant_ids), limit=100))
+                query = AuditQuery(tenant_id=first[0]["tenant_id"], limit=100, after=decode_cursor(cursor))
+            else:
+                query = make_query()
+            started = time.perf_counter()
+            page, _ = store.query_audit(query)
+            timings.append((time.perf_counter() - started) * 1000)
+            assert len(page) == 100 or "outcome" in name, (name, len(page))
+        result[f"query_{name}_p50_ms"] = round(statistics.median(timings), 2)
+        result[f"query_{name}_p99_ms"] = round(_percentile(timings, 0.99), 2)
+    result["plan_tenant_newest_100"] = _plan(store, tenant_ids[0])
+    return result
+
+
+async def _writer_throughput(store: Store, settings: Settings, events: list[AuditEvent]) -> float:
+    audit = AuditLog(store, settings)
+    await audit.start()
+    started = time.perf_counter()
+    for event in events:
+        audit.record(event)
+    await audit.close()
+    return len(events) / (time.perf_counter() - started)
+
+
+def _event(i: int, tenants: int) -> AuditEvent:
+    outcome = OUTCOMES[(i // tenants) % len(OUTCOMES)]
+    return AuditEvent(
+        generation_id=f"bench-{i:09d}", tenant_id=f"tenant-{i % tenants:03d}", key_id=f"key_{i % 997:016x}",
+        model="glm-5" if i % 3 else "tiny-llama", outcome=outcome, status=200 if outcome == "served" else 429,
+        code=None if outcome == "served" else outcome, prefill_worker="http://prefill-3:30000",
+        decode_worker="http://decode-1:30001", prompt_tokens=i % 4096, completion_tokens=i % 512,
+        stream=bool(i % 2), latency_ms=(i % 1000) / 3, created_at=BASE_TIME + timedelta(milliseconds=i * 10),
+        detail=None,
+    )
+
+
+def _bulk_fill(store: Store, count: int, tenants: int, *, offset: int) -> None:
+    """``count`` more events, generated inside the database: 10 ms apart, tenants round robin."""
+    if count <= 0:
+        return
+    # Outcomes cycle per tenant (on i / tenants), so every tenant has some of each.
+    n = f"((i / {tenants}) % 20)"
+    outcome_case = (
+        f"CASE WHEN {n} = 17 THEN 'rejected' WHEN {n} = 18 THEN 'rate_limited' "
+        f"WHEN {n} = 19 THEN 'upstream_error' ELSE 'served' END"
+    )
+    columns = ("generation_id, tenant_id, key_id, model, outcome, status, code, prefill_worker, "
+               "decode_worker, prompt_tokens, completion_tokens, stream, latency_ms, created_at, detail")
+    with store.engine.begin() as conn:
+        if store.dialect == "postgresql":
+            conn.execute(text(f"""
+                INSERT INTO audit_events ({columns})
+                SELECT 'bench-' || lpad(i::text, 9, '0'), 'tenant-' || lpad((i % {tenants})::text, 3, '0'),
+                       'key_' || lpad(to_hex(i % 997), 16, '0'), CASE WHEN i % 3 = 0 THEN 'tiny-llama' ELSE 'glm-5' END,
+                       {outcome_case}, CASE WHEN {n} < 17 THEN 200 ELSE 429 END, NULL,
+                       'http://prefill-3:30000', 'http://decode-1:30001', i % 4096, i % 512, i % 2 = 1,
+                       (i % 1000) / 3.0, TIMESTAMPTZ '2026-01-01 00:00:00+00' + i * INTERVAL '10 milliseconds', NULL
+                FROM generate_series({offset}, {offset + count - 1}) AS i
+            """))
+            conn.execute(text("ANALYZE audit_events"))
+        else:
+            conn.execute(text(f"""
+                WITH RECURSIVE s(i) AS (SELECT {offset} UNION ALL SELECT i + 1 FROM s WHERE i < {offset + count - 1})
+                INSERT INTO audit_events ({columns})
+                SELECT 'bench-' || printf('%09d', i), 'tenant-' || printf('%03d', i % {tenants}),
+                       'key_' || printf('%016x', i % 997), CASE WHEN i % 3 = 0 THEN 'tiny-llama' ELSE 'glm-5' END,
+                       {outcome_case}, CASE WHEN {n} < 17 THEN 200 ELSE 429 END, NULL,
+                       'http://prefill-3:30000', 'http://decode-1:30001', i % 4096, i % 512, i % 2,
+                       (i % 1000) / 3.0,
+                       strftime('%Y-%m-%d %H:%M:%S', '2026-01-01', '+' || (i / 100) || ' seconds')
+                         || '.' || printf('%06d', (i % 100) * 10000),
+                       NULL
+                FROM s
+            """))
+            conn.execute(text("ANALYZE"))
+
+
+def _plan(store: Store, tenant_id: str) -> str:
+    """The query plan of the newest-100 query, to show it walks the index without sorting."""
+    with store.engine.connect() as conn:
+        if store.dialect == "postgresql":
+            rows = conn.execute(text(
+                "EXPLAIN SELECT * FROM audit_events WHERE tenant_id = :t "
+                "ORDER BY created_at DESC, generation_id DESC LIMIT 101"), {"t": tenant_id}).all()
+            return " | ".join(r[0].strip() for r in rows)
+        rows = conn.execute(text(
+            "EXPLAIN QUERY PLAN SELECT * FROM audit_events WHERE tenant_id = :t "
+            "ORDER BY created_at DESC, generation_id DESC LIMIT 101"), {"t": tenant_id}).all()
+        return " | ".join(str(r[-1]) for r in rows)
+
+
+def _percentile(values: list[float], fraction: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(fraction * (len(ordered) - 1))))]
+
+
+class _scratch_database:
+    """A fresh SQLite file, or a fresh PostgreSQL schema (dropped on exit)."""
+
+    def __init__(self, database_url: str):
+        self.database_url = normalize_url(database_url)
+        self._schema: str | None = None
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+
+    def __enter__(self) -> str:
+        url = make_url(self.database_url)
+        if url.get_backend_name() == "sqlite":
+            if url.database and url.database != ":memory:":
+                return self.database_url
+            self._tmp = tempfile.TemporaryDirectory()
+            return f"sqlite:///{self._tmp.name}/audit-bench.db"
+        import psycopg
+
+        self._schema = "isogate_bench_" + secrets.token_hex(4)
+        with psycopg.connect(self._libpq(), autocommit=True) as conn:
+            conn.execute(f'CREATE SCHEMA "{self._schema}"')
+        rendered = url.render_as_string(hide_password=False)
+        return f"{rendered}{'&' if '?' in rendered else '?'}options={quote(f'-csearch_path={self._schema}')}"
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._schema is not None:
+            import psycopg
+
+            with psycopg.connect(self._libpq(), autocommit=True) as conn:
+                conn.execute(f'DROP SCHEMA "{self._schema}" CASCADE')
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+    def _libpq(self) -> str:
+        return make_url(self.database_url).set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=1_000_000)
+    parser.add_argument("--insert-events", type=int, default=50_000)
+    parser.add_argument("--queries", type=int, default=300)
+    parser.add_argument("--postgres-url", default=DEFAULT_POSTGRES_URL)
+    parser.add_argument("--sqlite-only", action="store_true")
+    parser.add_argument("--output", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    results = []
+    targets = ["sqlite://"] + ([] if args.sqlite_only else [args.postgres_url])
+    for url in targets:
+        result = run_audit_bench(url, total_rows=args.rows, insert_events=args.insert_events, queries=args.queries)
+        print(json.dumps(result, indent=2))
+        results.append(result)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
