@@ -98,7 +98,15 @@ def default_cluster_spec(
     context_length: int | None = None,
     page_size: int | None = None,
 ) -> ClusterSpec:
-    """A prefill/decode pair of the tiny model (generated if missing) on loopback."""
+    """A prefill/decode pair of the tiny model (generated if missing) on loopback.
+
+    `context_length` defaults to the smaller pool: the model advertises 65536 positions, and
+    the production plugin (engine_patch) refuses to start a worker whose KV pool is smaller
+    than its context length. Pass a larger one (with the plugin's opt-out) to build the
+    incident's shape on purpose.
+    """
+    if context_length is None:
+        context_length = min(prefill_max_total_tokens, decode_max_total_tokens)
     return ClusterSpec(
         model_dir=ensure_tiny_model(model_dir or DEFAULT_MODEL_DIR),
         prefill=WorkerSpec(
@@ -210,7 +218,7 @@ def _signal_group(pgid: int, sig: signal.Signals) -> None:
         pass
 
 
-def _group_members(pgid: int) -> list[int]:
+def group_members(pgid: int) -> list[int]:
     """Live (non-zombie) processes of a process group, read from /proc."""
     members = []
     for entry in Path("/proc").iterdir():
@@ -229,7 +237,7 @@ def _group_members(pgid: int) -> list[int]:
 
 def _wait_group_gone(pgid: int, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
-    while _group_members(pgid) and time.monotonic() < deadline:
+    while group_members(pgid) and time.monotonic() < deadline:
         _signal_group(pgid, signal.SIGKILL)
         time.sleep(0.1)
 

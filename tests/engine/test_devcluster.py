@@ -1,7 +1,8 @@
 """The development PD pair: real SGLang 0.5.23 prefill + decode on the CPU, and the tiny model.
 
-The `engine` tests start ONE cluster for the module (about 35 s, 4.5 GB) and reuse it. The
-rest are cheap checks of the model generator and the process handling.
+The `engine` tests use the session's PD pair (`pd_cluster` in tests/conftest.py: one pair
+of about 4.5 GB for the whole run). The rest are cheap checks of the model generator and the
+process handling.
 """
 
 import asyncio
@@ -9,7 +10,7 @@ import json
 import random
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -21,40 +22,20 @@ from gateway.dev.cluster import (
     ManagedProcess,
     PDCluster,
     RouterProcess,
-    _group_members,
+    group_members,
     default_cluster_spec,
-    default_engine_python,
 )
 from gateway.dev.model import CHAT_TEMPLATE, MODEL_FILES, ensure_tiny_model
 
-# Ports of this module (the dev range is 30000-30099; `python -m gateway.dev.cluster` uses 30000-30031).
-PREFILL_PORT, DECODE_PORT, BOOTSTRAP_PORT = 30040, 30050, 30060
+# Router ports of this module (the dev range is 30000-30099).
 ROUTER_PORT, ROUTER_PROMETHEUS_PORT = 30070, 30071
-PREFILL_POOL_TOKENS, DECODE_POOL_TOKENS = 4096, 6144
 MAX_NEW_TOKENS = 12
 PROMPT = "Hello, world! How are you today?"
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDCluster]:
-    engine_python = default_engine_python()
-    if not engine_python.exists():
-        pytest.fail(f"{engine_python} is missing: run scripts/install-engine first")
-    spec = default_cluster_spec(
-        log_dir=tmp_path_factory.mktemp("sglang-logs"),
-        prefill_port=PREFILL_PORT,
-        decode_port=DECODE_PORT,
-        bootstrap_port=BOOTSTRAP_PORT,
-        prefill_max_total_tokens=PREFILL_POOL_TOKENS,
-        decode_max_total_tokens=DECODE_POOL_TOKENS,
-    )
-    with PDCluster(spec) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def prompt_ids(cluster: PDCluster) -> list[int]:
-    tokenizer = Tokenizer.from_file(str(cluster.spec.model_dir / "tokenizer.json"))
+def prompt_ids(pd_cluster: PDCluster) -> list[int]:
+    tokenizer = Tokenizer.from_file(str(pd_cluster.spec.model_dir / "tokenizer.json"))
     return tokenizer.encode(PROMPT).ids
 
 
@@ -65,18 +46,18 @@ def generate_body(input_ids: list[int]) -> dict[str, object]:
     }
 
 
-async def generate_through_pd_pair(cluster: PDCluster, input_ids: list[int]) -> dict:
+async def generate_through_pd_pair(pd_cluster: PDCluster, input_ids: list[int]) -> dict:
     """Send the same body to prefill and decode at once, as sglang_router does."""
     body = {
         **generate_body(input_ids),
         "bootstrap_host": "127.0.0.1",
-        "bootstrap_port": cluster.bootstrap_port,
+        "bootstrap_port": pd_cluster.bootstrap_port,
         "bootstrap_room": random.getrandbits(63),
     }
     async with httpx.AsyncClient(timeout=60.0) as client:
         prefill, decode = await asyncio.gather(
-            client.post(f"{cluster.prefill_url}/generate", json=body),
-            client.post(f"{cluster.decode_url}/generate", json=body),
+            client.post(f"{pd_cluster.prefill_url}/generate", json=body),
+            client.post(f"{pd_cluster.decode_url}/generate", json=body),
         )
     assert prefill.status_code == 200, prefill.text
     assert decode.status_code == 200, decode.text
@@ -85,9 +66,9 @@ async def generate_through_pd_pair(cluster: PDCluster, input_ids: list[int]) -> 
 
 @pytest.mark.engine
 def test_pd_pair_generates_the_requested_greedy_tokens(
-    cluster: PDCluster, prompt_ids: list[int]
+    pd_cluster: PDCluster, prompt_ids: list[int]
 ) -> None:
-    result = asyncio.run(generate_through_pd_pair(cluster, prompt_ids))
+    result = asyncio.run(generate_through_pd_pair(pd_cluster, prompt_ids))
 
     assert len(result["output_ids"]) == MAX_NEW_TOKENS
     assert result["meta_info"]["prompt_tokens"] == len(prompt_ids)
@@ -96,11 +77,11 @@ def test_pd_pair_generates_the_requested_greedy_tokens(
 
 @pytest.mark.engine
 def test_pd_pair_greedy_output_is_deterministic_across_rooms(
-    cluster: PDCluster, prompt_ids: list[int]
+    pd_cluster: PDCluster, prompt_ids: list[int]
 ) -> None:
-    first = asyncio.run(generate_through_pd_pair(cluster, prompt_ids))
-    second = asyncio.run(generate_through_pd_pair(cluster, prompt_ids))
-    other_prompt = asyncio.run(generate_through_pd_pair(cluster, prompt_ids[::-1]))
+    first = asyncio.run(generate_through_pd_pair(pd_cluster, prompt_ids))
+    second = asyncio.run(generate_through_pd_pair(pd_cluster, prompt_ids))
+    other_prompt = asyncio.run(generate_through_pd_pair(pd_cluster, prompt_ids[::-1]))
 
     assert first["output_ids"] == second["output_ids"]
     assert first["meta_info"]["id"] != second["meta_info"]["id"]
@@ -110,11 +91,11 @@ def test_pd_pair_greedy_output_is_deterministic_across_rooms(
 
 @pytest.mark.engine
 def test_router_output_equals_direct_pd_dispatch(
-    cluster: PDCluster, prompt_ids: list[int]
+    pd_cluster: PDCluster, prompt_ids: list[int]
 ) -> None:
-    direct = asyncio.run(generate_through_pd_pair(cluster, prompt_ids))
+    direct = asyncio.run(generate_through_pd_pair(pd_cluster, prompt_ids))
 
-    with RouterProcess(cluster, port=ROUTER_PORT, prometheus_port=ROUTER_PROMETHEUS_PORT) as router:
+    with RouterProcess(pd_cluster, port=ROUTER_PORT, prometheus_port=ROUTER_PROMETHEUS_PORT) as router:
         routed = httpx.post(f"{router.url}/generate", json=generate_body(prompt_ids), timeout=60.0)
 
     assert routed.status_code == 200, routed.text
@@ -122,17 +103,17 @@ def test_router_output_equals_direct_pd_dispatch(
 
 
 @pytest.mark.engine
-def test_workers_report_the_configured_pool_sizes(cluster: PDCluster) -> None:
-    prefill = httpx.get(f"{cluster.prefill_url}/server_info", timeout=10.0).json()
-    decode = httpx.get(f"{cluster.decode_url}/server_info", timeout=10.0).json()
+def test_workers_report_the_configured_pool_sizes(pd_cluster: PDCluster) -> None:
+    prefill = httpx.get(f"{pd_cluster.prefill_url}/server_info", timeout=10.0).json()
+    decode = httpx.get(f"{pd_cluster.decode_url}/server_info", timeout=10.0).json()
 
     assert (prefill["disaggregation_mode"], prefill["max_total_num_tokens"]) == (
         "prefill",
-        PREFILL_POOL_TOKENS,
+        pd_cluster.spec.prefill.max_total_tokens,
     )
     assert (decode["disaggregation_mode"], decode["max_total_num_tokens"]) == (
         "decode",
-        DECODE_POOL_TOKENS,
+        pd_cluster.spec.decode.max_total_tokens,
     )
 
 
@@ -179,11 +160,11 @@ def test_stopping_a_managed_process_kills_its_whole_group(tmp_path: Path) -> Non
     process.start()
     pgid = process.pid
     assert pgid is not None
-    _wait_for(lambda: len(_group_members(pgid)) == 2)
+    _wait_for(lambda: len(group_members(pgid)) == 2)
 
     process.stop(grace_s=0.5)
 
-    assert _group_members(pgid) == []
+    assert group_members(pgid) == []
 
 
 def test_cluster_start_fails_fast_with_the_log_tail(tmp_path: Path) -> None:
