@@ -50,6 +50,9 @@ class Settings(BaseSettings):
     audit_batch_size: int = 500
     audit_flush_interval_s: float = 0.2
     auth_cache_ttl_s: float = 5.0
+    # While the key store cannot be reached, a key this process saw valid within this long
+    # keeps working (a database outage must not take the gateway down); 0 turns it off.
+    auth_stale_if_error_s: float = 600.0
 
     # Canary prober (gateway.canary): 0 disables it.
     canary_interval_s: float = 0.0
