@@ -7,12 +7,13 @@ tests that need another shape (the incident's) start their own and stop it.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from gateway.dev.cluster import PDCluster, default_cluster_spec, default_engine_python
+from gateway.dev.cluster import ClusterSpec, PDCluster, default_cluster_spec, default_engine_python
 from tests.harness import GatewayProcess, PoolSpec, write_policies
 
 MODEL = "tiny-llama"
@@ -21,8 +22,25 @@ SESSION_PREFILL_PORT, SESSION_DECODE_PORT, SESSION_BOOTSTRAP_PORT = 32000, 32001
 SESSION_POOL_TOKENS = 8192
 
 
+@dataclass(frozen=True)
+class ExternalCluster:
+    """A PD pair someone else runs (``ISOGATE_TEST_CLUSTER=prefill_url,decode_url,bootstrap_port``),
+    for fast iteration while developing; CI never sets it."""
+
+    prefill_url: str
+    decode_url: str
+    bootstrap_port: int
+    spec: ClusterSpec
+
+
 @pytest.fixture(scope="session")
-def pd_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDCluster]:
+def pd_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDCluster | ExternalCluster]:
+    external = os.environ.get("ISOGATE_TEST_CLUSTER")
+    if external:
+        prefill_url, decode_url, bootstrap_port = external.split(",")
+        spec = default_cluster_spec(log_dir=tmp_path_factory.mktemp("unused"))
+        yield ExternalCluster(prefill_url, decode_url, int(bootstrap_port), spec)
+        return
     engine_python = default_engine_python()
     if not engine_python.exists():
         pytest.fail(f"{engine_python} is missing: `make test` installs it (scripts/install-engine)")

@@ -1,0 +1,110 @@
+"""A real gateway process in front of stand-in workers: the fast stack for input, auth and fault tests.
+
+The gateway runs exactly as deployed (``isogate serve`` in its own process, real HTTP, real
+SQLite or PostgreSQL, real Redis when given); only the SGLang workers are stand-ins, because
+these tests need workers that hang, or that a test can make disappear, on cue.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from gateway.dev.model import DEFAULT_MODEL_DIR, ensure_tiny_model
+from tests.harness import GatewayProcess, PoolSpec, write_policies
+from tests.standin_worker import Behaviour, StandInWorker
+
+MODEL = "tiny-llama"
+# Stand-in decode pools hold this many tokens (what /server_info and /v1/loads report).
+STANDIN_POOL_TOKENS = 8192
+# This suite's port range (36000-36199); 36100-36199 are left to the real SGLang pairs.
+_PORTS = itertools.cycle(range(36000, 36100))
+
+
+def range_port() -> int:
+    """A free port from this suite's range, so parallel suites never collide."""
+    for _ in range(100):
+        port = next(_PORTS)
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 36000-36099")
+
+
+@dataclass
+class StandInStack:
+    """Stand-in prefill + decode workers, policies for them, and a gateway process in front."""
+
+    prefill: StandInWorker
+    decode: StandInWorker
+    gateway: GatewayProcess
+    tenants: dict[str, str] = field(default_factory=dict)  # tenant id → raw key
+
+    def key(self, tenant_id: str) -> str:
+        if tenant_id not in self.tenants:
+            self.tenants[tenant_id] = self.gateway.create_tenant(tenant_id)[1]
+        return self.tenants[tenant_id]
+
+    def client(self, raw_key: str | None, timeout_s: float = 30.0) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {raw_key}"} if raw_key else {}
+        return httpx.Client(base_url=self.gateway.url, headers=headers, timeout=timeout_s)
+
+
+def chat_body(text: str = "Say hello.", **extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 4, **extra}
+
+
+@contextlib.contextmanager
+def standin_stack(work_dir: Path, *, behaviour: Behaviour | None = None, env: dict[str, str] | None = None,
+                  port: int | None = None, max_output_tokens: int = 1024,
+                  default_limits: dict[str, int] | None = None) -> Iterator[StandInStack]:
+    """Start the stack; stop every part of it on the way out, whatever happened."""
+    model_dir = ensure_tiny_model(DEFAULT_MODEL_DIR)
+    with contextlib.ExitStack() as stack:
+        prefill = stack.enter_context(StandInWorker("prefill", Behaviour(pool_tokens=STANDIN_POOL_TOKENS),
+                                                    port=range_port()))
+        decode = stack.enter_context(StandInWorker("decode", behaviour or Behaviour(pool_tokens=STANDIN_POOL_TOKENS),
+                                                   port=range_port()))
+        policies = write_policies(
+            work_dir / "policies", model_name=MODEL, tokenizer_dir=model_dir,
+            pools=[PoolSpec("shared", ((prefill.url, 36190),), (decode.url,))],
+            max_context_tokens=STANDIN_POOL_TOKENS, max_output_tokens=max_output_tokens,
+            default_limits=default_limits,
+        )
+        gateway = GatewayProcess(policies_dir=policies, work_dir=work_dir, env=dict(env or {}),
+                                 port=port or range_port())
+        stack.enter_context(gateway)
+        yield StandInStack(prefill, decode, gateway)
+
+
+def process_status(pid: int) -> dict[str, int]:
+    """VmRSS (kB), open file descriptors and threads of a process, from /proc."""
+    status: dict[str, int] = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        name, _, value = line.partition(":")
+        if name in ("VmRSS", "Threads"):
+            status[name] = int(value.split()[0])
+    status["fds"] = len(os.listdir(f"/proc/{pid}/fd"))
+    return status
+
+
+def wait_until(predicate: Any, timeout_s: float, interval_s: float = 0.1) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return bool(predicate())

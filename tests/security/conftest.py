@@ -1,0 +1,32 @@
+"""Fixtures for the security suite: one gateway process in front of stand-in workers per module,
+and a tally of how many fuzz cases each test sent (printed at the end of the run)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+
+import pytest
+
+from tests.reliability.stack import StandInStack, standin_stack
+
+# Small enough that "huge body" cases are cheap to send, large enough for every honest case.
+FUZZ_MAX_BODY_BYTES = 1024 * 1024
+
+FUZZ_CASES: Counter[str] = Counter()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StandInStack]:
+    with standin_stack(tmp_path_factory.mktemp("security"),
+                       env={"ISOGATE_MAX_BODY_BYTES": str(FUZZ_MAX_BODY_BYTES)}) as running:
+        yield running
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if not FUZZ_CASES:
+        return
+    terminalreporter.section("fuzz cases sent to the gateway")
+    for name, count in sorted(FUZZ_CASES.items()):
+        terminalreporter.write_line(f"{count:6d}  {name}")
+    terminalreporter.write_line(f"{sum(FUZZ_CASES.values()):6d}  total")
