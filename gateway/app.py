@@ -16,6 +16,7 @@ from .api import openai_routes
 from .audit_api import audit_routes
 from .components import build_components, close_components
 from .errors import APIError
+from .reload import PolicyReloader
 from .settings import Settings
 
 log = logging.getLogger(__name__)
@@ -27,9 +28,13 @@ def create_app(settings: Settings | None = None) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         app.state.components = await build_components(settings)
+        # Policy changes take effect without a restart: file watch and SIGHUP (gateway.reload).
+        reloader = PolicyReloader(app.state.components)
+        reloader.start()
         try:
             yield
         finally:
+            await reloader.stop()
             await close_components(app.state.components)
 
     return Starlette(
