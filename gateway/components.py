@@ -17,6 +17,7 @@ import httpx
 from .admission import ClaimLedger
 from .audit import AuditLog
 from .auth import Authenticator
+from .canary import CanaryMetrics, CanaryProber, CanaryScanner, alert_on_hit
 from .capacity import CapacityRegistry, Role
 from .dispatch import PDDispatcher
 from .limits import TenantLimiter
@@ -117,7 +118,25 @@ async def build_components(settings: Settings) -> Components:
     )
     await components.audit.start()
     components.tasks.append(asyncio.create_task(capacity.run(), name="capacity-poller"))
+    start_canaries(components)
     return components
+
+
+def start_canaries(components: Components) -> None:
+    """The canary scanner on the response path and, when an interval is set, the prober."""
+    settings = components.settings
+    if not settings.canary_scan:
+        return
+    scanner = CanaryScanner(components.redis, settings.canary_redis_key, alert_on_hit(components.metrics))
+    components.scanner = scanner
+    canary_metrics = CanaryMetrics(components.metrics.registry, scanner)
+    # Drops expired markers and, with Redis, adopts the other replicas'.
+    components.tasks.append(asyncio.create_task(scanner.run_refresh(settings.canary_refresh_s),
+                                                name="canary-refresh"))
+    if settings.canary_interval_s > 0:
+        prober = CanaryProber(components, scanner, ttl_s=settings.canary_marker_ttl_s,
+                              max_tokens=settings.canary_max_tokens, metrics=canary_metrics)
+        components.tasks.append(asyncio.create_task(prober.run(settings.canary_interval_s), name="canary-prober"))
 
 
 async def close_components(components: Components) -> None:

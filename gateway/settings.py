@@ -56,3 +56,11 @@ class Settings(BaseSettings):
 
     # Canary prober (gateway.canary): 0 disables it.
     canary_interval_s: float = 0.0
+    # Outputs are scanned for other tenants' live canary markers (also those of other replicas).
+    canary_scan: bool = True
+    # How long a marker stays live after its probe: as long as its KV pages may linger.
+    canary_marker_ttl_s: float = Field(default=900.0, gt=0)
+    # How often the scanner re-reads the markers shared through Redis.
+    canary_refresh_s: float = Field(default=1.0, gt=0)
+    canary_max_tokens: int = Field(default=8, gt=0)
+    canary_redis_key: str = "isogate:canary:markers"

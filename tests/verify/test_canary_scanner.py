@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 
 import pytest
@@ -47,8 +48,6 @@ async def test_a_tenants_own_marker_and_unknown_markers_pass() -> None:
 async def test_expired_markers_are_not_live() -> None:
     marker = new_marker()
     scanner, _ = await scanner_with(marker, "tenant-b", ttl_s=0.0001)
-    import asyncio
-
     await asyncio.sleep(0.01)
     assert scanner.foreign_marker(marker, "tenant-a") is None
     await scanner.refresh()
@@ -76,8 +75,6 @@ async def test_a_marker_split_across_two_chunks_is_caught_before_any_of_it_is_se
 @given(before=st.text(max_size=60), after=st.text(max_size=60), cuts=st.lists(st.integers(0, 200), max_size=8))
 def test_no_byte_of_a_foreign_marker_is_ever_sent_whatever_the_chunking(before: str, after: str,
                                                                         cuts: list[int]) -> None:
-    import asyncio
-
     marker = new_marker()
     scanner = CanaryScanner()
     asyncio.run(scanner.register_marker(marker, "tenant-b", 60))
@@ -96,8 +93,6 @@ def test_no_byte_of_a_foreign_marker_is_ever_sent_whatever_the_chunking(before: 
 @settings(max_examples=100, deadline=None)
 @given(text=st.text(max_size=300), cuts=st.lists(st.integers(0, 300), max_size=10))
 def test_clean_text_comes_through_whole_and_in_order(text: str, cuts: list[int]) -> None:
-    import asyncio
-
     scanner = CanaryScanner()
     asyncio.run(scanner.register_marker(new_marker(), "tenant-b", 60))
     guard = StreamGuard(scanner, "tenant-a")
@@ -137,8 +132,6 @@ async def test_markers_are_shared_between_replicas_through_redis() -> None:
         # Expired markers are pruned from the shared hash by whichever replica sees them first.
         stale = new_marker()
         await publisher.register_marker(stale, "tenant-b", 0.001)
-        import asyncio
-
         await asyncio.sleep(0.01)
         await reader.refresh()
         assert await client.hexists(key, stale) == 0 and reader.foreign_marker(stale, "tenant-a") is None
