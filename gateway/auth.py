@@ -7,6 +7,11 @@ tenant disabled) through this process is forgotten at once (``forget_key``,
 ``forget_tenant``), through another replica within the TTL. Unknown keys are cached too
 (negatively), so a client retrying a bad key does not reach the database on every request;
 a new key is a fresh random token, so no negative entry can stand in its way.
+
+While the store cannot be reached, a key this process saw valid within
+``settings.auth_stale_if_error_s`` keeps working (stale-if-error): a database outage must
+not take the serving path down with it. Unknown keys are refused (503) meanwhile, and a
+revocation through this process still takes effect at once.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -27,7 +33,11 @@ from gateway.store import ADMIN_TENANT_ID, KeyLookup, hash_key
 if TYPE_CHECKING:
     from gateway.store import Store
 
+log = logging.getLogger("isogate.auth")
+
 ADMIN_KEY_ID = "admin"
+# While the key store is down, ask it again at most this often.
+_STORE_RETRY_S = 1.0
 # Bounds memory under a flood of random keys; least recently used entries go first.
 _CACHE_MAX_ENTRIES = 100_000
 
@@ -46,6 +56,8 @@ class Authenticator:
     def __init__(self, store: Store, settings: Settings):
         self._store = store
         self._ttl_s = settings.auth_cache_ttl_s
+        self._stale_if_error_s = settings.auth_stale_if_error_s
+        self._store_down_until = 0.0
         # Compared as digests so the comparison's time does not depend on the key's length.
         self._admin_digest = (
             hashlib.sha256(settings.admin_key.encode()).digest() if settings.admin_key else None
@@ -88,8 +100,14 @@ class Authenticator:
     async def _lookup(self, key_hash: str) -> KeyLookup | None:
         now = time.monotonic()
         cached = self._cache.get(key_hash)
-        if cached is not None and cached[1] > now:
-            return cached[0]
+        if cached is not None:
+            lookup, expires_at = cached
+            if expires_at > now:
+                return lookup
+            # Expired. While the store is known to be down, a key seen valid recently is
+            # served from the cache without waiting on the store again.
+            if now < self._store_down_until and self._may_serve_stale(lookup, expires_at, now):
+                return lookup
         pending = self._pending.get(key_hash)
         if pending is not None:
             try:
@@ -101,17 +119,36 @@ class Authenticator:
         try:
             lookup = await asyncio.to_thread(self._store.lookup_key, key_hash)
         except Exception as exc:
+            self._note_store_down(exc)
+            if cached is not None and self._may_serve_stale(cached[0], cached[1], time.monotonic()):
+                future.set_result(cached[0])
+                return cached[0]
             future.set_exception(exc)
             future.exception()  # retrieved: waiters get it, nobody logs "never retrieved"
             raise _store_unavailable() from exc
         finally:
             del self._pending[key_hash]
+        if self._store_down_until:
+            self._store_down_until = 0.0
+            log.warning("auth: key store reachable again")
         future.set_result(lookup)
         self._cache[key_hash] = (lookup, time.monotonic() + self._ttl_s)
         self._cache.move_to_end(key_hash)
         while len(self._cache) > _CACHE_MAX_ENTRIES:
             self._cache.popitem(last=False)
         return lookup
+
+    def _may_serve_stale(self, lookup: KeyLookup | None, expires_at: float, now: float) -> bool:
+        # Only keys that were valid: an unknown or revoked key is never let in on stale data.
+        return (
+            lookup is not None and not lookup.revoked and not lookup.tenant_disabled
+            and now - expires_at < self._stale_if_error_s
+        )
+
+    def _note_store_down(self, exc: Exception) -> None:
+        if not self._store_down_until:
+            log.error("auth: key store unreachable (%s); serving recently valid keys from cache", exc)
+        self._store_down_until = time.monotonic() + _STORE_RETRY_S
 
     def _forget(self, matches: Callable[[KeyLookup], bool]) -> None:
         stale = [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 from sqlalchemy import delete
@@ -10,7 +11,7 @@ from sqlalchemy import delete
 from gateway.auth import Authenticator
 from gateway.errors import APIError
 from gateway.settings import Settings
-from gateway.store import ADMIN_TENANT_ID, Store, api_keys
+from gateway.store import ADMIN_TENANT_ID, Store, api_keys, create_store
 
 from .conftest import ADMIN_KEY
 
@@ -107,3 +108,92 @@ async def test_cached_authentication_is_fast(store: Store, settings: Settings) -
     print(f"cached authenticate: {per_call_us:.1f} us/call")
     # Target is well under 50 us; the bound leaves room for a loaded shared CI machine.
     assert per_call_us < 50
+
+
+class KeyStoreOutage:
+    """The key store becomes unreadable: PostgreSQL's network path is cut; SQLite's file is
+    moved away (a fresh connection then finds an empty database without tables)."""
+
+    def __init__(self, database_url: str):
+        from sqlalchemy.engine import make_url
+
+        from .severable_proxy import SeverableProxy
+
+        self.database_url = database_url
+        self.proxy = None
+        if database_url.startswith("postgresql"):
+            url = make_url(database_url)
+            self.proxy = SeverableProxy(url.host or "127.0.0.1", url.port or 5432)
+            self.proxy.restore()
+            self.store_url = url.set(port=self.proxy.port).render_as_string(hide_password=False)
+        else:
+            self.store_url = database_url
+            self.path = Path(database_url.removeprefix("sqlite:///"))
+
+    def begin(self, store: Store) -> None:
+        if self.proxy is not None:
+            self.proxy.sever()
+        else:
+            store.dispose()
+            for suffix in ("", "-wal", "-shm"):
+                source = Path(str(self.path) + suffix)
+                if source.exists():
+                    source.rename(str(source) + ".away")
+
+    def end(self, store: Store) -> None:
+        if self.proxy is not None:
+            self.proxy.restore()
+        else:
+            store.dispose()
+            for suffix in ("", "-wal", "-shm"):
+                Path(str(self.path) + suffix).unlink(missing_ok=True)
+                moved = Path(str(self.path) + suffix + ".away")
+                if moved.exists():
+                    moved.rename(str(self.path) + suffix)
+
+
+async def test_recently_valid_key_keeps_working_while_the_key_store_is_down(
+    store: Store, settings: Settings, database_url: str
+) -> None:
+    store.create_tenant("acme")
+    raw_key, record = store.create_key("acme")
+    outage = KeyStoreOutage(database_url)
+    gateway_store = create_store(outage.store_url, busy_timeout_s=1)
+    authenticator = Authenticator(gateway_store, settings.model_copy(update={"auth_cache_ttl_s": 0.1}))
+    await authenticator.authenticate(f"Bearer {raw_key}")
+    try:
+        outage.begin(gateway_store)
+        time.sleep(0.15)  # the cache entry has expired
+        for _ in range(3):
+            assert (await authenticator.authenticate(f"Bearer {raw_key}")).key_id == record.id
+        # A key never seen valid is not let in on stale data: the store's outage is reported.
+        error = await refused(authenticator, "Bearer sk-iso-never-seen")
+        assert (error.status, error.code) == (503, "auth_store_unavailable")
+        # Revocation through this process still takes effect at once, store or no store.
+        authenticator.forget_key(record.id)
+        assert (await refused(authenticator, f"Bearer {raw_key}")).status == 503
+    finally:
+        outage.end(gateway_store)
+        if outage.proxy is not None:
+            outage.proxy.sever()
+        gateway_store.dispose()
+
+
+async def test_stale_keys_are_refused_when_stale_if_error_is_off(store: Store, settings: Settings, database_url: str) -> None:
+    store.create_tenant("acme")
+    raw_key, _ = store.create_key("acme")
+    outage = KeyStoreOutage(database_url)
+    gateway_store = create_store(outage.store_url, busy_timeout_s=1)
+    authenticator = Authenticator(
+        gateway_store, settings.model_copy(update={"auth_cache_ttl_s": 0.1, "auth_stale_if_error_s": 0.0})
+    )
+    await authenticator.authenticate(f"Bearer {raw_key}")
+    try:
+        outage.begin(gateway_store)
+        time.sleep(0.15)
+        assert (await refused(authenticator, f"Bearer {raw_key}")).status == 503
+    finally:
+        outage.end(gateway_store)
+        if outage.proxy is not None:
+            outage.proxy.sever()
+        gateway_store.dispose()
