@@ -1,0 +1,182 @@
+"""The processes a bench runs: instant backends, ``sglang_router``, the gateway; pinning, CPU and memory.
+
+Every process runs in its own process group (``stop`` kills the group) and may be pinned to
+a set of CPUs (all of its threads, including ones started later, since they inherit the
+affinity of the thread that starts them).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import httpx
+import yaml
+
+from tests.harness import GatewayProcess
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+ENGINE_PYTHON = Path(os.environ.get("ENGINE_VENV") or REPO_ROOT / ".venv-engine") / "bin" / "python"
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def pin(pid: int, cpus: set[int] | None) -> None:
+    """Pin every thread of ``pid`` (new threads inherit it)."""
+    if not cpus:
+        return
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except (ProcessLookupError, OSError):
+            pass
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, all its threads."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    fields = stat[stat.rindex(")") + 2:].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def wait_http(url: str, timeout_s: float, process: subprocess.Popen[bytes] | None = None, log: Path | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            tail = log.read_bytes()[-3000:].decode("utf-8", "replace") if log and log.exists() else ""
+            raise RuntimeError(f"{url}: process exited with {process.returncode}\n{tail}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} not ready after {timeout_s:.0f}s")
+
+
+@dataclass
+class Managed:
+    """A child process in its own process group, pinned, logging to a file."""
+
+    name: str
+    command: Sequence[str]
+    log_path: Path
+    cpus: set[int] | None = None
+    env: dict[str, str] | None = None
+    process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Managed:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as log:
+            cpus = self.cpus
+            self.process = subprocess.Popen(
+                list(self.command), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                env={**os.environ, **(self.env or {})}, cwd=REPO_ROOT, start_new_session=True,
+                preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
+            )
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    def stop(self) -> None:
+        if self.process is None:
+            return
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(self.process.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.process.wait(timeout=10)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)  # stragglers of the group
+        except ProcessLookupError:
+            pass
+        self.process.wait()
+        self.process = None
+
+
+def instant_backend(role: str, port: int, log_dir: Path, *, cpus: set[int] | None, pool_tokens: int,
+                    chunks: int = 4, stream_interval_s: float = 0.0) -> Managed:
+    command = [sys.executable, "-m", "bench.instant_backend", "--role", role, "--port", str(port),
+               "--pool-tokens", str(pool_tokens), "--chunks", str(chunks),
+               "--stream-interval-s", str(stream_interval_s)]
+    backend = Managed(f"instant-{role}", command, log_dir / f"instant-{role}-{port}.log", cpus).start()
+    wait_http(f"http://127.0.0.1:{port}/health", 20, backend.process, backend.log_path)
+    return backend
+
+
+def sglang_router(prefill_url: str, bootstrap_port: int, decode_url: str, port: int, log_dir: Path, *,
+                  cpus: set[int] | None) -> Managed:
+    """SGLang's Rust PD router (``sglang_router`` 0.3.2 from the engine venv), ready on /readiness."""
+    command = [str(ENGINE_PYTHON), "-m", "sglang_router.launch_router", "--pd-disaggregation",
+               "--prefill", prefill_url, str(bootstrap_port), "--decode", decode_url,
+               "--host", "127.0.0.1", "--port", str(port),
+               "--prometheus-host", "127.0.0.1", "--prometheus-port", str(port + 1),
+               "--log-level", "warn", "--worker-startup-check-interval", "1"]
+    router = Managed("sglang-router", command, log_dir / f"sglang-router-{port}.log", cpus).start()
+    try:
+        wait_http(f"http://127.0.0.1:{port}/readiness", 90, router.process, router.log_path)
+    except BaseException:
+        router.stop()
+        raise
+    return router
+
+
+@dataclass(frozen=True)
+class BenchModel:
+    name: str
+    max_context_tokens: int
+    require_engine_tags: bool = True
+
+
+def write_bench_policies(directory: Path, *, tokenizer_dir: Path, prefill_url: str, bootstrap_port: int,
+                         decode_url: str, models: Sequence[BenchModel]) -> Path:
+    """Policies for one shared pool, several models on it, and tenant limits too high to matter."""
+    directory.mkdir(parents=True, exist_ok=True)
+    pool = {"name": "bench", "prefill": [{"url": prefill_url, "bootstrap_port": bootstrap_port}],
+            "decode": [{"url": decode_url}]}
+    (directory / "models.yaml").write_text(yaml.safe_dump({"models": [
+        {"name": m.name, "tokenizer": str(tokenizer_dir), "max_context_tokens": m.max_context_tokens,
+         "default_max_tokens": 16, "max_output_tokens": 1024, "require_engine_tags": m.require_engine_tags,
+         "pools": [pool]}
+        for m in models
+    ]}))
+    limits = {"requests_per_minute": 100_000_000, "tokens_per_minute": 2_000_000_000_000, "max_concurrent": 1_000_000}
+    (directory / "tenants.yaml").write_text(yaml.safe_dump({"defaults": {"isolation": "shared", "limits": limits},
+                                                            "tenants": {}}))
+    return directory
+
+
+def start_gateway(policies_dir: Path, work_dir: Path, port: int, *, cpus: set[int] | None,
+                  env: dict[str, str] | None = None) -> tuple[GatewayProcess, str]:
+    """``python -m gateway serve`` (the harness's GatewayProcess), pinned; returns it and a tenant key."""
+    gateway = GatewayProcess(policies_dir=policies_dir, work_dir=work_dir, port=port,
+                             env={"ISOGATE_CAPACITY_POLL_INTERVAL_S": "1.0", **(env or {})})
+    try:
+        gateway.start(timeout_s=60)
+        assert gateway.process is not None
+        pin(gateway.process.pid, cpus)
+        _, key = gateway.create_tenant("bench-tenant")
+    except BaseException:
+        gateway.stop()
+        raise
+    return gateway, key

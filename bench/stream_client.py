@@ -1,0 +1,207 @@
+"""A tight asyncio HTTP/1.1 load client that times the first body byte (TTFT) and the whole answer.
+
+``wrk`` times whole responses only, so streaming time-to-first-token is measured here: each of
+``concurrency`` keep-alive connections sends its request, notes when the first body chunk
+arrives and when the response ends, and sends the next. Raw sockets, the ``httptools``
+parser and uvloop keep the client's own cost per request to tens of microseconds; the suite
+reports this client's rate against the instant backend directly, which bounds what it can
+measure (see ``bench/README.md``).
+
+It also sends a PD pair "directly" (``pd_direct``): the same body to a prefill and a decode
+worker at once, with bootstrap fields, the way a router does — the baseline for real SGLang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+import httptools
+import orjson
+
+
+@dataclass(frozen=True)
+class Target:
+    url: str  # http://host:port/path
+    body: bytes
+    headers: tuple[tuple[str, str], ...] = ()
+
+    def request_bytes(self, body: bytes | None = None) -> bytes:
+        parts = urlsplit(self.url)
+        payload = self.body if body is None else body
+        lines = [f"POST {parts.path or '/'} HTTP/1.1", f"Host: {parts.netloc}", "Content-Type: application/json",
+                 f"Content-Length: {len(payload)}", *(f"{k}: {v}" for k, v in self.headers)]
+        return ("\r\n".join(lines) + "\r\n\r\n").encode() + payload
+
+
+@dataclass
+class Sample:
+    ttft_s: float
+    total_s: float
+    status: int
+
+
+@dataclass
+class RunResult:
+    samples: list[Sample] = field(default_factory=list)
+    wall_s: float = 0.0
+    errors: int = 0
+
+    def ok(self) -> list[Sample]:
+        return [s for s in self.samples if s.status == 200]
+
+    def summary(self) -> dict[str, float]:
+        ok = self.ok()
+        ttft = sorted(s.ttft_s for s in ok)
+        total = sorted(s.total_s for s in ok)
+        return {
+            "requests": len(ok),
+            "non_200": len(self.samples) - len(ok) + self.errors,
+            "rps": len(ok) / self.wall_s if self.wall_s else 0.0,
+            "ttft_p50_ms": percentile(ttft, 0.50) * 1000,
+            "ttft_p99_ms": percentile(ttft, 0.99) * 1000,
+            "total_p50_ms": percentile(total, 0.50) * 1000,
+            "total_p99_ms": percentile(total, 0.99) * 1000,
+        }
+
+
+def percentile(sorted_values: list[float], fraction: float) -> float:
+    if not sorted_values:
+        return float("nan")
+    index = min(len(sorted_values) - 1, max(0, round(fraction * (len(sorted_values) - 1))))
+    return sorted_values[index]
+
+
+class _ResponseReader:
+    """httptools callbacks for one response at a time on one connection."""
+
+    def __init__(self) -> None:
+        self.parser = httptools.HttpResponseParser(self)
+        self.first_body_at: float | None = None
+        self.done: asyncio.Future[None] | None = None
+
+    def reset(self) -> None:
+        self.first_body_at = None
+        self.done = asyncio.get_running_loop().create_future()
+
+    def on_body(self, body: bytes) -> None:
+        if self.first_body_at is None:
+            self.first_body_at = time.perf_counter()
+
+    def on_message_complete(self) -> None:
+        if self.done is not None and not self.done.done():
+            self.done.set_result(None)
+
+
+class Connection:
+    def __init__(self, url: str) -> None:
+        parts = urlsplit(url)
+        self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def open(self) -> None:
+        self.reader, self.writer = await asyncio.open_connection(self.host, self.port, limit=1 << 20)
+
+    async def exchange(self, raw: bytes) -> Sample:
+        """Send one request; return when the whole response has arrived."""
+        if self.writer is None:
+            await self.open()
+        assert self.reader is not None and self.writer is not None
+        state = _ResponseReader()
+        state.reset()
+        started = time.perf_counter()
+        self.writer.write(raw)
+        while not state.done.done():  # type: ignore[union-attr]
+            data = await self.reader.read(1 << 18)
+            if not data:
+                raise ConnectionError("server closed the connection")
+            state.parser.feed_data(data)
+        ended = time.perf_counter()
+        first = state.first_body_at or ended
+        if not state.parser.should_keep_alive():
+            await self.close()
+        return Sample(first - started, ended - started, state.parser.get_status_code())
+
+    async def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            try:
+                await self.writer.wait_closed()
+            except OSError:
+                pass
+        self.reader = self.writer = None
+
+
+async def run_load(target: Target, *, concurrency: int, duration_s: float | None = None,
+                   total_requests: int | None = None, warmup_requests: int = 0) -> RunResult:
+    """``concurrency`` connections in closed loop, for a duration or a number of requests."""
+    raw = target.request_bytes()
+    result = RunResult()
+    connections = [Connection(target.url) for _ in range(concurrency)]
+    for connection in connections:
+        for _ in range(warmup_requests):
+            await connection.exchange(raw)
+    remaining = [total_requests if total_requests is not None else 1 << 62]
+    deadline = time.perf_counter() + duration_s if duration_s is not None else float("inf")
+
+    async def worker(connection: Connection) -> None:
+        while remaining[0] > 0 and time.perf_counter() < deadline:
+            remaining[0] -= 1
+            try:
+                result.samples.append(await connection.exchange(raw))
+            except (ConnectionError, OSError, httptools.HttpParserError):
+                result.errors += 1
+                await connection.close()
+
+    started = time.perf_counter()
+    await asyncio.gather(*(worker(c) for c in connections))
+    result.wall_s = time.perf_counter() - started
+    for connection in connections:
+        await connection.close()
+    return result
+
+
+async def run_pd_direct(prefill_url: str, decode_url: str, bootstrap_port: int, body: dict, *, concurrency: int,
+                        total_requests: int, path: str = "/v1/completions") -> RunResult:
+    """Send each request to a prefill and a decode worker at once (what a PD router does), no router."""
+    result = RunResult()
+    remaining = [total_requests]
+
+    async def worker() -> None:
+        prefill, decode = Connection(prefill_url), Connection(decode_url)
+        while remaining[0] > 0:
+            remaining[0] -= 1
+            payload = dict(body, bootstrap_host=urlsplit(prefill_url).hostname, bootstrap_port=bootstrap_port,
+                           bootstrap_room=random.getrandbits(63))
+            raw_body = orjson.dumps(payload)
+            pre_raw = Target(prefill_url + path, raw_body).request_bytes()
+            dec_raw = Target(decode_url + path, raw_body).request_bytes()
+            started = time.perf_counter()
+            try:
+                pre, dec = await asyncio.gather(prefill.exchange(pre_raw), decode.exchange(dec_raw))
+            except (ConnectionError, OSError, httptools.HttpParserError):
+                result.errors += 1
+                await prefill.close()
+                await decode.close()
+                continue
+            # Both sends start together: decode's first byte is the client's TTFT, the later of
+            # the two answers ends the request.
+            total = time.perf_counter() - started
+            status = dec.status if pre.status == 200 else pre.status
+            result.samples.append(Sample(dec.ttft_s, total, status))
+        await prefill.close()
+        await decode.close()
+
+    started = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    result.wall_s = time.perf_counter() - started
+    return result
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
