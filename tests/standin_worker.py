@@ -46,6 +46,18 @@ class Behaviour:
     engine_patch: str | None = "standin"
 
 
+class _DroppedConnection(Response):
+    """Starts a response, then dies: the client sees the connection close mid-answer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+
+    async def __call__(self, scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"1000")]})
+        await send({"type": "http.response.body", "body": b"{", "more_body": True})
+        raise ConnectionResetError("stand-in drops the connection")
+
+
 @dataclass
 class StandInWorker:
     role: str
@@ -86,7 +98,7 @@ class StandInWorker:
             if b.hang:
                 await asyncio.sleep(3600)
             if b.drop_connection:
-                raise ConnectionResetError("stand-in drops the connection")
+                return _DroppedConnection()
             if b.status != 200:
                 return JSONResponse({"error": {"message": "stand-in failure"}}, status_code=b.status)
             if self.role == "prefill":

@@ -1,0 +1,106 @@
+"""Upstream failures become clear OpenAI errors with the right status, never a hang or a 200.
+
+Stand-in workers are used because real SGLang does not hang or drop connections on purpose.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.harness import GatewayProcess, PoolSpec, free_port, write_policies
+from tests.standin_worker import Behaviour, StandInWorker
+
+MODEL = "standin-model"
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir() -> Path:
+    from gateway.dev.model import ensure_tiny_model
+
+    return ensure_tiny_model()
+
+
+def _gateway(tmp: Path, tokenizer_dir: Path, prefill: str, decode: str, **env: str) -> GatewayProcess:
+    policies = write_policies(tmp / "policies", model_name=MODEL, tokenizer_dir=tokenizer_dir,
+                              pools=[PoolSpec("shared", ((prefill, 1),), (decode,))])
+    return GatewayProcess(policies_dir=policies, work_dir=tmp, env=env)
+
+
+@pytest.fixture
+def workers() -> Iterator[tuple[StandInWorker, StandInWorker]]:
+    prefill, decode = StandInWorker("prefill").start(), StandInWorker("decode").start()
+    yield prefill, decode
+    prefill.stop()
+    decode.stop()
+
+
+def _chat(gateway: GatewayProcess, key: str, **extra: object) -> httpx.Response:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, **extra}
+    return httpx.post(gateway.url + "/v1/chat/completions", json=body, timeout=30,
+                      headers={"Authorization": f"Bearer {key}"})
+
+
+def test_a_hung_decode_worker_is_a_504_within_the_timeout(tmp_path, tokenizer_dir, workers) -> None:
+    prefill, decode = workers
+    decode.behaviour = Behaviour(hang=True)
+    with _gateway(tmp_path, tokenizer_dir, prefill.url, decode.url, ISOGATE_UPSTREAM_TIMEOUT_S="1.5") as gateway:
+        _, key = gateway.create_tenant()
+        started = time.monotonic()
+        for stream in (False, True):
+            response = _chat(gateway, key, stream=stream)
+            assert response.status_code == 504
+            assert response.json()["error"]["code"] == "upstream_timeout"
+        assert time.monotonic() - started < 10
+
+
+def test_a_worker_that_drops_the_connection_is_a_503(tmp_path, tokenizer_dir, workers) -> None:
+    prefill, decode = workers
+    decode.behaviour = Behaviour(drop_connection=True)
+    with _gateway(tmp_path, tokenizer_dir, prefill.url, decode.url) as gateway:
+        _, key = gateway.create_tenant()
+        response = _chat(gateway, key)
+        assert response.status_code == 503
+        assert response.json()["error"]["code"] == "worker_unavailable"
+
+
+def test_a_failing_prefill_fails_the_request_with_502(tmp_path, tokenizer_dir, workers) -> None:
+    prefill, decode = workers
+    prefill.behaviour = Behaviour(status=500)
+    decode.behaviour = Behaviour(hang=True)  # decode would wait for a transfer that never comes
+    with _gateway(tmp_path, tokenizer_dir, prefill.url, decode.url, ISOGATE_UPSTREAM_TIMEOUT_S="20") as gateway:
+        _, key = gateway.create_tenant()
+        started = time.monotonic()
+        response = _chat(gateway, key)
+        assert response.status_code == 502
+        assert time.monotonic() - started < 10  # failed fast, did not wait for decode's timeout
+
+
+def test_workers_that_never_answered_are_not_routed_to(tmp_path, tokenizer_dir) -> None:
+    dead_prefill, dead_decode = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
+    gateway = _gateway(tmp_path, tokenizer_dir, dead_prefill, dead_decode).start(wait_ready=False)
+    try:
+        _, key = gateway.create_tenant()
+        assert httpx.get(gateway.url + "/readyz").status_code == 503
+        response = _chat(gateway, key)
+        assert response.status_code == 503
+        assert response.json()["error"]["code"] == "no_worker_available"
+        assert int(response.headers["Retry-After"]) >= 1
+    finally:
+        gateway.stop()
+
+
+def test_a_worker_that_stops_answering_is_taken_out_once_its_data_is_stale(tmp_path, tokenizer_dir, workers) -> None:
+    prefill, decode = workers
+    with _gateway(tmp_path, tokenizer_dir, prefill.url, decode.url, ISOGATE_CAPACITY_STALE_AFTER_S="1.5") as gateway:
+        _, key = gateway.create_tenant()
+        assert _chat(gateway, key).status_code == 200
+        decode.stop()
+        time.sleep(2.5)
+        response = _chat(gateway, key)
+        assert response.status_code == 503
+        assert response.json()["error"]["code"] == "no_worker_available"
