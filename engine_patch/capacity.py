@@ -26,6 +26,10 @@ logger = logging.getLogger("isogate.engine")
 # Reported by the scheduler in its init info (read by the main process).
 INFO_KV_CAPACITY = "isogate_kv_capacity"
 INFO_CLAMPED_CONTEXT = "isogate_clamped_context_length"
+# Published in /server_info so a gateway can tell, before routing, that this worker runs the
+# plugin (it refuses workers without it when the model requires engine tags).
+INFO_MARKER = "isogate_engine_patch"
+PLUGIN_VERSION = "0.1.0"
 
 
 class PoolSmallerThanContextError(RuntimeError):
@@ -79,6 +83,7 @@ def report_in_init_info(result: dict, scheduler: Any) -> dict:
 
     ``/server_info`` merges this dict over the server arguments, so a clamped
     ``context_length`` shows there as is."""
+    result[INFO_MARKER] = PLUGIN_VERSION
     worker = scheduler.tp_worker
     capacity = getattr(worker, "isogate_kv_capacity", None)
     if capacity is not None:
