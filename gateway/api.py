@@ -56,6 +56,24 @@ async def models(request: Request) -> Response:
     return _json(protocol.model_list(cards))
 
 
+async def workers(request: Request) -> Response:
+    """The capacity view this replica decides on (admin only): one record per worker."""
+    components = _components(request)
+    await components.authenticator.require_admin(request.headers.get("authorization"))
+    data = []
+    for url, role in components.workers():
+        state = components.capacity.get(url)
+        data.append({
+            "url": url,
+            "role": role,
+            "fresh": state is not None,
+            "capacity": state.as_dict() if state else None,
+            "claimed_tokens": components.ledger.claimed.get(url, 0),
+            "error": components.capacity.error(url),
+        })
+    return _json({"object": "list", "data": data})
+
+
 async def healthz(request: Request) -> Response:
     return _json({"status": "ok"})
 
@@ -85,6 +103,7 @@ def openai_routes() -> list[BaseRoute]:
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/admin/workers", workers, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),

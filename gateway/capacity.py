@@ -45,6 +45,9 @@ class WorkerCapacity:
     def available_tokens(self) -> int:
         return max(0, self.max_total_num_tokens - self.used_tokens)
 
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
     def to_json(self) -> bytes:
         return orjson.dumps(asdict(self))
 
