@@ -178,10 +178,11 @@ class BackendProtocol(asyncio.Protocol):
             body = answer.whole()
             self._write(_head(200, b"application/json", len(body), keep_alive) + body)
             return False
-        self._write(_head(200, b"text/event-stream", None, keep_alive))
-        if self._config.stream_interval_s <= 0:
-            self._write(b"".join(_chunk(event) for event in answer.events()) + b"0\r\n\r\n")
+        head = _head(200, b"text/event-stream", None, keep_alive)
+        if self._config.stream_interval_s <= 0:  # one write: head, every chunk, the end
+            self._write(head + b"".join(_chunk(event) for event in answer.events()) + b"0\r\n\r\n")
             return False
+        self._write(head)
         events = iter(answer.events())
         loop = asyncio.get_running_loop()
 

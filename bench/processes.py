@@ -19,6 +19,7 @@ from typing import Sequence
 import httpx
 import yaml
 
+from gateway.dev.cluster import group_members
 from tests.harness import GatewayProcess
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -142,28 +143,49 @@ def sglang_router(prefill_url: str, bootstrap_port: int, decode_url: str, port: 
 
 
 @dataclass(frozen=True)
+class BenchPool:
+    prefill_url: str
+    bootstrap_port: int
+    decode_url: str
+
+
+@dataclass(frozen=True)
 class BenchModel:
     name: str
     max_context_tokens: int
+    pool: BenchPool
     require_engine_tags: bool = True
 
 
-def write_bench_policies(directory: Path, *, tokenizer_dir: Path, prefill_url: str, bootstrap_port: int,
-                         decode_url: str, models: Sequence[BenchModel]) -> Path:
-    """Policies for one shared pool, several models on it, and tenant limits too high to matter."""
+def write_bench_policies(directory: Path, *, tokenizer_dir: Path, models: Sequence[BenchModel]) -> Path:
+    """Policies for the bench models (one shared pool each) and tenant limits too high to matter."""
     directory.mkdir(parents=True, exist_ok=True)
-    pool = {"name": "bench", "prefill": [{"url": prefill_url, "bootstrap_port": bootstrap_port}],
-            "decode": [{"url": decode_url}]}
+
+    def pool(spec: BenchPool) -> dict:
+        return {"name": "bench", "prefill": [{"url": spec.prefill_url, "bootstrap_port": spec.bootstrap_port}],
+                "decode": [{"url": spec.decode_url}]}
+
     (directory / "models.yaml").write_text(yaml.safe_dump({"models": [
         {"name": m.name, "tokenizer": str(tokenizer_dir), "max_context_tokens": m.max_context_tokens,
          "default_max_tokens": 16, "max_output_tokens": 1024, "require_engine_tags": m.require_engine_tags,
-         "pools": [pool]}
+         "pools": [pool(m.pool)]}
         for m in models
     ]}))
     limits = {"requests_per_minute": 100_000_000, "tokens_per_minute": 2_000_000_000_000, "max_concurrent": 1_000_000}
     (directory / "tenants.yaml").write_text(yaml.safe_dump({"defaults": {"isolation": "shared", "limits": limits},
                                                             "tenants": {}}))
     return directory
+
+
+def group_cpu_seconds(pgid: int) -> float:
+    """CPU time of every live process of a process group (a launcher and what it started)."""
+    total = 0.0
+    for pid in group_members(pgid):
+        try:
+            total += cpu_seconds(pid)
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    return total
 
 
 def start_gateway(policies_dir: Path, work_dir: Path, port: int, *, cpus: set[int] | None,

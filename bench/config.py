@@ -1,0 +1,75 @@
+"""What one ``make bench`` run measures and for how long; ``BENCH_QUICK=1`` makes it a ~2-minute smoke run.
+
+Ports: everything the suite starts listens in 34000-34199 (see ``Ports``).
+CPUs: on a machine with at least two CPUs the router under test (sglang_router or the
+gateway) gets CPU 1 to itself among the bench's processes; the instant backends, the load
+generator and this runner share CPU 0. Each router is measured with one core, so the two
+compare like for like, and the backend and client do not steal the router's core.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+
+def _env_flag(name: str, default: bool = False) -> bool:
+    value = os.environ.get(name)
+    return default if value is None else value.strip().lower() not in ("", "0", "false", "no")
+
+
+@dataclass(frozen=True)
+class Ports:
+    prefill: int = 34010
+    decode: int = 34011
+    bootstrap: int = 34012
+    slow_decode: int = 34013  # streams slowly: holds streams open for the memory bench
+    router: int = 34020  # and router + 1 for its Prometheus endpoint
+    gateway: int = 34030
+    real_prefill: int = 34100
+    real_decode: int = 34101
+    real_bootstrap: int = 34102
+    real_router: int = 34103  # and + 1 for its Prometheus endpoint
+    real_gateway: int = 34110
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    quick: bool
+    concurrencies: tuple[int, ...]
+    wrk_duration_s: float
+    ttft_duration_s: float
+    prompt_tokens: tuple[int, ...]  # tokenization/admission sizes
+    refusal_megabytes: tuple[int, ...]
+    refusal_repeats: int
+    streams: tuple[int, ...]  # concurrent streams held open for the memory bench
+    real_engine: bool
+    real_requests: int  # per target and mode at one in flight on real SGLang
+    peer_benches: bool
+    audit_rows: int
+    router_cpus: set[int] | None
+    helper_cpus: set[int] | None
+    ports: Ports = field(default_factory=Ports)
+
+    @classmethod
+    def from_env(cls) -> BenchConfig:
+        quick = _env_flag("BENCH_QUICK")
+        cpus = sorted(os.sched_getaffinity(0))
+        pinned = len(cpus) >= 2 and _env_flag("BENCH_PIN", True)
+        return cls(
+            quick=quick,
+            concurrencies=(1, 16, 64),
+            wrk_duration_s=float(os.environ.get("BENCH_DURATION_S", 2 if quick else 8)),
+            ttft_duration_s=1.5 if quick else 4.0,
+            prompt_tokens=(1_000, 10_000, 100_000, 1_000_000) if quick
+            else (1_000, 4_000, 16_000, 64_000, 256_000, 1_000_000),
+            refusal_megabytes=(1, 10, 50) if quick else (1, 5, 10, 25, 50),
+            refusal_repeats=2 if quick else 5,
+            streams=(1000,) if quick else (1000, 2000),
+            real_engine=_env_flag("BENCH_REAL_ENGINE", not quick),
+            real_requests=int(os.environ.get("BENCH_REAL_REQUESTS", 6 if quick else 20)),
+            peer_benches=_env_flag("BENCH_PEERS", True),
+            audit_rows=int(os.environ.get("BENCH_AUDIT_ROWS", 100_000 if quick else 1_000_000)),
+            router_cpus={cpus[-1]} if pinned else None,
+            helper_cpus=set(cpus[:-1]) if pinned else None,
+        )

@@ -1,0 +1,73 @@
+"""The instant-backend rig: two instant backends (prefill, decode), a slow-streaming decode,
+``sglang_router`` and the gateway in front of them, started once for the sections that use it."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from bench.config import BenchConfig
+from bench.processes import (BenchModel, BenchPool, Managed, instant_backend, sglang_router, start_gateway,
+                             write_bench_policies)
+from gateway.dev.model import ensure_tiny_model
+from tests.harness import GatewayProcess
+
+POOL_TOKENS = 8_388_608  # the instant backends' advertised KV pool: admission never binds on it
+MODEL = "tiny-llama"  # everyday limit: the 65,536-token policy of the dev model
+LONG_MODEL = "tiny-llama-long"  # admits the 1M-token prompts of the tokenization bench
+SLOW_MODEL = "tiny-llama-slow"  # its decode streams slowly: the memory bench's held streams
+SLOW_STREAM_INTERVAL_S = 2.0
+SLOW_STREAM_CHUNKS = 600
+
+
+@dataclass
+class Rig:
+    config: BenchConfig
+    work_dir: Path
+    direct_url: str
+    router_url: str
+    router: Managed
+    gateway: GatewayProcess
+    gateway_key: str
+
+    @property
+    def gateway_url(self) -> str:
+        return self.gateway.url
+
+    @property
+    def gateway_pid(self) -> int:
+        assert self.gateway.process is not None
+        return self.gateway.process.pid
+
+
+@contextlib.contextmanager
+def instant_rig(config: BenchConfig, work_dir: Path) -> Iterator[Rig]:
+    ports = config.ports
+    started: list[Managed] = []
+    gateway: GatewayProcess | None = None
+    try:
+        for role, port, kwargs in (("prefill", ports.prefill, {}), ("decode", ports.decode, {}),
+                                   ("decode", ports.slow_decode, {"chunks": SLOW_STREAM_CHUNKS,
+                                                                  "stream_interval_s": SLOW_STREAM_INTERVAL_S})):
+            started.append(instant_backend(role, port, work_dir, cpus=config.helper_cpus, pool_tokens=POOL_TOKENS,
+                                           **kwargs))
+        prefill_url, decode_url = f"http://127.0.0.1:{ports.prefill}", f"http://127.0.0.1:{ports.decode}"
+        router = sglang_router(prefill_url, ports.bootstrap, decode_url, ports.router, work_dir,
+                               cpus=config.router_cpus)
+        started.append(router)
+        pool = BenchPool(prefill_url, ports.bootstrap, decode_url)
+        slow_pool = BenchPool(prefill_url, ports.bootstrap, f"http://127.0.0.1:{ports.slow_decode}")
+        policies = write_bench_policies(work_dir / "policies", tokenizer_dir=ensure_tiny_model(), models=[
+            BenchModel(MODEL, 65_536, pool),
+            BenchModel(LONG_MODEL, 4_194_304, pool),
+            BenchModel(SLOW_MODEL, 65_536, slow_pool),
+        ])
+        gateway, key = start_gateway(policies, work_dir / "gateway", ports.gateway, cpus=config.router_cpus)
+        yield Rig(config, work_dir, decode_url, f"http://127.0.0.1:{ports.router}", router, gateway, key)
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        for process in reversed(started):
+            process.stop()

@@ -1,0 +1,104 @@
+"""Section 1: added latency and throughput of sglang_router and the gateway, against direct.
+
+All three get the same client request (``POST /v1/completions``, a short prompt, 4 output
+tokens) in front of the same instant backend: "direct" sends it straight to the decode
+backend (one hop, the floor), ``sglang_router`` (PD mode) and the gateway forward it to
+prefill and decode. ``wrk`` measures whole responses (non-streaming, and streaming where the
+whole stream is 4 chunks sent back to back); ``bench.stream_client`` measures streaming time
+to first token. Targets are interleaved inside each cell, so a noisy neighbour hits all three.
+
+CPU per request is the router process's own CPU time over the run divided by the requests it
+served: at saturation it is the cost figure that does not depend on where the bottleneck is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import asdict, dataclass
+
+import orjson
+
+from bench.processes import group_cpu_seconds
+from bench.rig import MODEL, Rig
+from bench.stream_client import Target, run_load
+from bench.wrk import run_wrk
+
+PROMPT = "Summarise the following in one line: the gateway checks tenant isolation end to end."
+
+
+@dataclass
+class Cell:
+    target: str  # direct | sglang_router | gateway
+    mode: str  # plain | stream (wrk: whole response) | ttft (stream_client: first body byte)
+    concurrency: int
+    requests: int
+    errors: int
+    rps: float
+    p50_ms: float
+    p99_ms: float
+    cpu_us_per_request: float | None
+    cpu_utilisation: float | None  # of the router's process, share of one core
+
+
+def request_body(stream: bool) -> bytes:
+    return orjson.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "stream": stream})
+
+
+def _targets(rig: Rig) -> list[tuple[str, str, int | None]]:
+    return [
+        ("direct", rig.direct_url, None),
+        ("sglang_router", rig.router_url, rig.router.pid),
+        ("gateway", rig.gateway_url, rig.gateway_pid),
+    ]
+
+
+def _cpu(pgid: int | None) -> float:
+    return group_cpu_seconds(pgid) if pgid is not None else 0.0
+
+
+def run_routing_bench(rig: Rig, log=print) -> list[Cell]:
+    config = rig.config
+    cells: list[Cell] = []
+    # Warm every path (connection pools, tokenizer, auth cache).
+    for _, url, _ in _targets(rig):
+        for stream in (False, True):
+            run_wrk(url + "/v1/completions", request_body(stream), connections=4, duration_s=1, auth=rig.gateway_key,
+                    cpus=config.helper_cpus)
+    for stream in (False, True):
+        mode = "stream" if stream else "plain"
+        for concurrency in config.concurrencies:
+            for name, url, pgid in _targets(rig):
+                cpu_before, wall_before = _cpu(pgid), time.perf_counter()
+                result = run_wrk(url + "/v1/completions", request_body(stream), connections=concurrency,
+                                 duration_s=config.wrk_duration_s, auth=rig.gateway_key, cpus=config.helper_cpus)
+                cpu, wall = _cpu(pgid) - cpu_before, time.perf_counter() - wall_before
+                cell = Cell(name, mode, concurrency, result.requests, result.errors, result.rps, result.p50_ms,
+                            result.p99_ms, cpu / result.requests * 1e6 if pgid and result.requests else None,
+                            cpu / wall if pgid else None)
+                cells.append(cell)
+                log(f"  {mode:6} c={concurrency:<3} {name:14} {cell.rps:8.0f} req/s  p50 {cell.p50_ms:7.3f} ms  "
+                    f"p99 {cell.p99_ms:7.3f} ms  errors {cell.errors}"
+                    + (f"  cpu {cell.cpu_us_per_request:.0f} us/req ({cell.cpu_utilisation:.0%} of a core)"
+                       if cell.cpu_us_per_request is not None else ""))
+    for concurrency in config.concurrencies:
+        for name, url, pgid in _targets(rig):
+            target = Target(url + "/v1/completions", request_body(True),
+                            (("Authorization", f"Bearer {rig.gateway_key}"),))
+            cpu_before, wall_before = _cpu(pgid), time.perf_counter()
+            result = asyncio.run(run_load(target, concurrency=concurrency, duration_s=config.ttft_duration_s,
+                                          warmup_requests=1))
+            cpu, wall = _cpu(pgid) - cpu_before, time.perf_counter() - wall_before
+            summary = result.summary()
+            cell = Cell(name, "ttft", concurrency, int(summary["requests"]), int(summary["non_200"]), summary["rps"],
+                        summary["ttft_p50_ms"], summary["ttft_p99_ms"],
+                        cpu / summary["requests"] * 1e6 if pgid and summary["requests"] else None,
+                        cpu / wall if pgid else None)
+            cells.append(cell)
+            log(f"  ttft   c={concurrency:<3} {name:14} {cell.rps:8.0f} req/s  p50 {cell.p50_ms:7.3f} ms  "
+                f"p99 {cell.p99_ms:7.3f} ms  errors {cell.errors}")
+    return cells
+
+
+def cells_as_json(cells: list[Cell]) -> list[dict]:
+    return [asdict(c) for c in cells]
