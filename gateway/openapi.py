@@ -262,12 +262,20 @@ def _generation(summary: str, body: str, result: str) -> dict[str, Any]:
                     "description": f"A {result}, or with \"stream\": true an SSE stream of chunks ending in "
                                    "\"data: [DONE]\" (a failure after the first byte ends the stream with one "
                                    "error event and no [DONE]).",
-                    "content": {**_json_content(_ref(result)), "text/event-stream": {"schema": {"type": "string"}}},
+                    "content": {**_json_content(_ref(result)), "text/event-stream": {"schema": _SSE_EVENT}},
                 },
                 **_GENERATION_ERRORS,
             },
         }
     }
+
+
+# One server-sent event: "data" carries a JSON chunk (or an error object, or "[DONE]").
+_SSE_EVENT = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {"data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"}},
+}
 
 
 def _path_param(name: str) -> dict[str, Any]:
