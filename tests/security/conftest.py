@@ -8,7 +8,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.reliability.stack import StandInStack, standin_stack
+from tests.reliability.stack import STANDIN_POOL_TOKENS, StandInStack, standin_stack
+from tests.standin_worker import Behaviour
 
 # Small enough that "huge body" cases are cheap to send, large enough for every honest case.
 FUZZ_MAX_BODY_BYTES = 1024 * 1024
@@ -18,7 +19,10 @@ FUZZ_CASES: Counter[str] = Counter()
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StandInStack]:
-    with standin_stack(tmp_path_factory.mktemp("security"),
+    # One token per answer: an honest reply to any max_tokens >= 1 (the default two-chunk stand-in
+    # would rightly fail the gateway's token-count check when max_tokens is 1).
+    honest = Behaviour(text_chunks=("Hi",), pool_tokens=STANDIN_POOL_TOKENS)
+    with standin_stack(tmp_path_factory.mktemp("security"), behaviour=honest,
                        env={"ISOGATE_MAX_BODY_BYTES": str(FUZZ_MAX_BODY_BYTES)}) as running:
         yield running
 
