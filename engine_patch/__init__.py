@@ -33,4 +33,10 @@ def register() -> None:
         raise PluginRefusedToLoad(message)
     settings = load_settings()
     install_hooks(settings)
+    if settings.disabled_checks:
+        logger.warning(
+            "%s checks DISABLED by configuration: %s (never in production)",
+            LOG_PREFIX,
+            settings.disabled_checks,
+        )
     logger.info("%s loaded with %s", LOG_PREFIX, settings)

@@ -29,7 +29,9 @@ def install_hooks(settings: EngineSettings) -> None:
         register(compat.VERIFY_CHECKSUMS.path, page_tags.check_pages_before_first_decode, HookType.AROUND)
         register(compat.PREPARE_DECODE.path, page_tags.mark_decode_writes, HookType.AFTER)
     # Pool against context length.
-    register(compat.WORKER_INFO.path, partial(capacity.gate_after_worker_info, settings), HookType.AFTER)
+    if settings.startup_gate:
+        register(compat.WORKER_INFO.path, partial(capacity.gate_after_worker_info, settings), HookType.AFTER)
     register(compat.INIT_INFO.path, capacity.report_in_init_info, HookType.AFTER)
     register(compat.SET_STARTUP_TIME.path, capacity.apply_clamp_in_tokenizer, HookType.AFTER)
-    register(compat.VALIDATE_ONE.path, capacity.guard_before_validation, HookType.BEFORE)
+    if settings.prompt_guard:
+        register(compat.VALIDATE_ONE.path, capacity.guard_before_validation, HookType.BEFORE)

@@ -41,6 +41,8 @@ def make_req(
         "",
         array("q", [3 + i % 500 for i in range(prompt_len)]),
         SamplingParams(max_new_tokens=8),
+        bootstrap_host="127.0.0.1",
+        bootstrap_port=30112,
         bootstrap_room=bootstrap_room,
         extra_key=extra_key,
     )
@@ -110,7 +112,7 @@ class DecodeSchedulerStandIn:
     batch_result_processor: Any = field(default_factory=ReasoningCounterStandIn)
 
 
-def make_kv_pools(tokens: int = 256, page_size: int = 1, rows: int = 8) -> tuple[ReqToTokenPool, TokenToKVPoolAllocator]:
+def make_kv_pools(tokens: int = 4096, page_size: int = 1, rows: int = 8) -> tuple[ReqToTokenPool, TokenToKVPoolAllocator]:
     assert page_size == 1, "the plain token allocator is page size 1"
     req_to_token_pool = ReqToTokenPool(size=rows, max_context_len=tokens, device="cpu", enable_memory_saver=False)
     allocator = TokenToKVPoolAllocator(tokens, torch.float16, "cpu", None, False)
