@@ -6,9 +6,10 @@ Each worker is polled every ``capacity_poll_interval_s`` on ``/server_info`` (po
 observation: ``CapacityRegistry.get`` returns ``None`` and the worker is not routed to.
 Numbers are never guessed.
 
-With Redis configured, every replica writes what it observed under one key per worker
-(with the staleness TTL) and decides on what Redis holds, so all replicas decide on the same
-numbers; without Redis, on its own observations.
+With Redis configured, one replica per interval polls each worker (a short Redis lease),
+writes what it observed under one key per worker (with the staleness TTL), and every replica
+decides on what Redis holds: all replicas decide on the same observation. Without Redis (or
+while it does not answer), each replica decides on its own observations.
 """
 
 from __future__ import annotations
@@ -143,13 +144,15 @@ class CapacityRegistry:
         await self._refreshed.wait()
 
     async def refresh(self) -> None:
-        """Poll every worker once, publish, then adopt the shared view."""
-        urls = list(self._workers.items())
+        """Poll the workers this replica is responsible for, publish, then adopt the shared view."""
+        workers = list(self._workers.items())
+        if self._redis is not None:
+            workers = await self._claim_polls(workers)
         results = await asyncio.gather(
-            *(poll_worker(self._client, url, role) for url, role in urls), return_exceptions=True
+            *(poll_worker(self._client, url, role) for url, role in workers), return_exceptions=True
         )
         fresh: dict[str, WorkerCapacity] = {}
-        for (url, _), result in zip(urls, results):
+        for (url, _), result in zip(workers, results):
             if isinstance(result, BaseException):
                 self._errors[url] = f"{type(result).__name__}: {result}"
             else:
@@ -159,6 +162,22 @@ class CapacityRegistry:
             fresh = await self._share(fresh)
         self._observed.update(fresh)
         self._refreshed.set()
+
+    async def _claim_polls(self, workers: list[tuple[str, Role]]) -> list[tuple[str, Role]]:
+        """One replica polls each worker per interval (a Redis lease); the others read its record.
+
+        So every replica decides on the same observation instead of each on its own. If Redis
+        does not answer, this replica polls everything itself.
+        """
+        lease_ms = max(1, int(self._poll_interval_s * 900))
+        try:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for url, _ in workers:
+                    pipe.set(f"{self._key(url)}:poller", "1", nx=True, px=lease_ms)
+                won = await pipe.execute()
+        except Exception:
+            return workers
+        return [worker for worker, mine in zip(workers, won) if mine]
 
     async def _share(self, fresh: dict[str, WorkerCapacity]) -> dict[str, WorkerCapacity]:
         """Publish our observations; return the newest observation of every worker in Redis."""

@@ -98,6 +98,7 @@ async def build_components(settings: Settings) -> Components:
         poll_interval_s=settings.capacity_poll_interval_s,
         stale_after_s=settings.capacity_stale_after_s,
         redis=redis_client,
+        key_prefix=settings.redis_key_prefix,
     )
     capacity.set_workers(workers_of(policies))
     store = create_store(settings.database_url)
@@ -111,7 +112,7 @@ async def build_components(settings: Settings) -> Components:
         store=store,
         authenticator=Authenticator(store, settings),
         audit=AuditLog(store, settings),
-        limiter=TenantLimiter(redis_client),
+        limiter=TenantLimiter(redis_client, settings.redis_key_prefix),
         metrics=Metrics(),
         redis=redis_client,
         http=http,

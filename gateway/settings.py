@@ -42,6 +42,8 @@ class Settings(BaseSettings):
     # State
     database_url: str = f"sqlite:///{REPO_ROOT / '.run' / 'isogate.db'}"
     redis_url: str | None = None
+    # Prefix of every Redis key this deployment uses (capacity, limits, canaries).
+    redis_key_prefix: str = "isogate"
     # The admin key (raw). Requests bearing it may administer tenants and read every audit event.
     admin_key: str | None = None
     # Secret from which per-tenant cache salts (SGLang ``extra_key``) are derived.

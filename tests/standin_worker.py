@@ -64,6 +64,7 @@ class StandInWorker:
     behaviour: Behaviour = field(default_factory=Behaviour)
     port: int = field(default_factory=free_port)
     requests: list[dict[str, Any]] = field(default_factory=list)
+    polls: int = 0
     _server: uvicorn.Server | None = None
     _thread: threading.Thread | None = None
 
@@ -83,8 +84,11 @@ class StandInWorker:
             return JSONResponse(body)
 
         async def v1_loads(request: Request) -> Response:
+            # Every poll sees a different use, so two observations are equal only if they are one.
+            self.polls += 1
             body = dict(loads)
-            body["loads"] = [dict(loads["loads"][0], max_total_num_tokens=self.behaviour.pool_tokens)]
+            body["loads"] = [dict(loads["loads"][0], max_total_num_tokens=self.behaviour.pool_tokens,
+                                  num_used_tokens=self.polls % 97)]
             return JSONResponse(body)
 
         async def v1_models(request: Request) -> Response:
