@@ -10,6 +10,7 @@ import json
 import random
 import sys
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -47,9 +48,14 @@ def generate_body(input_ids: list[int]) -> dict[str, object]:
 
 
 async def generate_through_pd_pair(pd_cluster: PDCluster, input_ids: list[int]) -> dict:
-    """Send the same body to prefill and decode at once, as sglang_router does."""
+    """Send the same body to prefill and decode at once, as sglang_router does.
+
+    Both halves carry the same `rid`: the production plugin (engine_patch) derives an
+    untagged request's generation from its rid and refuses KV written for another one.
+    """
     body = {
         **generate_body(input_ids),
+        "rid": uuid.uuid4().hex,
         "bootstrap_host": "127.0.0.1",
         "bootstrap_port": pd_cluster.bootstrap_port,
         "bootstrap_room": random.getrandbits(63),
@@ -96,7 +102,13 @@ def test_router_output_equals_direct_pd_dispatch(
     direct = asyncio.run(generate_through_pd_pair(pd_cluster, prompt_ids))
 
     with RouterProcess(pd_cluster, port=ROUTER_PORT, prometheus_port=ROUTER_PROMETHEUS_PORT) as router:
-        routed = httpx.post(f"{router.url}/generate", json=generate_body(prompt_ids), timeout=60.0)
+        # sglang_router forwards the body, rid included, to both halves; without a rid each
+        # half picks its own and the production plugin refuses the pair (foreign_generation).
+        routed = httpx.post(
+            f"{router.url}/generate",
+            json={**generate_body(prompt_ids), "rid": uuid.uuid4().hex},
+            timeout=60.0,
+        )
 
     assert routed.status_code == 200, routed.text
     assert routed.json()["output_ids"] == direct["output_ids"]
