@@ -209,10 +209,10 @@ async def _tokenize(components: Components, model: ModelPolicy, parsed: ChatComp
         return tokenizer.check_token_ids(parsed.prompt)
     if isinstance(parsed, ChatCompletionRequest):
         turns = [ChatTurn(m.role, m.text()) for m in parsed.messages]
-        text_bytes = sum(len(t.content.encode("utf-8")) for t in turns)
+        text_bytes = sum(protocol.utf8_length(t.content) for t in turns)
     else:
         text = parsed.prompt if isinstance(parsed.prompt, str) else parsed.prompt[0]
-        text_bytes = len(text.encode("utf-8"))
+        text_bytes = protocol.utf8_length(text)
     at_least = tokenizer.min_tokens_for_bytes(text_bytes)
     if at_least > limit.tokens:
         components.metrics.refused_untokenized_inc(model.name)
