@@ -48,6 +48,9 @@ class BenchConfig:
     peer_benches: bool
     audit_rows: int
     router_cpus: set[int] | None
+    # Autogroup nice of the bench's own processes (0: none). On a machine shared with other
+    # sessions, a process of ours gets 1/(number of busy sessions) of a core without it.
+    priority: int
     helper_cpus: set[int] | None
     ports: Ports = field(default_factory=Ports)
 
@@ -71,5 +74,6 @@ class BenchConfig:
             peer_benches=_env_flag("BENCH_PEERS", True),
             audit_rows=int(os.environ.get("BENCH_AUDIT_ROWS", 100_000 if quick else 1_000_000)),
             router_cpus={cpus[-1]} if pinned else None,
+            priority=int(os.environ.get("BENCH_PRIORITY", "0")),
             helper_cpus=set(cpus[:-1]) if pinned else None,
         )

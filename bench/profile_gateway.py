@@ -75,11 +75,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         ports = config.ports
         for role, port in (("prefill", ports.prefill), ("decode", ports.decode)):
-            started.append(instant_backend(role, port, work, cpus=config.helper_cpus, pool_tokens=POOL_TOKENS))
+            started.append(instant_backend(role, port, work, cpus=config.helper_cpus, pool_tokens=POOL_TOKENS, priority=config.priority))
         pool = BenchPool(f"http://127.0.0.1:{ports.prefill}", ports.bootstrap, f"http://127.0.0.1:{ports.decode}")
         policies = write_bench_policies(work / "policies", tokenizer_dir=ensure_tiny_model(),
                                         models=[BenchModel(MODEL, 65_536, pool)])
-        gateway, key = start_gateway(policies, work / "gateway", ports.gateway, cpus=config.router_cpus)
+        gateway, key = start_gateway(policies, work / "gateway", ports.gateway, cpus=config.router_cpus, priority=config.priority)
         url = gateway.url + "/v1/completions"
         body = request_body(args.stream)
         run_wrk(url, body, connections=4, duration_s=1, auth=key, cpus=config.helper_cpus)  # warm

@@ -52,10 +52,10 @@ def instant_rig(config: BenchConfig, work_dir: Path) -> Iterator[Rig]:
                                    ("decode", ports.slow_decode, {"chunks": SLOW_STREAM_CHUNKS,
                                                                   "stream_interval_s": SLOW_STREAM_INTERVAL_S})):
             started.append(instant_backend(role, port, work_dir, cpus=config.helper_cpus, pool_tokens=POOL_TOKENS,
-                                           **kwargs))
+                                           priority=config.priority, **kwargs))
         prefill_url, decode_url = f"http://127.0.0.1:{ports.prefill}", f"http://127.0.0.1:{ports.decode}"
         router = sglang_router(prefill_url, ports.bootstrap, decode_url, ports.router, work_dir,
-                               cpus=config.router_cpus)
+                               cpus=config.router_cpus, priority=config.priority)
         started.append(router)
         pool = BenchPool(prefill_url, ports.bootstrap, decode_url)
         slow_pool = BenchPool(prefill_url, ports.bootstrap, f"http://127.0.0.1:{ports.slow_decode}")
@@ -64,7 +64,8 @@ def instant_rig(config: BenchConfig, work_dir: Path) -> Iterator[Rig]:
             BenchModel(LONG_MODEL, 4_194_304, pool),
             BenchModel(SLOW_MODEL, 65_536, slow_pool),
         ])
-        gateway, key = start_gateway(policies, work_dir / "gateway", ports.gateway, cpus=config.router_cpus)
+        gateway, key = start_gateway(policies, work_dir / "gateway", ports.gateway, cpus=config.router_cpus,
+                                     priority=config.priority)
         yield Rig(config, work_dir, decode_url, f"http://127.0.0.1:{ports.router}", router, gateway, key)
     finally:
         if gateway is not None:

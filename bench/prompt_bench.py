@@ -1,0 +1,184 @@
+"""Section 2: tokenization and admission against prompt length, refusing over-limit prompts,
+and whether tokenizing a 1M-token prompt blocks other requests.
+
+- In process: ``ModelTokenizer`` of the tiny model, the encode the gateway runs (sync, as in
+  its thread) and the admission arithmetic (byte-length lower bound, limit).
+- Through the running gateway (HTTP, end to end): a prompt of N tokens admitted and served
+  by the instant backend (model ``tiny-llama-long``, policy limit 4M tokens), and an
+  over-limit prompt of 1 to 50 MB refused (model ``tiny-llama``, 65,536 tokens): the gateway
+  refuses it from its byte length, before tokenizing.
+- Blocking: small requests, one in flight, before and while one 1M-token prompt is being
+  tokenized and served. For this part the gateway may use every CPU (tokenizing off the
+  event loop only helps when there is another core to run on).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import threading
+import time
+from dataclasses import asdict, dataclass
+
+import httpx
+import orjson
+
+from bench.processes import pin
+from bench.rig import LONG_MODEL, MODEL, Rig
+from bench.routing_bench import request_body
+from bench.stream_client import Target, percentile, run_load
+from gateway.dev.model import ensure_tiny_model
+from gateway.tokenize import ModelTokenizer
+
+PARAGRAPH = ("The quick brown fox jumps over the lazy dog while the gateway counts every token exactly; "
+             "prefill and decode pools hold what admission lets through, and nothing more. ")
+
+
+def text_of_tokens(tokenizer: ModelTokenizer, tokens: int) -> str:
+    """Text that encodes to about ``tokens`` tokens (calibrated on the paragraph)."""
+    per_paragraph = len(tokenizer._tokenizer.encode(PARAGRAPH * 8, add_special_tokens=False).ids) / 8
+    return PARAGRAPH * max(1, round(tokens / per_paragraph))
+
+
+def text_of_bytes(size: int) -> str:
+    return (PARAGRAPH * (size // len(PARAGRAPH) + 1))[:size]
+
+
+@dataclass
+class TokenizeRow:
+    target_tokens: int
+    tokens: int
+    megabytes: float
+    encode_ms: float  # ModelTokenizer's encode, synchronous
+    admission_us: float  # byte-length bound + limit comparison
+    http_ms: float | None  # end to end through the gateway, admitted and served
+    http_status: int | None
+
+
+@dataclass
+class RefusalRow:
+    megabytes: int
+    status: int
+    code: str | None
+    p50_ms: float
+    min_ms: float
+    max_ms: float
+
+
+@dataclass
+class BlockingResult:
+    big_tokens: int
+    big_ms: float
+    big_status: int
+    baseline_p50_ms: float
+    baseline_p99_ms: float
+    during_requests: int
+    during_p50_ms: float
+    during_p99_ms: float
+    during_max_ms: float
+
+
+def _post(client: httpx.Client, rig: Rig, body: bytes) -> tuple[float, httpx.Response]:
+    started = time.perf_counter()
+    response = client.post(rig.gateway_url + "/v1/completions", content=body,
+                           headers={"Authorization": f"Bearer {rig.gateway_key}", "Content-Type": "application/json"})
+    return (time.perf_counter() - started) * 1000, response
+
+
+def tokenize_rows(rig: Rig, log=print) -> list[TokenizeRow]:
+    tokenizer = ModelTokenizer(ensure_tiny_model())
+    rows = []
+    with httpx.Client(timeout=300) as client:
+        for target in rig.config.prompt_tokens:
+            text = text_of_tokens(tokenizer, target)
+            repeats = 3 if target <= 100_000 else 1
+            encode_ms = []
+            for _ in range(repeats):
+                started = time.perf_counter()
+                ids = tokenizer._tokenizer.encode(text, add_special_tokens=True).ids
+                encode_ms.append((time.perf_counter() - started) * 1000)
+            started = time.perf_counter()
+            for _ in range(1000):
+                bound = tokenizer.min_tokens_for_bytes(len(text.encode("utf-8")))
+                _ = bound > 4_194_304 or len(ids) > 4_194_304
+            admission_us = (time.perf_counter() - started) * 1000  # per call, in µs (1000 calls)
+            body = orjson.dumps({"model": LONG_MODEL, "prompt": text, "max_tokens": 4})
+            http = [_post(client, rig, body) for _ in range(repeats)]
+            row = TokenizeRow(target, len(ids), len(text) / 1e6, min(encode_ms), admission_us,
+                              statistics.median(ms for ms, _ in http), http[-1][1].status_code)
+            rows.append(row)
+            log(f"  {row.tokens:>9,} tokens ({row.megabytes:6.2f} MB): encode {row.encode_ms:8.1f} ms  "
+                f"admission {row.admission_us:6.1f} us  via gateway {row.http_ms:8.1f} ms (HTTP {row.http_status})")
+    return rows
+
+
+def refusal_rows(rig: Rig, log=print) -> list[RefusalRow]:
+    rows = []
+    with httpx.Client(timeout=120) as client:
+        _post(client, rig, request_body(False))  # connection up
+        for megabytes in rig.config.refusal_megabytes:
+            body = orjson.dumps({"model": MODEL, "prompt": text_of_bytes(megabytes * 1_000_000), "max_tokens": 4})
+            times, response = [], None
+            for _ in range(rig.config.refusal_repeats):
+                ms, response = _post(client, rig, body)
+                times.append(ms)
+            assert response is not None
+            try:
+                code = response.json().get("error", {}).get("code")
+            except ValueError:
+                code = None
+            row = RefusalRow(megabytes, response.status_code, code, statistics.median(times), min(times), max(times))
+            rows.append(row)
+            log(f"  refuse {megabytes:>3} MB: HTTP {row.status} {row.code}  p50 {row.p50_ms:7.1f} ms  "
+                f"min {row.min_ms:7.1f} ms  max {row.max_ms:7.1f} ms")
+    return rows
+
+
+def blocking(rig: Rig, big_tokens: int = 1_000_000, log=print) -> BlockingResult:
+    tokenizer = ModelTokenizer(ensure_tiny_model())
+    big_body = orjson.dumps({"model": LONG_MODEL, "prompt": text_of_tokens(tokenizer, big_tokens), "max_tokens": 4})
+    small = Target(rig.gateway_url + "/v1/completions", request_body(False),
+                   (("Authorization", f"Bearer {rig.gateway_key}"),))
+    baseline = asyncio.run(run_load(small, concurrency=1, duration_s=1.5, warmup_requests=3)).ok()
+    big: dict = {}
+
+    def send_big() -> None:
+        with httpx.Client(timeout=300) as client:
+            big["ms"], response = _post(client, rig, big_body)
+            big["status"] = response.status_code
+
+    async def small_while_big() -> list[float]:
+        latencies: list[float] = []
+        thread = threading.Thread(target=send_big)
+        thread.start()
+        while thread.is_alive():
+            result = await run_load(small, concurrency=1, total_requests=1)
+            latencies += [s.total_s * 1000 for s in result.ok()]
+        thread.join()
+        return latencies
+
+    during = sorted(asyncio.run(small_while_big()))
+    base = sorted(s.total_s * 1000 for s in baseline)
+    result = BlockingResult(big_tokens, big["ms"], big["status"], percentile(base, 0.5), percentile(base, 0.99),
+                            len(during), percentile(during, 0.5), percentile(during, 0.99), max(during, default=0.0))
+    log(f"  1M-token prompt in flight {result.big_ms:.0f} ms (HTTP {result.big_status}); small requests: "
+        f"baseline p50 {result.baseline_p50_ms:.2f} ms p99 {result.baseline_p99_ms:.2f} ms; during "
+        f"n={result.during_requests} p50 {result.during_p50_ms:.2f} ms p99 {result.during_p99_ms:.2f} ms "
+        f"max {result.during_max_ms:.1f} ms")
+    return result
+
+
+def run_prompt_bench(rig: Rig, log=print) -> dict:
+    log(" tokenization and admission vs prompt length")
+    tokenize = tokenize_rows(rig, log)
+    log(" refusing over-limit prompts (HTTP, end to end)")
+    refusals = refusal_rows(rig, log)
+    log(" does tokenizing 1M tokens block other requests? (gateway on every CPU for this part)")
+    all_cpus = set(range(__import__("os").cpu_count() or 1))
+    pin(rig.gateway_pid, all_cpus)
+    try:
+        block = blocking(rig, log=log)
+    finally:
+        pin(rig.gateway_pid, rig.config.router_cpus)
+    return {"tokenize": [asdict(r) for r in tokenize], "refusal": [asdict(r) for r in refusals],
+            "blocking": asdict(block)}

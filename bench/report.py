@@ -1,0 +1,177 @@
+"""Render one bench run as Markdown: the machine, one table per section, and the targets."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+TARGET_ADDED_P50_MS = 0.5
+TARGET_ADDED_P99_MS = 1.0
+TARGET_REFUSE_50MB_MS = 50.0
+TARGET_STREAMS_MB = 500.0
+
+
+def _f(value: Any, digits: int = 2) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        if value != value:  # NaN
+            return "-"
+        return f"{value:,.{digits}f}"
+    return f"{value:,}" if isinstance(value, int) else str(value)
+
+
+def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(_f(c) if not isinstance(c, str) else c for c in row) + " |" for row in rows]
+    return lines + [""]
+
+
+def _cells(routing: list[dict], mode: str) -> dict[tuple[int, str], dict]:
+    return {(c["concurrency"], c["target"]): c for c in routing if c["mode"] == mode}
+
+
+def routing_tables(routing: list[dict]) -> list[str]:
+    out: list[str] = []
+    titles = {
+        "plain": "Non-streaming (wrk; latency of the whole response)",
+        "stream": "Streaming, whole stream of 4 chunks (wrk)",
+        "ttft": "Streaming, time to first token (bench.stream_client; first body bytes)",
+    }
+    for mode, title in titles.items():
+        cells = _cells(routing, mode)
+        if not cells:
+            continue
+        out += [f"#### {title}", ""]
+        rows = []
+        for (concurrency, target), cell in sorted(cells.items(), key=lambda kv: (kv[0][0], kv[1]["target"] != "direct", kv[0][1])):
+            direct = cells.get((concurrency, "direct"))
+            added50 = cell["p50_ms"] - direct["p50_ms"] if direct and target != "direct" else None
+            added99 = cell["p99_ms"] - direct["p99_ms"] if direct and target != "direct" else None
+            util = f"{cell['cpu_utilisation']:.0%}" if cell.get("cpu_utilisation") is not None else "-"
+            rows.append([concurrency, target, cell["rps"], cell["p50_ms"], cell["p99_ms"], added50, added99,
+                         cell.get("cpu_us_per_request"), util, cell["errors"]])
+        out += _table(["in flight", "target", "req/s", "p50 ms", "p99 ms", "added p50 ms", "added p99 ms",
+                       "CPU µs/req", "router CPU", "errors"], rows)
+    return out
+
+
+def target_lines(results: dict[str, Any]) -> list[str]:
+    lines = ["| target | measured | verdict |", "|---|---|---|"]
+
+    def verdict(ok: bool | None) -> str:
+        return "-" if ok is None else ("met" if ok else "**missed**")
+
+    routing = results.get("routing") or []
+    plain = _cells(routing, "plain")
+    if plain:
+        d, r, g = (plain.get((1, t)) for t in ("direct", "sglang_router", "gateway"))
+        if d and g and r:
+            g50, g99 = g["p50_ms"] - d["p50_ms"], g["p99_ms"] - d["p99_ms"]
+            r50, r99 = r["p50_ms"] - d["p50_ms"], r["p99_ms"] - d["p99_ms"]
+            lines.append(f"| 1 in flight: added p50 ≤ {TARGET_ADDED_P50_MS} ms | gateway {g50:.3f} ms "
+                         f"(sglang_router {r50:.3f} ms) | {verdict(g50 <= TARGET_ADDED_P50_MS)} |")
+            lines.append(f"| 1 in flight: added p99 ≤ {TARGET_ADDED_P99_MS} ms | gateway {g99:.3f} ms "
+                         f"(sglang_router {r99:.3f} ms) | {verdict(g99 <= TARGET_ADDED_P99_MS)} |")
+        best = {t: max((c["rps"] for (n, tt), c in plain.items() if tt == t and n > 1), default=0.0)
+                for t in ("sglang_router", "gateway")}
+        if best["sglang_router"]:
+            ratio = best["gateway"] / best["sglang_router"]
+            lines.append(f"| saturation throughput ≥ ½ sglang_router's | gateway {best['gateway']:,.0f} req/s, "
+                         f"sglang_router {best['sglang_router']:,.0f} req/s (×{ratio:.2f}) | {verdict(ratio >= 0.5)} |")
+        cpu = {t: min((c["cpu_us_per_request"] for (n, tt), c in plain.items()
+                       if tt == t and n > 1 and c.get("cpu_us_per_request")), default=None)
+               for t in ("sglang_router", "gateway")}
+        if cpu["sglang_router"] and cpu["gateway"]:
+            ratio = cpu["gateway"] / cpu["sglang_router"]
+            lines.append(f"| CPU per request ≤ 2× sglang_router's | gateway {cpu['gateway']:,.0f} µs, "
+                         f"sglang_router {cpu['sglang_router']:,.0f} µs (×{ratio:.1f}) | {verdict(ratio <= 2)} |")
+    prompt = results.get("prompt") or {}
+    refusal = {r["megabytes"]: r for r in prompt.get("refusal", [])}
+    if 50 in refusal:
+        r = refusal[50]
+        lines.append(f"| refuse a 50 MB prompt ≤ {TARGET_REFUSE_50MB_MS:.0f} ms | p50 {r['p50_ms']:.1f} ms, "
+                     f"min {r['min_ms']:.1f} ms (HTTP {r['status']} {r['code']}) | "
+                     f"{verdict(r['p50_ms'] <= TARGET_REFUSE_50MB_MS and r['status'] == 400)} |")
+    block = prompt.get("blocking")
+    if block:
+        ok = block["during_max_ms"] < block["big_ms"] / 4 and block["during_requests"] > 1
+        lines.append(f"| tokenizing 1M tokens does not block | small requests while it ran ({block['big_ms']:.0f} ms): "
+                     f"n={block['during_requests']}, p50 {block['during_p50_ms']:.1f} ms, max "
+                     f"{block['during_max_ms']:.1f} ms (before: p50 {block['baseline_p50_ms']:.1f} ms) | {verdict(ok)} |")
+    memory = results.get("memory")
+    if memory and memory.get("streams"):
+        row = next((r for r in memory["streams"] if r["streams"] == 1000), memory["streams"][0])
+        lines.append(f"| 1,000 streams ≤ {TARGET_STREAMS_MB:.0f} MB RSS | {row['rss_mb']:.0f} MB with "
+                     f"{row['opened']} streams flowing (idle {memory['idle_before_mb']:.0f} MB) | "
+                     f"{verdict(row['rss_mb'] <= TARGET_STREAMS_MB and row['opened'] >= 0.99 * row['streams'])} |")
+    return lines + [""]
+
+
+def render(results: dict[str, Any]) -> str:
+    out = ["# isogate benchmark results", ""]
+    config = results.get("config", {})
+    out += [f"Run: {results.get('started_at')} ({'BENCH_QUICK smoke run' if config.get('quick') else 'full run'}, "
+            f"{results.get('seconds', 0):.0f} s). Produced by `make bench` (`scripts/bench`); how to read it: "
+            "`bench/README.md`.", ""]
+    out += ["## Machine", ""] + _table(["", ""], [[k, str(v)] for k, v in results.get("machine", {}).items()])
+    out += ["## Targets (issue 7)", ""] + target_lines(results)
+    if results.get("routing"):
+        out += ["## 1. Routing cost: direct vs sglang_router 0.3.2 (PD) vs isogate gateway, instant backend", "",
+                "Same client request to all three (`POST /v1/completions`, short prompt, 4 output tokens). "
+                "`direct` = straight to the decode instant backend (the floor). Added = target − direct at the "
+                "same concurrency. CPU µs/req = the router process's CPU time ÷ requests served. "
+                f"Pinning: {config.get('pinning')}", ""]
+        out += routing_tables(results["routing"])
+    prompt = results.get("prompt")
+    if prompt:
+        out += ["## 2. Tokenization and admission vs prompt length", ""]
+        out += _table(["prompt tokens", "MB", "encode ms (in process)", "admission µs", "via gateway ms (HTTP 200, "
+                       "served)", "status"],
+                      [[r["tokens"], r["megabytes"], r["encode_ms"], r["admission_us"], r["http_ms"], r["http_status"]]
+                       for r in prompt["tokenize"]])
+        out += ["Refusing an over-limit prompt (model limit 65,536 tokens), HTTP end to end:", ""]
+        out += _table(["prompt MB", "status", "code", "p50 ms", "min ms", "max ms"],
+                      [[r["megabytes"], r["status"], str(r["code"]), r["p50_ms"], r["min_ms"], r["max_ms"]]
+                       for r in prompt["refusal"]])
+        b = prompt["blocking"]
+        out += ["Small requests (1 in flight) while one 1M-token prompt is tokenized and served "
+                "(gateway allowed every CPU for this part):", ""]
+        out += _table(["", "requests", "p50 ms", "p99 ms", "max ms"],
+                      [["before", "-", b["baseline_p50_ms"], b["baseline_p99_ms"], "-"],
+                       [f"during ({b['big_ms']:.0f} ms, HTTP {b['big_status']})", b["during_requests"],
+                        b["during_p50_ms"], b["during_p99_ms"], b["during_max_ms"]]])
+    peers = results.get("peers")
+    if peers:
+        out += ["## 3. Other benches (audit, verification/canary, engine plugin)", ""]
+        for run in peers:
+            out += [f"### {run['name']}: {run['status']} ({run['seconds']:.0f} s)", ""]
+            if run.get("results") is not None:
+                out += ["```json", json.dumps(run["results"], indent=1, default=str)[:6000], "```", ""]
+            elif run.get("output_tail"):
+                out += ["```", run["output_tail"][-1500:], "```", ""]
+    memory = results.get("memory")
+    if memory:
+        out += ["## 4. Gateway memory", ""]
+        rows = [["idle, just started", memory["idle_fresh_mb"], "-"],
+                ["idle, after sections 1-2", memory["idle_before_mb"], "-"]]
+        rows += [[f"{r['streams']:,} streams held open", r["rss_mb"], f"{r['opened']} flowing, opened in "
+                  f"{r['open_s']:.1f} s"] for r in memory["streams"]]
+        rows.append(["streams closed", memory["idle_after_mb"], "-"])
+        out += _table(["state", "RSS MB", "note"], rows)
+        if memory.get("per_1000_streams_mb") is not None:
+            out += [f"Per 1,000 streams: {memory['per_1000_streams_mb']:.0f} MB.", ""]
+    real = results.get("real_engine")
+    if real:
+        out += ["## Real SGLang 0.5.23 CPU PD pair (tiny model, small n)", ""]
+        if real.get("cells"):
+            out += [f"engine_patch tags verified: {real.get('engine_tags')}. Latency is dominated by the model "
+                    "on the CPU; compare the three paths, not the absolute numbers.", ""]
+            out += _table(["mode", "in flight", "target", "n", "p50 ms", "p99 ms", "TTFT p50 ms", "errors"],
+                          [[c["mode"], c["concurrency"], c["target"], c["requests"], c["p50_ms"], c["p99_ms"],
+                            c["ttft_p50_ms"], c["errors"]] for c in real["cells"]])
+        else:
+            out += [f"Not run: {real.get('skipped') or real.get('failed')}", ""]
+    if results.get("errors"):
+        out += ["## Sections that failed", ""] + [f"- {e}" for e in results["errors"]] + [""]
+    return "\n".join(out)
