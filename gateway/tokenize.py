@@ -92,11 +92,12 @@ class ModelTokenizer:
     async def _encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
         if len(text) < self._thread_min_chars:
             return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
-        # Long prompts would stall every other request on the loop for tens of milliseconds.
-        encoding = await anyio.to_thread.run_sync(
-            lambda: self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        # Long prompts would stall every other request for as long as they take. ``encode``
+        # holds the GIL; ``encode_batch`` releases it, so the loop keeps serving meanwhile.
+        encodings = await anyio.to_thread.run_sync(
+            lambda: self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)
         )
-        return encoding.ids
+        return encodings[0].ids
 
 
 def _compile_template(source: str):

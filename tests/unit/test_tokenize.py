@@ -1,0 +1,72 @@
+"""The gateway's tokenizer: exact counts, a valid byte bound, and long prompts off the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from tokenizers import Tokenizer
+
+from gateway.dev.model import ensure_tiny_model
+from gateway.errors import APIError
+from gateway.tokenize import ChatTurn, ModelTokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> ModelTokenizer:
+    return ModelTokenizer(ensure_tiny_model(), thread_min_chars=1000)
+
+
+def test_text_counts_equal_the_models_own_tokenizer(tokenizer: ModelTokenizer) -> None:
+    reference = Tokenizer.from_file(str(ensure_tiny_model() / "tokenizer.json"))
+    for text in ("hello", "The quick brown fox.", "ünïcödé ✓ " * 50, "x" * 5000):
+        assert asyncio.run(tokenizer.encode_text(text)) == reference.encode(text).ids
+
+
+@pytest.mark.parametrize("text", ["a", "hello world", "ünïcödé ✓ 漢字", "x" * 3000, "🙂" * 700, "<|eos|>" * 40])
+def test_the_byte_bound_never_exceeds_the_real_count(tokenizer: ModelTokenizer, text: str) -> None:
+    real = len(asyncio.run(tokenizer.encode_text(text)))
+    assert tokenizer.min_tokens_for_bytes(len(text.encode("utf-8"))) <= real
+
+
+def test_chat_template_renders_roles_and_the_generation_prompt(tokenizer: ModelTokenizer) -> None:
+    rendered = tokenizer.render_chat([ChatTurn("system", "be brief"), ChatTurn("user", "hi there")])
+    assert "be brief" in rendered and "hi there" in rendered
+    assert rendered.index("be brief") < rendered.index("hi there")
+    ids = asyncio.run(tokenizer.encode_chat([ChatTurn("user", "hi there")]))
+    assert ids and ids == tokenizer._tokenizer.encode(tokenizer.render_chat([ChatTurn("user", "hi there")]),
+                                                      add_special_tokens=False).ids
+
+
+def test_token_ids_outside_the_vocabulary_are_refused(tokenizer: ModelTokenizer) -> None:
+    assert tokenizer.check_token_ids([0, 1, tokenizer.vocab_size - 1]) == [0, 1, tokenizer.vocab_size - 1]
+    with pytest.raises(APIError) as refused:
+        tokenizer.check_token_ids([1, tokenizer.vocab_size])
+    assert refused.value.status == 400 and refused.value.param == "prompt"
+
+
+def test_a_long_prompt_does_not_block_the_event_loop(tokenizer: ModelTokenizer) -> None:
+    text = "hello world this is a long prompt " * 30000
+
+    async def scenario() -> tuple[int, float]:
+        ticks = 0
+        done = asyncio.Event()
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while not done.is_set():
+                ticks += 1
+                await asyncio.sleep(0.001)
+
+        task = asyncio.create_task(ticker())
+        started = time.perf_counter()
+        await tokenizer.encode_text(text)
+        elapsed = time.perf_counter() - started
+        done.set()
+        await task
+        return ticks, elapsed
+
+    ticks, elapsed = asyncio.run(scenario())
+    # If encoding held the loop, the ticker could not run at all while it lasted.
+    assert ticks >= max(5, int(elapsed * 1000 * 0.05)), (ticks, elapsed)
