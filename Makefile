@@ -1,0 +1,42 @@
+# Two commands on a fresh machine: `make run` and `make test`. Each installs what it needs.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+GATEWAY_STAMP := $(VENV)/.installed
+
+.PHONY: run test test-fast bench install engine services check-pools clean
+
+$(GATEWAY_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q -e '.[test]'
+	touch $@
+
+install: $(GATEWAY_STAMP)
+
+# The SGLang engine stack (torch CPU, sglang 0.5.23, Mooncake, sglang-router) in its own venv.
+engine:
+	scripts/install-engine
+
+services:
+	scripts/services
+
+run: install engine
+	$(PY) scripts/run-dev
+
+test: install engine services
+	$(PY) -m pytest -ra
+
+# Without the real SGLang cluster (unit tests and stand-in workers only).
+test-fast: install services
+	$(PY) -m pytest -ra -m "not engine"
+
+bench: install engine services
+	scripts/bench
+
+check-pools: install
+	$(VENV)/bin/isogate check-pools
+
+clean:
+	rm -rf .run .pytest_cache
