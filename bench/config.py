@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 
 def _env_flag(name: str, default: bool = False) -> bool:
@@ -51,6 +52,8 @@ class BenchConfig:
     # Autogroup nice of the bench's own processes (0: none). On a machine shared with other
     # sessions, a process of ours gets 1/(number of busy sessions) of a core without it.
     priority: int
+    # Run the gateway package found in this directory (a locally patched copy) instead of ours.
+    gateway_root: Path | None
     helper_cpus: set[int] | None
     ports: Ports = field(default_factory=Ports)
 
@@ -75,5 +78,6 @@ class BenchConfig:
             audit_rows=int(os.environ.get("BENCH_AUDIT_ROWS", 100_000 if quick else 1_000_000)),
             router_cpus={cpus[-1]} if pinned else None,
             priority=int(os.environ.get("BENCH_PRIORITY", "0")),
+            gateway_root=Path(os.environ["BENCH_GATEWAY_ROOT"]) if os.environ.get("BENCH_GATEWAY_ROOT") else None,
             helper_cpus=set(cpus[:-1]) if pinned else None,
         )

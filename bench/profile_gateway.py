@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         pool = BenchPool(f"http://127.0.0.1:{ports.prefill}", ports.bootstrap, f"http://127.0.0.1:{ports.decode}")
         policies = write_bench_policies(work / "policies", tokenizer_dir=ensure_tiny_model(),
                                         models=[BenchModel(MODEL, 65_536, pool)])
-        gateway, key = start_gateway(policies, work / "gateway", ports.gateway, cpus=config.router_cpus, priority=config.priority)
+        gateway, key = start_gateway(policies, work / "gateway", ports.gateway, cpus=config.router_cpus, priority=config.priority,
+                                     root=config.gateway_root)
         url = gateway.url + "/v1/completions"
         body = request_body(args.stream)
         run_wrk(url, body, connections=4, duration_s=1, auth=key, cpus=config.helper_cpus)  # warm

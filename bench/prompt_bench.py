@@ -63,6 +63,7 @@ class RefusalRow:
     p50_ms: float
     min_ms: float
     max_ms: float
+    floor_p50_ms: float  # the same body POSTed to the instant backend: loopback upload + JSON parse
 
 
 @dataclass
@@ -123,14 +124,22 @@ def refusal_rows(rig: Rig, log=print) -> list[RefusalRow]:
                 ms, response = _post(client, rig, body)
                 times.append(ms)
             assert response is not None
+            floor = []
+            for _ in range(rig.config.refusal_repeats):
+                begun = time.perf_counter()
+                client.post(rig.direct_url + "/v1/completions", content=body,
+                            headers={"Content-Type": "application/json"})
+                floor.append((time.perf_counter() - begun) * 1000)
             try:
                 code = response.json().get("error", {}).get("code")
             except ValueError:
                 code = None
-            row = RefusalRow(megabytes, response.status_code, code, statistics.median(times), min(times), max(times))
+            row = RefusalRow(megabytes, response.status_code, code, statistics.median(times), min(times), max(times),
+                             statistics.median(floor))
             rows.append(row)
             log(f"  refuse {megabytes:>3} MB: HTTP {row.status} {row.code}  p50 {row.p50_ms:7.1f} ms  "
-                f"min {row.min_ms:7.1f} ms  max {row.max_ms:7.1f} ms")
+                f"min {row.min_ms:7.1f} ms  max {row.max_ms:7.1f} ms  (floor: upload + parse at the instant "
+                f"backend {row.floor_p50_ms:.1f} ms)")
     return rows
 
 

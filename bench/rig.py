@@ -65,7 +65,7 @@ def instant_rig(config: BenchConfig, work_dir: Path) -> Iterator[Rig]:
             BenchModel(SLOW_MODEL, 65_536, slow_pool),
         ])
         gateway, key = start_gateway(policies, work_dir / "gateway", ports.gateway, cpus=config.router_cpus,
-                                     priority=config.priority)
+                                     priority=config.priority, root=config.gateway_root)
         yield Rig(config, work_dir, decode_url, f"http://127.0.0.1:{ports.router}", router, gateway, key)
     finally:
         if gateway is not None:

@@ -54,6 +54,7 @@ def main() -> int:
         print("bench: wrk is missing (scripts/bench installs it: apt-get install -y wrk)", file=sys.stderr)
         return 2
     config = BenchConfig.from_env()
+    machine = describe_machine()  # before pinning this process, so it sees every CPU
     if config.helper_cpus:
         os.sched_setaffinity(0, config.helper_cpus)
     boost(os.getpid(), config.priority)
@@ -63,11 +64,13 @@ def main() -> int:
                if config.router_cpus else "none (fewer than 2 CPUs, or BENCH_PIN=0)")
     if config.priority:
         pinning += f"; bench processes at autogroup nice {config.priority}"
+    if config.gateway_root:
+        pinning += f"; GATEWAY RUN FROM A PATCHED COPY at {config.gateway_root}"
     results: dict = {
         "started_at": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "config": {"quick": config.quick, "pinning": pinning, "wrk_duration_s": config.wrk_duration_s,
                    "priority": config.priority},
-        "machine": describe_machine(),
+        "machine": machine,
     }
     errors: list[str] = []
     for key, value in results["machine"].items():
@@ -81,10 +84,11 @@ def main() -> int:
             idle_fresh_mb = rss_bytes(rig.gateway_pid) / 1e6
             _section("1. routing cost on an instant backend", results, errors,
                      lambda: results.__setitem__("routing", cells_as_json(run_routing_bench(rig, log))))
-            _section("2. tokenization, admission, refusal, blocking", results, errors,
-                     lambda: results.__setitem__("prompt", run_prompt_bench(rig, log)))
+            # Memory before the prompt section: a 1M-token prompt grows the heap for good.
             _section("4. gateway memory", results, errors,
                      lambda: results.__setitem__("memory", memory_as_json(run_memory_bench(rig, idle_fresh_mb, log))))
+            _section("2. tokenization, admission, refusal, blocking", results, errors,
+                     lambda: results.__setitem__("prompt", run_prompt_bench(rig, log)))
     except Exception as exc:
         errors.append(f"instant-backend rig: {type(exc).__name__}: {exc}")
         log(traceback.format_exc())
