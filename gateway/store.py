@@ -266,8 +266,11 @@ def decode_cursor(cursor: str) -> tuple[datetime, str]:
 
 
 class Store:
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, reader: Engine | None = None):
         self.engine = engine
+        # Single-statement reads (auth lookups, audit queries) need no transaction; on
+        # PostgreSQL an autocommit engine saves the BEGIN/ROLLBACK round trips of each one.
+        self.reader = reader or engine
         self.dialect = engine.dialect.name
 
     # -- schema -----------------------------------------------------------------------
@@ -286,6 +289,8 @@ class Store:
 
     def dispose(self) -> None:
         self.engine.dispose()
+        if self.reader is not self.engine:
+            self.reader.dispose()
 
     # -- tenants ----------------------------------------------------------------------
 
@@ -303,14 +308,14 @@ class Store:
         return record
 
     def get_tenant(self, tenant_id: str) -> TenantRecord:
-        with self.engine.connect() as conn:
+        with self.reader.connect() as conn:
             row = conn.execute(select(tenants).where(tenants.c.id == tenant_id)).one_or_none()
         if row is None:
             raise StoreNotFound(f"no tenant {tenant_id!r}")
         return TenantRecord(row.id, row.name, row.disabled, row.created_at)
 
     def list_tenants(self) -> list[TenantRecord]:
-        with self.engine.connect() as conn:
+        with self.reader.connect() as conn:
             rows = conn.execute(select(tenants).order_by(tenants.c.id)).all()
         return [TenantRecord(r.id, r.name, r.disabled, r.created_at) for r in rows]
 
@@ -349,12 +354,12 @@ class Store:
         query = select(api_keys).order_by(api_keys.c.tenant_id, api_keys.c.created_at, api_keys.c.id)
         if tenant_id is not None:
             query = query.where(api_keys.c.tenant_id == tenant_id)
-        with self.engine.connect() as conn:
+        with self.reader.connect() as conn:
             rows = conn.execute(query).all()
         return [KeyRecord(r.id, r.tenant_id, r.name, r.created_at, r.revoked_at) for r in rows]
 
     def get_key(self, key_id: str) -> KeyRecord:
-        with self.engine.connect() as conn:
+        with self.reader.connect() as conn:
             r = conn.execute(select(api_keys).where(api_keys.c.id == key_id)).one_or_none()
         if r is None:
             raise StoreNotFound(f"no key {key_id!r}")
@@ -376,7 +381,7 @@ class Store:
             .join(tenants, tenants.c.id == api_keys.c.tenant_id)
             .where(api_keys.c.key_hash == key_hash)
         )
-        with self.engine.connect() as conn:
+        with self.reader.connect() as conn:
             row = conn.execute(query).one_or_none()
         if row is None:
             return None
@@ -438,7 +443,7 @@ class Store:
             .order_by(t.c.created_at.desc(), t.c.generation_id.desc())
             .limit(query.limit + 1)
         )
-        with self.engine.connect() as conn:
+        with self.reader.connect() as conn:
             rows = [dict(r._mapping) for r in conn.execute(statement)]
         next_cursor = None
         if len(rows) > query.limit:
@@ -450,7 +455,7 @@ class Store:
     def count_audit(self) -> int:
         from sqlalchemy import func
 
-        with self.engine.connect() as conn:
+        with self.reader.connect() as conn:
             return int(conn.execute(select(func.count()).select_from(audit_events)).scalar_one())
 
 
@@ -491,18 +496,19 @@ def create_store(database_url: str, *, migrate: bool = False, busy_timeout_s: fl
             Path(url.database).parent.mkdir(parents=True, exist_ok=True)
         engine = create_engine(url, connect_args={"timeout": busy_timeout_s})
         event.listen(engine, "connect", _sqlite_on_connect)
+        reader = None
     elif url.get_backend_name() == "postgresql":
-        engine = create_engine(
-            url,
-            pool_size=5,
-            max_overflow=5,
-            pool_pre_ping=True,
-            # Fail fast while the database is down: the audit log spools instead of waiting.
-            connect_args={"connect_timeout": max(1, round(busy_timeout_s))},
+        # Fail fast while the database is down: the audit log spools instead of waiting.
+        connect_args = {"connect_timeout": max(1, round(busy_timeout_s))}
+        engine = create_engine(url, pool_size=5, max_overflow=5, pool_pre_ping=True, connect_args=connect_args)
+        # No pre-ping for reads: a read on a connection that died fails once (its caller
+        # copes: auth serves recently valid keys, the API answers 503) and the pool is reset.
+        reader = create_engine(
+            url, pool_size=5, max_overflow=10, isolation_level="AUTOCOMMIT", connect_args=connect_args
         )
     else:
         raise ValueError(f"unsupported database URL {database_url!r}: use sqlite:// or postgresql://")
-    store = Store(engine)
+    store = Store(engine, reader)
     if migrate:
         store.migrate()
     return store
