@@ -139,6 +139,7 @@ audit_events = Table(
     Index("uq_audit_generation_id", "generation_id", unique=True),
     Index("ix_audit_tenant_time", "tenant_id", "created_at", "generation_id"),
     Index("ix_audit_time", "created_at", "generation_id"),
+    Index("ix_audit_tenant_outcome_time", "tenant_id", "outcome", "created_at", "generation_id"),
 )
 
 AUDIT_COLUMNS = (
@@ -520,6 +521,16 @@ def normalize_url(database_url: str) -> str:
         if database_url.startswith(prefix):
             return "postgresql+psycopg://" + database_url[len(prefix):]
     return database_url
+
+
+def head_revision() -> str:
+    """The newest migration's revision id."""
+    from alembic.config import Config
+    from alembic.script import ScriptDirectory
+
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    return ScriptDirectory.from_config(config).get_current_head()
 
 
 def alembic_config(engine: Engine):

@@ -13,7 +13,7 @@ from datetime import UTC, datetime
 import pytest
 
 from gateway import cli_admin
-from gateway.store import create_store, hash_key
+from gateway.store import create_store, hash_key, head_revision
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -30,8 +30,8 @@ def isogate(database_url: str, *argv: str) -> tuple[int, list[dict], str]:
 
 def test_admin_commands_manage_tenants_and_keys(database_url: str) -> None:
     status, [migrated], _ = isogate(database_url, "migrate")
-    assert status == 0 and migrated == {"from": None, "to": "0002"}
-    assert isogate(database_url, "migrate")[1] == [{"from": "0002", "to": "0002"}]
+    assert status == 0 and migrated == {"from": None, "to": head_revision()}
+    assert isogate(database_url, "migrate")[1] == [{"from": head_revision(), "to": head_revision()}]
 
     status, [tenant], _ = isogate(database_url, "tenant", "create", "acme", "--name", "Acme")
     assert status == 0 and tenant["id"] == "acme" and tenant["name"] == "Acme"
@@ -99,4 +99,4 @@ def test_module_entry_point_runs_a_command(tmp_path) -> None:
     result = subprocess.run([sys.executable, "-m", "gateway.cli_admin", "migrate", "--database-url", url],
                             cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
-    assert json.loads(result.stdout) == {"from": None, "to": "0002"}
+    assert json.loads(result.stdout) == {"from": None, "to": head_revision()}

@@ -17,6 +17,7 @@ from gateway.store import (
     create_store,
     decode_cursor,
     hash_key,
+    head_revision,
     metadata,
 )
 
@@ -164,17 +165,20 @@ def test_migrate_upgrades_an_existing_database_keeping_its_data(database_url: st
     assert old.current_revision() == "0001"
     old.create_tenant("acme", "Acme")
     raw_key, record = old.create_key("acme", "ci")
+    old.migrate("0002")  # the audit log arrives; events are written
+    old.insert_audit_rows([audit_row("g1", "acme"), audit_row("g2", "acme", at=T0 + timedelta(seconds=1))])
     old.dispose()
 
     store = create_store(database_url)
     store.migrate()
-    assert store.current_revision() == "0002"
+    assert store.current_revision() == head_revision() != "0002"
     assert [t.id for t in store.list_tenants()] == ["acme"]
     lookup = store.lookup_key(hash_key(raw_key))
     assert lookup is not None and lookup.key_id == record.id
-    store.insert_audit_rows([audit_row("g1", "acme")])
+    assert [r["generation_id"] for r in store.query_audit(AuditQuery(tenant_id="acme"))[0]] == ["g2", "g1"]
+    store.insert_audit_rows([audit_row("g3", "acme")])
     store.migrate()  # again: nothing to do, nothing lost
-    assert store.count_audit() == 1 and [k.id for k in store.list_keys()] == [record.id]
+    assert store.count_audit() == 3 and [k.id for k in store.list_keys()] == [record.id]
     store.dispose()
 
 
