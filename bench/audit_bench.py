@@ -68,7 +68,8 @@ def run_audit_bench(
 
 def _measure(store: Store, url: str, total_rows: int, tenants: int, insert_events: int,
              queries: int, batch_size: int) -> dict[str, Any]:
-    result: dict[str, Any] = {"database": store.dialect, "total_rows": total_rows, "tenants": tenants}
+    result: dict[str, Any] = {"database": store.dialect, "total_rows": total_rows, "tenants": tenants,
+                              "load_average_1m_at_start": os.getloadavg()[0]}
 
     # 1. Batched inserts through the store, as the writer does them.
     rows = [_event(i, tenants).row() for i in range(insert_events)]
@@ -101,6 +102,7 @@ def _measure(store: Store, url: str, total_rows: int, tenants: int, insert_event
     }
     for name, make_query in shapes.items():
         timings = []
+        cpu_started = time.process_time()
         for _ in range(queries):
             if make_query is None:
                 first, cursor = store.query_audit(AuditQuery(tenant_id=rng.choice(tenant_ids), limit=100))
@@ -113,7 +115,13 @@ def _measure(store: Store, url: str, total_rows: int, tenants: int, insert_event
             assert len(page) == 100 or "outcome" in name, (name, len(page))
         result[f"query_{name}_p50_ms"] = round(statistics.median(timings), 2)
         result[f"query_{name}_p99_ms"] = round(_percentile(timings, 0.99), 2)
+        # Client CPU per query (page 2 includes its first page): what the gateway process
+        # spends, independent of how busy a shared machine is.
+        result[f"query_{name}_client_cpu_ms"] = round((time.process_time() - cpu_started) / queries * 1000, 2)
     result["plan_tenant_newest_100"] = _plan(store, tenant_ids[0])
+    if store.dialect == "postgresql":
+        result["server_exec_tenant_newest_100_p50_ms"] = _server_execution_ms(store, tenant_ids, rng)
+    result["load_average_1m_at_end"] = os.getloadavg()[0]
     return result
 
 
@@ -178,6 +186,18 @@ def _bulk_fill(store: Store, count: int, tenants: int, *, offset: int) -> None:
                 FROM s
             """))
             conn.execute(text("ANALYZE"))
+
+
+def _server_execution_ms(store: Store, tenant_ids: list[str], rng: random.Random) -> float:
+    """PostgreSQL's own execution time for the newest-100 query (EXPLAIN ANALYZE), median."""
+    times = []
+    with store.engine.connect() as conn:
+        for _ in range(50):
+            plan = conn.execute(text(
+                "EXPLAIN (ANALYZE, FORMAT JSON) SELECT * FROM audit_events WHERE tenant_id = :t "
+                "ORDER BY created_at DESC, generation_id DESC LIMIT 101"), {"t": rng.choice(tenant_ids)}).scalar_one()
+            times.append(plan[0]["Execution Time"])
+    return round(statistics.median(times), 3)
 
 
 def _plan(store: Store, tenant_id: str) -> str:
