@@ -108,6 +108,7 @@ class AuditSpool:
         return sorted(self.directory.glob("[0-9]*.jsonl"))
 
     def append(self, rows: list[dict[str, Any]]) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
         path = self.directory / f"{self._next_number:016d}.jsonl"
         self._next_number += 1
         temporary = path.with_suffix(".tmp")
@@ -161,6 +162,7 @@ class AuditLog:
         # One writer at a time (the task, or flush/close): the spool order depends on it.
         self._writing = asyncio.Lock()
         self._closing = False
+        self._closed = False
         self._task: asyncio.Task[None] | None = None
         self._retry_at = 0.0
         self._retry_delay_s = _RETRY_MIN_S
@@ -185,6 +187,11 @@ class AuditLog:
 
     def record(self, event: AuditEvent) -> None:
         try:
+            if self._closed:
+                # Nothing will write the queue any more; keep the event on disk instead
+                # (replayed at the next start). Rare: only a request outliving shutdown.
+                self._spool.append([event.row()])
+                return
             self._queue.append(event)
             if len(self._queue) >= self._batch_size:
                 self._wake.set()
@@ -203,6 +210,7 @@ class AuditLog:
             self._task = None
         else:
             await self._write(force_retry=True)
+        self._closed = True
         self._spool.close()
 
     async def _run(self) -> None:

@@ -244,3 +244,16 @@ async def test_two_logs_on_one_spool_directory_do_not_share_files(store: Store, 
     await first.close()
     await second.close()
     assert store.count_audit() == 2
+
+
+async def test_an_event_recorded_after_close_is_kept_for_the_next_start(store: Store, settings: Settings) -> None:
+    first = AuditLog(store, settings)
+    await first.start()
+    first.record(make_event(1))
+    await first.close()
+    first.record(make_event(2))  # e.g. a stream that ended after shutdown began
+    assert store.count_audit() == 1
+    second = AuditLog(store, settings)
+    await second.start()
+    await second.close()
+    assert_stored_exactly(store, [make_event(1), make_event(2)])
