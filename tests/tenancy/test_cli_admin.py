@@ -10,8 +10,6 @@ import subprocess
 import sys
 from datetime import UTC, datetime
 
-import pytest
-
 from gateway import cli_admin
 from gateway.store import create_store, hash_key, head_revision
 
