@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import random
 import socket
 import time
 from collections.abc import Iterator
@@ -27,7 +28,9 @@ MODEL = "tiny-llama"
 # Stand-in decode pools hold this many tokens (what /server_info and /v1/loads report).
 STANDIN_POOL_TOKENS = 8192
 # This suite's port range (36000-36199); 36100-36199 are left to the real SGLang pairs.
-_PORTS = itertools.cycle(range(36000, 36100))
+# Each test process starts at its own offset, so two runs of these suites at once rarely collide.
+_FIRST = 36000 + random.randrange(100)
+_PORTS = itertools.cycle([*range(_FIRST, 36100), *range(36000, _FIRST)])
 
 
 def range_port() -> int:
@@ -108,3 +111,70 @@ def wait_until(predicate: Any, timeout_s: float, interval_s: float = 0.1) -> boo
             return True
         time.sleep(interval_s)
     return bool(predicate())
+
+
+@dataclass
+class TwoPoolStack:
+    """A victim tenant on its own dedicated pool, every other tenant on a shared pool.
+
+    A fault injected into the victim's pool must stay there: the shared pool's tenants keep
+    being served while it lasts. Workers are stand-ins unless a test passes real URLs.
+    """
+
+    gateway: GatewayProcess
+    victim: str
+    victim_prefill: Any
+    victim_decode: Any
+    shared_prefill: Any
+    shared_decode: Any
+    tenants: dict[str, str] = field(default_factory=dict)
+
+    def key(self, tenant_id: str) -> str:
+        if tenant_id not in self.tenants:
+            self.tenants[tenant_id] = self.gateway.create_tenant(tenant_id)[1]
+        return self.tenants[tenant_id]
+
+    def client(self, tenant_id: str, timeout_s: float = 60.0) -> httpx.Client:
+        return httpx.Client(base_url=self.gateway.url, timeout=timeout_s,
+                            headers={"Authorization": f"Bearer {self.key(tenant_id)}"})
+
+    def audit_events(self, tenant_id: str) -> list[dict[str, Any]]:
+        """Every audit event of a tenant, all pages."""
+        events: list[dict[str, Any]] = []
+        cursor: str | None = None
+        with self.gateway.admin() as admin:
+            while True:
+                params = {"tenant": tenant_id, "limit": "1000", **({"cursor": cursor} if cursor else {})}
+                page = admin.get("/v1/audit/events", params=params)
+                for _ in range(5):  # by design a read on a connection the database dropped fails once (503)
+                    if page.status_code != 503:
+                        break
+                    time.sleep(0.2)
+                    page = admin.get("/v1/audit/events", params=params)
+                page.raise_for_status()
+                events += page.json()["data"]
+                cursor = page.json()["next_cursor"]
+                if not cursor:
+                    return events
+
+
+@dataclass(frozen=True)
+class PoolWorkers:
+    prefill_url: str
+    bootstrap_port: int
+    decode_url: str
+
+
+def two_pool_policies(work_dir: Path, *, victim: str, victim_pool: PoolWorkers, shared_pool: PoolWorkers,
+                      tokenizer_dir: Path | None = None, max_context_tokens: int = STANDIN_POOL_TOKENS,
+                      require_engine_tags: bool = True) -> Path:
+    return write_policies(
+        work_dir / "policies", model_name=MODEL, tokenizer_dir=tokenizer_dir or ensure_tiny_model(DEFAULT_MODEL_DIR),
+        pools=[
+            PoolSpec("victim", ((victim_pool.prefill_url, victim_pool.bootstrap_port),), (victim_pool.decode_url,),
+                     dedicated_to=(victim,)),
+            PoolSpec("shared", ((shared_pool.prefill_url, shared_pool.bootstrap_port),), (shared_pool.decode_url,)),
+        ],
+        max_context_tokens=max_context_tokens, require_engine_tags=require_engine_tags,
+        tenants={victim: {"isolation": "dedicated"}},
+    )

@@ -1,0 +1,218 @@
+"""Faults the gateway must ride out: a hanging worker, capacity data gone stale, Redis and PostgreSQL restarted.
+
+For each: the client gets a clear OpenAI error within the configured timeout (never a hang),
+the other tenants' requests keep being served, and no audit event is lost: every request
+sent has exactly one event, and every response id that was served is among them.
+
+Workers are stand-ins here (a real SGLang worker cannot hang on purpose, and these faults sit
+between the gateway and its state, not in the engine); Redis and PostgreSQL are real servers
+of the test's own, started, killed and restarted on ports of this suite's range. The engine
+faults (workers killed mid-stream, mid-transfer) are in ``test_engine_faults``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from starlette.types import Receive, Scope, Send
+
+from tests.harness import GatewayProcess
+from tests.reliability.load import Answer, Load, by_tenant, send_chat
+from tests.reliability.services import PostgresCluster, RedisServer
+from tests.reliability.stack import (
+    STANDIN_POOL_TOKENS, PoolWorkers, TwoPoolStack, chat_body, range_port, two_pool_policies, wait_until,
+)
+from tests.standin_worker import Behaviour, StandInWorker
+
+UPSTREAM_TIMEOUT_S = 2.0
+STALE_AFTER_S = 5.0
+# How much later than the configured timeout an answer may come (process scheduling, polling).
+SLACK_S = 2.0
+VICTIM, BYSTANDERS = "victim", ("bystander-1", "bystander-2")
+REDIS_PORT, POSTGRES_PORT = 36150, 36160
+
+
+@dataclass
+class CapacityFreezingWorker(StandInWorker):
+    """A stand-in whose capacity endpoints can stop answering while ``/generate`` still works:
+    the capacity data the gateway holds about it goes stale, the worker itself does not die."""
+
+    frozen: bool = field(default=False)
+
+    def app(self) -> Any:
+        inner = super().app()
+
+        async def app(scope: Scope, receive: Receive, send: Send) -> None:
+            if self.frozen and scope["type"] == "http" and scope["path"] in ("/server_info", "/v1/loads", "/v1/models"):
+                await asyncio.sleep(3600)
+            await inner(scope, receive, send)
+
+        return app
+
+
+def _standin(role: str, behaviour: Behaviour | None = None, cls: type[StandInWorker] = StandInWorker) -> StandInWorker:
+    return cls(role, behaviour or Behaviour(text_chunks=("Hi",), pool_tokens=STANDIN_POOL_TOKENS), port=range_port())
+
+
+@contextlib.contextmanager
+def two_pools(work_dir: Path, *, victim_prefill: StandInWorker | None = None,
+              victim_decode: StandInWorker | None = None, env: dict[str, str] | None = None,
+              database_url: str | None = None) -> Iterator[TwoPoolStack]:
+    with contextlib.ExitStack() as stack:
+        workers = [stack.enter_context(worker) for worker in (
+            victim_prefill or _standin("prefill"), victim_decode or _standin("decode"),
+            _standin("prefill"), _standin("decode"))]
+        policies = two_pool_policies(
+            work_dir, victim=VICTIM,
+            victim_pool=PoolWorkers(workers[0].url, range_port(), workers[1].url),
+            shared_pool=PoolWorkers(workers[2].url, range_port(), workers[3].url),
+        )
+        settings = {
+            "ISOGATE_UPSTREAM_TIMEOUT_S": str(UPSTREAM_TIMEOUT_S),
+            "ISOGATE_CAPACITY_STALE_AFTER_S": str(STALE_AFTER_S),
+            "ISOGATE_AUDIT_FLUSH_INTERVAL_S": "0.1",
+            **({"ISOGATE_DATABASE_URL": database_url} if database_url else {}),
+            **(env or {}),
+        }
+        gateway = stack.enter_context(GatewayProcess(policies_dir=policies, work_dir=work_dir, env=settings,
+                                                     port=range_port()))
+        running = TwoPoolStack(gateway, VICTIM, *workers)
+        for tenant in (VICTIM, *BYSTANDERS):
+            running.key(tenant)
+        yield running
+
+
+def _bystander_load(stack: TwoPoolStack, body: dict[str, Any] | None = None) -> Load:
+    clients = {tenant: stack.client(tenant, timeout_s=30) for tenant in BYSTANDERS}
+    return Load(send_chat(body or chat_body(max_tokens=1)), clients).start()
+
+
+def _assert_every_request_audited(stack: TwoPoolStack, answers: list[Answer], tenants: tuple[str, ...]) -> None:
+    """One event per request, per tenant; every served response id among them. Waits for the batched writer."""
+    for tenant in tenants:
+        sent = by_tenant(answers, tenant)
+        assert wait_until(lambda: len(stack.audit_events(tenant)) >= len(sent), timeout_s=30), \
+            f"{tenant}: {len(stack.audit_events(tenant))} events for {len(sent)} requests"
+        events = stack.audit_events(tenant)
+        assert len(events) == len(sent), f"{tenant}: {len(events)} events for {len(sent)} requests"
+        audited = {event["generation_id"] for event in events}
+        served = {a.generation_id for a in sent if a.generation_id}
+        assert served <= audited, f"{tenant}: served but not audited: {sorted(served - audited)[:5]}"
+        assert len(audited) == len(events), f"{tenant}: duplicate audit events"
+
+
+def _assert_all_served(answers: list[Answer]) -> None:
+    failed = [a for a in answers if a.status != 200 or a.code is not None]
+    assert answers and not failed, f"{len(failed)} of {len(answers)} bystander requests failed: {failed[:3]}"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+@pytest.mark.parametrize("hanging", ["decode", "prefill"])
+def test_a_hanging_worker_costs_its_tenant_a_504_within_the_timeout_and_nobody_else_anything(
+    tmp_path: Path, hanging: str, stream: bool
+) -> None:
+    hang = Behaviour(text_chunks=("Hi",), hang=True, pool_tokens=STANDIN_POOL_TOKENS)
+    worker = _standin(hanging, hang)
+    with two_pools(tmp_path, **{f"victim_{hanging}": worker}) as stack:
+        load = _bystander_load(stack)
+        victim_answers: list[Answer] = []
+        with stack.client(VICTIM, timeout_s=60) as client:
+            for _ in range(3):
+                victim_answers.append(send_chat(chat_body(max_tokens=1, stream=stream))(client, VICTIM))
+        answers = load.stop() + victim_answers
+        for answer in victim_answers:
+            assert answer.seconds < UPSTREAM_TIMEOUT_S + SLACK_S, answer
+            assert answer.code == "upstream_timeout", answer
+            # Before the first byte the status says it; after it (a prefill that never finishes while
+            # decode streamed), the stream ends with the error event instead of [DONE].
+            assert answer.status == 504 or answer.stream_error, answer
+        _assert_all_served(by_tenant(answers, BYSTANDERS[0]) + by_tenant(answers, BYSTANDERS[1]))
+        _assert_every_request_audited(stack, answers, (VICTIM, *BYSTANDERS))
+        outcomes = {(e["outcome"], e["code"]) for e in stack.audit_events(VICTIM)}
+        assert outcomes == {("upstream_error", "upstream_timeout")}, outcomes
+
+
+def test_stale_capacity_data_refuses_at_once_then_recovers_and_bystanders_never_notice(tmp_path: Path) -> None:
+    decode = _standin("decode", cls=CapacityFreezingWorker)
+    assert isinstance(decode, CapacityFreezingWorker)
+    with two_pools(tmp_path, victim_decode=decode) as stack:
+        load = _bystander_load(stack)
+        victim_answers: list[Answer] = []
+        send = send_chat(chat_body(max_tokens=1))
+        with stack.client(VICTIM, timeout_s=60) as client:
+            victim_answers.append(send(client, VICTIM))
+            assert victim_answers[-1].status == 200, victim_answers[-1]
+            decode.frozen = True
+            # Never routed on numbers older than capacity_stale_after_s: refused, quickly.
+            assert wait_until(lambda: victim_answers.append(send(client, VICTIM)) or victim_answers[-1].status == 503,
+                              timeout_s=STALE_AFTER_S + 4 * SLACK_S)
+            refused = victim_answers[-1]
+            assert refused.code == "no_worker_available" and refused.seconds < SLACK_S, refused
+            frozen_for = time.monotonic()
+            for _ in range(3):
+                victim_answers.append(send(client, VICTIM))
+                assert victim_answers[-1].status == 503 and victim_answers[-1].seconds < SLACK_S
+            decode.frozen = False
+            assert wait_until(lambda: victim_answers.append(send(client, VICTIM)) or victim_answers[-1].status == 200,
+                              timeout_s=4 * SLACK_S), victim_answers[-1]
+            assert time.monotonic() - frozen_for < 60
+        answers = load.stop() + victim_answers
+        _assert_all_served(by_tenant(answers, BYSTANDERS[0]) + by_tenant(answers, BYSTANDERS[1]))
+        _assert_every_request_audited(stack, answers, (VICTIM, *BYSTANDERS))
+
+
+def _assert_clear_and_timely(answers: list[Answer], bound_s: float) -> None:
+    slow = [a for a in answers if a.seconds > bound_s]
+    assert not slow, f"{len(slow)} answers slower than {bound_s}s: {slow[:3]}"
+    server_errors = [a for a in answers if a.status >= 500 and a.status != 503]
+    assert not server_errors, server_errors[:3]
+
+
+def test_redis_killed_and_restarted_under_load_serves_through_and_loses_no_audit_event(tmp_path: Path) -> None:
+    with RedisServer(REDIS_PORT, tmp_path / "redis") as redis_server, \
+            two_pools(tmp_path, env={"ISOGATE_REDIS_URL": redis_server.url}) as stack:
+        clients = {tenant: stack.client(tenant, timeout_s=30) for tenant in (VICTIM, *BYSTANDERS)}
+        load = Load(send_chat(chat_body(max_tokens=1)), clients).start()
+        time.sleep(2)
+        redis_server.stop()
+        down_at = len(load.answers)
+        time.sleep(4)
+        during = len(load.answers) - down_at
+        redis_server.start()
+        time.sleep(4)
+        answers = load.stop()
+        after = answers[-max(1, len(answers) // 10):]
+        assert during > 0, "no request completed while Redis was down: the gateway stalled on it"
+        _assert_clear_and_timely(answers, UPSTREAM_TIMEOUT_S + SLACK_S)
+        # Limits fall back to memory and capacity to local observations: Redis is not in the request's path.
+        _assert_all_served(answers)
+        assert all(a.status == 200 for a in after)
+        _assert_every_request_audited(stack, answers, (VICTIM, *BYSTANDERS))
+
+
+def test_postgres_restarted_under_load_spools_and_replays_every_audit_event(tmp_path: Path) -> None:
+    with PostgresCluster(POSTGRES_PORT) as postgres, \
+            two_pools(tmp_path, database_url=postgres.url, env={"ISOGATE_AUTH_CACHE_TTL_S": "60"}) as stack:
+        clients = {tenant: stack.client(tenant, timeout_s=30) for tenant in (VICTIM, *BYSTANDERS)}
+        load = Load(send_chat(chat_body(max_tokens=1)), clients).start()
+        time.sleep(2)
+        postgres.stop("immediate")
+        down_at = len(load.answers)
+        time.sleep(5)
+        during = len(load.answers) - down_at
+        postgres.start()
+        time.sleep(3)
+        answers = load.stop()
+        assert during > 0, "no request completed while PostgreSQL was down: the request path waited on it"
+        _assert_clear_and_timely(answers, UPSTREAM_TIMEOUT_S + SLACK_S)
+        # Keys are cached (TTL 60 s here) and audit events spool while the database is away.
+        _assert_all_served(answers)
+        _assert_every_request_audited(stack, answers, (VICTIM, *BYSTANDERS))
