@@ -53,6 +53,11 @@ def check_meta(meta: Any, expected: Expectation) -> None:
         if meta.get("isolation_tenant") != expected.tenant_id:
             raise IsolationFailure("engine echoed another tenant" if "isolation_tenant" in meta
                                    else "engine did not echo the tenant")
+        # engine_patch's decode says whether it verified that prefill's transfer covered every
+        # page it reserved (gate 3). An explicit "not verified" is a failure; an engine that
+        # does not report it at all is judged by the tags alone.
+        if "isolation_verified" in meta and meta["isolation_verified"] is not True:
+            raise IsolationFailure("decode did not verify the KV transfer's coverage")
     prompt_tokens = meta.get("prompt_tokens")
     if prompt_tokens != expected.prompt_tokens:
         raise IsolationFailure(
