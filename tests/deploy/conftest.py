@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import socket
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -23,8 +24,22 @@ from tests.harness import GatewayProcess, PoolSpec, write_policies
 from tests.standin_worker import Behaviour, StandInWorker
 
 MODEL = "tiny-llama"
-_GATEWAY_PORTS = itertools.count(35020)
-_WORKER_PORTS = itertools.count(35040)
+_GATEWAY_PORTS = itertools.cycle(range(35020, 35040))
+_WORKER_PORTS = itertools.cycle(range(35040, 35068))
+
+
+def port_from(ports: Iterator[int]) -> int:
+    """The next port of this suite's range that is free now (the range lies inside Linux's
+    ephemeral range, so an outgoing connection may hold one for a while)."""
+    for _ in range(40):
+        port = next(ports)
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in this suite's range")
 
 
 @dataclass
@@ -44,8 +59,8 @@ def tiny_model_dir() -> Path:
 
 @pytest.fixture
 def standin_pair() -> Iterator[StandInPair]:
-    prefill = StandInWorker("prefill", Behaviour(pool_tokens=2048), port=next(_WORKER_PORTS))
-    decode = StandInWorker("decode", Behaviour(pool_tokens=4096), port=next(_WORKER_PORTS))
+    prefill = StandInWorker("prefill", Behaviour(pool_tokens=2048), port=port_from(_WORKER_PORTS))
+    decode = StandInWorker("decode", Behaviour(pool_tokens=4096), port=port_from(_WORKER_PORTS))
     with prefill, decode:
         yield StandInPair(prefill, decode)
 
@@ -58,7 +73,7 @@ def start_gateway(tmp_path: Path, tiny_model_dir: Path,
     def start(**env: str) -> GatewayProcess:
         policies = write_policies(tmp_path / "policies", model_name=MODEL, tokenizer_dir=tiny_model_dir,
                                   pools=[standin_pair.pool()])
-        process = GatewayProcess(policies_dir=policies, work_dir=tmp_path / "work", port=next(_GATEWAY_PORTS),
+        process = GatewayProcess(policies_dir=policies, work_dir=tmp_path / "work", port=port_from(_GATEWAY_PORTS),
                                  env=env)
         started.append(process)
         return process.start()
