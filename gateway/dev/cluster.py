@@ -192,6 +192,11 @@ class ManagedProcess:
             return ""
         return data[-size:].decode("utf-8", "replace")
 
+    def terminate(self) -> None:
+        """Ask the group to exit (SIGTERM) without waiting; stop() finishes the job."""
+        if self._process is not None:
+            _signal_group(self._process.pid, signal.SIGTERM)
+
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
         """SIGTERM the group, SIGKILL it after `grace_s`, reap the leader, wait for the rest."""
         process = self._process
@@ -323,6 +328,9 @@ class PDCluster:
             raise
 
     def stop(self) -> None:
+        # Both shut down at once: each may take its whole grace period on a busy machine.
+        self.decode.terminate()
+        self.prefill.terminate()
         self.decode.stop()
         self.prefill.stop()
 
@@ -416,7 +424,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         prefill_max_total_tokens=args.max_total_tokens,
         decode_max_total_tokens=args.max_total_tokens,
     )
-    # SIGTERM (e.g. from make) unwinds like Ctrl-C, so the context managers kill the servers.
+    # Ctrl-C and SIGTERM (e.g. from make) unwind through the context managers, which kill the
+    # servers. SIGINT is set explicitly: a shell's background job starts with it ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     started = time.monotonic()
     print(f"starting SGLang PD pair (logs in {spec.log_dir}) ...", flush=True)
