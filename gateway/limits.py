@@ -18,6 +18,7 @@ Limits are passed on every call, so a policy reload takes effect on the next req
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 import time
@@ -35,6 +36,8 @@ log = logging.getLogger("isogate.limits")
 _WINDOW_MS = 60_000.0
 # Retry hint when the concurrency limit is reached: when a slot frees is unknown.
 _CONCURRENCY_RETRY_S = 1.0
+# After Redis failed, the in-memory limiter alone is used for this long before Redis is tried again.
+_REDIS_RETRY_S = 1.0
 
 # KEYS: bucket hash, in-flight zset. ARGV: rpm, tpm, max_concurrent, reserved, lease id,
 # lease ttl (ms). Returns {0, 0} when admitted, else {which (1 concurrency, 2 rpm, 3 tpm),
@@ -148,7 +151,7 @@ class LimitLease:
 class TenantLimiter:
     def __init__(
         self, redis: redis.asyncio.Redis | None, key_prefix: str = "isogate",
-        *, lease_ttl_s: float = 900.0,
+        *, lease_ttl_s: float = 900.0, redis_timeout_s: float = 0.5,
     ):
         self._redis = redis
         self._prefix = key_prefix
@@ -157,6 +160,8 @@ class TenantLimiter:
         self._acquire_script = redis.register_script(_ACQUIRE_LUA) if redis is not None else None
         self._settle_script = redis.register_script(_SETTLE_LUA) if redis is not None else None
         self._warned_fallback = False
+        self._redis_timeout_s = redis_timeout_s
+        self._redis_down_until = 0.0
 
     async def acquire(self, tenant_id: str, limits: TenantLimits, reserved_tokens: int) -> LimitLease:
         reserved = max(0, reserved_tokens)
@@ -169,20 +174,23 @@ class TenantLimiter:
                 60.0,
             )
         lease_id = secrets.token_hex(8)
-        if self._redis is not None:
+        if self._redis is not None and time.monotonic() >= self._redis_down_until:
             try:
-                verdict, retry_ms = await self._acquire_script(
+                verdict, retry_ms = await self._with_timeout(self._acquire_script(
                     keys=[self._key(tenant_id, "bucket"), self._key(tenant_id, "inflight")],
                     args=[
                         limits.requests_per_minute, limits.tokens_per_minute,
                         limits.max_concurrent, reserved, lease_id, int(self._lease_ttl_ms),
                     ],
-                )
+                ))
             except Exception as exc:
                 if not _redis_unreachable(exc):
                     raise
                 self._warn_fallback(exc)
             else:
+                if self._warned_fallback:
+                    self._warned_fallback = False
+                    log.warning("limits: Redis reachable again; limits are shared again")
                 _raise_if_refused(int(verdict), int(retry_ms) / 1000, limits)
                 return LimitLease(self, tenant_id, limits, reserved, lease_id, in_redis=True)
         self._acquire_local(tenant_id, limits, reserved, lease_id)
@@ -214,10 +222,10 @@ class TenantLimiter:
         limits = lease._limits
         if lease._in_redis and self._redis is not None:
             try:
-                await self._settle_script(
+                await self._with_timeout(self._settle_script(
                     keys=[self._key(lease.tenant_id, "bucket")],
                     args=[limits.requests_per_minute, limits.tokens_per_minute, delta],
-                )
+                ))
                 return
             except Exception as exc:
                 if not _redis_unreachable(exc):
@@ -233,7 +241,9 @@ class TenantLimiter:
     async def _release(self, lease: LimitLease) -> None:
         if lease._in_redis and self._redis is not None:
             try:
-                await self._redis.zrem(self._key(lease.tenant_id, "inflight"), lease._lease_id)
+                await self._with_timeout(
+                    self._redis.zrem(self._key(lease.tenant_id, "inflight"), lease._lease_id)
+                )
             except Exception as exc:
                 if not _redis_unreachable(exc):
                     raise
@@ -247,10 +257,16 @@ class TenantLimiter:
         # The hash tag keeps a tenant's keys in one slot of a Redis Cluster (one script).
         return f"{self._prefix}:{{{tenant_id}}}:{what}"
 
+    async def _with_timeout(self, call):
+        # A partitioned Redis must not hang admission; a refused connection fails at once.
+        return await asyncio.wait_for(call, timeout=self._redis_timeout_s)
+
     def _warn_fallback(self, exc: Exception) -> None:
+        # Leave Redis alone for a moment instead of paying a failed call on every request.
+        self._redis_down_until = time.monotonic() + _REDIS_RETRY_S
         if not self._warned_fallback:
             self._warned_fallback = True
-            log.error("limits: Redis unreachable (%s); enforcing limits per replica in memory", exc)
+            log.error("limits: Redis unreachable (%r); enforcing limits per replica in memory", exc)
 
 
 def _raise_if_refused(verdict: int, retry_after_s: float, limits: TenantLimits) -> None:
@@ -268,5 +284,7 @@ def _raise_if_refused(verdict: int, retry_after_s: float, limits: TenantLimits) 
 def _redis_unreachable(exc: Exception) -> bool:
     import redis.exceptions
 
-    return isinstance(exc, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError))
+    return isinstance(
+        exc, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError, asyncio.TimeoutError)
+    )
 

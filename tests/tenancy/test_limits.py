@@ -227,3 +227,28 @@ async def test_unreachable_redis_falls_back_to_limits_in_memory() -> None:
     await lease.settle(1)
     await lease.release()
     await client.aclose()
+
+
+async def test_a_redis_that_never_answers_does_not_hang_admission() -> None:
+    import socket
+
+    import redis.asyncio as redis_asyncio
+
+    silent = socket.socket()  # accepts connections (backlog) and never says a word
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)
+    client = redis_asyncio.from_url(f"redis://127.0.0.1:{silent.getsockname()[1]}/0")
+    limiter = TenantLimiter(client, key_prefix="isogate-test-silent", redis_timeout_s=0.3)
+    limits = TenantLimits(requests_per_minute=100, tokens_per_minute=10_000, max_concurrent=100)
+    try:
+        started = time.monotonic()
+        lease = await limiter.acquire("acme", limits, 1)
+        assert time.monotonic() - started < 1.0
+        started = time.monotonic()
+        for _ in range(20):  # Redis is left alone for a while: no timeout paid per request
+            await limiter.acquire("acme", limits, 1)
+        assert time.monotonic() - started < 0.2
+        await lease.release()
+    finally:
+        await client.aclose()
+        silent.close()
