@@ -1,0 +1,69 @@
+"""Refusing to load on an SGLang without the admission fix or with moved hook targets."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from engine_patch.compat import HookTarget, compatibility_problems, target_problems
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_installed_sglang_0_5_23_is_compatible():
+    assert compatibility_problems() == []
+
+
+def test_a_moved_hook_target_is_a_problem():
+    problems = target_problems(
+        (
+            HookTarget("sglang.srt.disaggregation.decode.DecodeTransferQueue._commit_moved_elsewhere"),
+            HookTarget("sglang.srt.disaggregation.utils.MetadataBuffers.set_buf", ("self", "request")),
+        )
+    )
+    assert len(problems) == 2
+    assert "missing" in problems[0]
+    assert "expected ('self', 'request')" in problems[1]
+
+
+def run_load_plugins(prelude: str) -> subprocess.CompletedProcess:
+    """Load the plugin through SGLang's own load_plugins, in a fresh interpreter."""
+    script = (
+        f"{prelude}\n"
+        "from sglang.srt.plugins import load_plugins\n"
+        "from sglang.srt.plugins.hook_registry import HookRegistry\n"
+        "load_plugins()\n"
+        "print('PATCHED', len(HookRegistry._patched))\n"
+    )
+    env = {**os.environ, "SGLANG_PLUGINS": "isogate", "PYTHONPATH": str(REPO_ROOT)}
+    return subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", script], capture_output=True, text=True, env=env, timeout=180
+    )
+
+
+def test_plugin_loads_through_sglang_and_applies_its_hooks():
+    done = run_load_plugins("")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "PATCHED 13" in done.stdout
+
+
+def test_plugin_refuses_to_load_when_a_pd_door_lost_the_admission_fix():
+    done = run_load_plugins(
+        "import sglang.srt.disaggregation.prefill as prefill\n"
+        "prefill.is_unadmitted_reject = lambda req: False\n"
+    )
+    assert done.returncode != 0
+    assert "PATCHED" not in done.stdout
+    assert "refusing to load" in done.stderr
+    assert "sglang.srt.disaggregation.prefill does not use the upstream admission fix" in done.stderr
+
+
+def test_plugin_refuses_to_load_without_is_unadmitted_reject():
+    done = run_load_plugins(
+        "import sglang.srt.disaggregation.utils as utils\n"
+        "del utils.is_unadmitted_reject\n"
+    )
+    assert done.returncode != 0
+    assert "lacks the upstream admission fix" in done.stderr
