@@ -78,6 +78,7 @@ def test_many_mixed_requests_from_two_tenants_pass_every_check(probed_gateway: G
 
     tokenizer = Tokenizer.from_file(str(pd_cluster.spec.model_dir / "tokenizer.json"))
     tenants = [gateway.create_tenant() for _ in range(2)]
+    wait_routable(gateway, tenants[0][1])
     assert wait_until(lambda: metric("isogate_canary_probes_total", outcome="passed") >= 1,
                       timeout_s=30), "the prober never passed against the real pair"
     assert metric("isogate_canary_live_markers") >= 1  # the scan below runs against live markers
@@ -111,6 +112,16 @@ def test_many_mixed_requests_from_two_tenants_pass_every_check(probed_gateway: G
         assert len(events) == RUNS // 2 and {e["outcome"] for e in events} == {"served"}
 
 
+def wait_routable(gateway: GatewayProcess, key: str) -> None:
+    """Until the gateway has fresh capacity data for a pair this tenant may use (a busy machine
+    can delay the polls); /v1/models shows null limits while it has none."""
+    def routable() -> bool:
+        models = httpx.get(gateway.url + "/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=10)
+        return any(m["id"] == MODEL and m.get("max_context_tokens") for m in models.json()["data"])
+
+    assert wait_until(routable, timeout_s=30), "no routable pair"
+
+
 def cached_tokens(gateway: GatewayProcess, key: str, prompt: str) -> tuple[int, int]:
     client = openai.OpenAI(base_url=gateway.url + "/v1", api_key=key, max_retries=0, timeout=120)
     reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)
@@ -120,6 +131,7 @@ def cached_tokens(gateway: GatewayProcess, key: str, prompt: str) -> tuple[int, 
 
 def test_the_same_long_prefix_is_reused_within_a_tenant_and_never_across(gateway: GatewayProcess) -> None:
     (_, key_a), (_, key_b) = gateway.create_tenant(), gateway.create_tenant()
+    wait_routable(gateway, key_a)
     # Unique per run, so nothing cached by an earlier run can answer for it.
     prefix = f"Shared document {secrets.token_hex(8)}. " + " ".join(
         f"Clause {n} reads {secrets.token_hex(3)}." for n in range(60))
