@@ -77,7 +77,14 @@ class Reply:
         return self.body.get("meta_info", {}) if isinstance(self.body, dict) else {}
 
     def is_200_with_content(self) -> bool:
-        return self.status == 200 and bool(self.content_text or self.body.get("output_ids"))
+        if self.status != 200:
+            return False
+        if isinstance(self.body, str):  # a stream: any chunk that carries tokens
+            return any(
+                isinstance(chunk, dict) and (chunk.get("text") or chunk.get("output_ids"))
+                for chunk in stream_decode_chunks(self.body)
+            )
+        return bool(self.content_text or self.body.get("output_ids"))
 
 
 @dataclass(frozen=True)
