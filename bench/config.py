@@ -19,6 +19,9 @@ def _env_flag(name: str, default: bool = False) -> bool:
     return default if value is None else value.strip().lower() not in ("", "0", "false", "no")
 
 
+SECTIONS = frozenset({"routing", "memory", "prompt", "peers", "real"})
+
+
 @dataclass(frozen=True)
 class Ports:
     prefill: int = 34010
@@ -55,7 +58,11 @@ class BenchConfig:
     # Run the gateway package found in this directory (a locally patched copy) instead of ours.
     gateway_root: Path | None
     helper_cpus: set[int] | None
+    sections: frozenset[str] = SECTIONS
     ports: Ports = field(default_factory=Ports)
+
+    def runs(self, section: str) -> bool:
+        return section in self.sections
 
     @classmethod
     def from_env(cls) -> BenchConfig:
@@ -65,7 +72,7 @@ class BenchConfig:
         return cls(
             quick=quick,
             concurrencies=(1, 16, 64),
-            wrk_duration_s=float(os.environ.get("BENCH_DURATION_S", 2 if quick else 8)),
+            wrk_duration_s=float(os.environ.get("BENCH_DURATION_S", 2 if quick else 6)),
             ttft_duration_s=1.5 if quick else 4.0,
             prompt_tokens=(1_000, 10_000, 100_000, 1_000_000) if quick
             else (1_000, 4_000, 16_000, 64_000, 256_000, 1_000_000),
@@ -78,6 +85,7 @@ class BenchConfig:
             audit_rows=int(os.environ.get("BENCH_AUDIT_ROWS", 100_000 if quick else 1_000_000)),
             router_cpus={cpus[-1]} if pinned else None,
             priority=int(os.environ.get("BENCH_PRIORITY", "0")),
+            sections=frozenset(os.environ.get("BENCH_SECTIONS", ",".join(sorted(SECTIONS))).split(",")) & SECTIONS,
             gateway_root=Path(os.environ["BENCH_GATEWAY_ROOT"]) if os.environ.get("BENCH_GATEWAY_ROOT") else None,
             helper_cpus=set(cpus[:-1]) if pinned else None,
         )

@@ -4,7 +4,10 @@ Small n: a request takes ~0.1-0.5 s of model time on the CPU, which dwarfs any r
 this run shows that the three paths agree and what the routers add on top of a real engine,
 not their cost (the instant-backend section measures that). Direct = the client sends the
 same ``/v1/completions`` body with bootstrap fields to prefill and decode at once, as a
-router does. Nothing is pinned here: the workers need both cores. The pair is started only
+router does, with one ``rid`` for both. sglang_router 0.3.2 does not give the two halves a
+common rid, and engine_patch (which, without the gateway's tags, binds prefill and decode by
+rid) refuses such a pair as ``foreign_generation``; so the client gives each request to the
+router its own ``rid``, which the router forwards to both. Nothing is pinned here: the workers need both cores. The pair is started only
 when at least 7 GiB are available, and always stopped.
 """
 
@@ -89,7 +92,7 @@ def run_real_engine_bench(config: BenchConfig, work_dir: Path, log=print) -> dic
                 runs = {
                     "direct": run_pd_direct(cluster.prefill_url, cluster.decode_url, cluster.bootstrap_port, body,
                                             concurrency=concurrency, total_requests=total),
-                    "sglang_router": run_load(Target(router_url(ports) + "/v1/completions", raw),
+                    "sglang_router": run_load(Target(router_url(ports) + "/v1/completions", raw, fresh_rid=True),
                                               concurrency=concurrency, total_requests=total, warmup_requests=1),
                     "gateway": run_load(Target(gateway.url + "/v1/completions", raw, auth),
                                         concurrency=concurrency, total_requests=total, warmup_requests=1),

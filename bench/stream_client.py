@@ -17,6 +17,7 @@ import asyncio
 import random
 import statistics
 import time
+import uuid
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -29,6 +30,14 @@ class Target:
     url: str  # http://host:port/path
     body: bytes
     headers: tuple[tuple[str, str], ...] = ()
+    # Give every request its own ``rid`` (a JSON body is re-encoded per request). Real SGLang
+    # with engine_patch binds prefill and decode by rid when the gateway's tags are absent.
+    fresh_rid: bool = False
+
+    def next_request(self) -> bytes:
+        if not self.fresh_rid:
+            return self.request_bytes()
+        return self.request_bytes(orjson.dumps(dict(orjson.loads(self.body), rid=uuid.uuid4().hex)))
 
     def request_bytes(self, body: bytes | None = None) -> bytes:
         parts = urlsplit(self.url)
@@ -43,6 +52,9 @@ class Sample:
     ttft_s: float
     total_s: float
     status: int
+    # 200 and no error object in the body: an engine that fails after the head (a stream's
+    # error event) answers 200 too.
+    ok: bool = True
 
 
 @dataclass
@@ -52,7 +64,7 @@ class RunResult:
     errors: int = 0
 
     def ok(self) -> list[Sample]:
-        return [s for s in self.samples if s.status == 200]
+        return [s for s in self.samples if s.ok]
 
     def summary(self) -> dict[str, float]:
         ok = self.ok()
@@ -83,14 +95,22 @@ class _ResponseReader:
         self.parser = httptools.HttpResponseParser(self)
         self.first_body_at: float | None = None
         self.done: asyncio.Future[None] | None = None
+        self.error_in_body = False
+        self._tail = b""
 
     def reset(self) -> None:
         self.first_body_at = None
+        self.error_in_body = False
+        self._tail = b""
         self.done = asyncio.get_running_loop().create_future()
 
     def on_body(self, body: bytes) -> None:
         if self.first_body_at is None:
             self.first_body_at = time.perf_counter()
+        # An error object anywhere in the body (also split across two reads).
+        if b'"error"' in self._tail + body[:16] or b'"error"' in body:
+            self.error_in_body = True
+        self._tail = body[-16:]
 
     def on_message_complete(self) -> None:
         if self.done is not None and not self.done.done():
@@ -125,7 +145,8 @@ class Connection:
         first = state.first_body_at or ended
         if not state.parser.should_keep_alive():
             await self.close()
-        return Sample(first - started, ended - started, state.parser.get_status_code())
+        status = state.parser.get_status_code()
+        return Sample(first - started, ended - started, status, status == 200 and not state.error_in_body)
 
     async def close(self) -> None:
         if self.writer is not None:
@@ -140,12 +161,11 @@ class Connection:
 async def run_load(target: Target, *, concurrency: int, duration_s: float | None = None,
                    total_requests: int | None = None, warmup_requests: int = 0) -> RunResult:
     """``concurrency`` connections in closed loop, for a duration or a number of requests."""
-    raw = target.request_bytes()
     result = RunResult()
     connections = [Connection(target.url) for _ in range(concurrency)]
     for connection in connections:
         for _ in range(warmup_requests):
-            await connection.exchange(raw)
+            await connection.exchange(target.next_request())
     remaining = [total_requests if total_requests is not None else 1 << 62]
     deadline = time.perf_counter() + duration_s if duration_s is not None else float("inf")
 
@@ -153,7 +173,7 @@ async def run_load(target: Target, *, concurrency: int, duration_s: float | None
         while remaining[0] > 0 and time.perf_counter() < deadline:
             remaining[0] -= 1
             try:
-                result.samples.append(await connection.exchange(raw))
+                result.samples.append(await connection.exchange(target.next_request()))
             except (ConnectionError, OSError, httptools.HttpParserError):
                 result.errors += 1
                 await connection.close()
@@ -176,8 +196,9 @@ async def run_pd_direct(prefill_url: str, decode_url: str, bootstrap_port: int, 
         prefill, decode = Connection(prefill_url), Connection(decode_url)
         while remaining[0] > 0:
             remaining[0] -= 1
+            # One rid on both sides: engine_patch binds the pair by it (a router would have to do the same).
             payload = dict(body, bootstrap_host=urlsplit(prefill_url).hostname, bootstrap_port=bootstrap_port,
-                           bootstrap_room=random.getrandbits(63))
+                           bootstrap_room=random.getrandbits(63), rid=uuid.uuid4().hex)
             raw_body = orjson.dumps(payload)
             pre_raw = Target(prefill_url + path, raw_body).request_bytes()
             dec_raw = Target(decode_url + path, raw_body).request_bytes()
@@ -193,7 +214,7 @@ async def run_pd_direct(prefill_url: str, decode_url: str, bootstrap_port: int, 
             # the two answers ends the request.
             total = time.perf_counter() - started
             status = dec.status if pre.status == 200 else pre.status
-            result.samples.append(Sample(dec.ttft_s, total, status))
+            result.samples.append(Sample(dec.ttft_s, total, status, pre.ok and dec.ok))
         await prefill.close()
         await decode.close()
 

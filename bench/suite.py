@@ -5,7 +5,8 @@
 Environment: BENCH_QUICK, BENCH_DURATION_S (seconds per wrk cell), BENCH_PIN (default on),
 BENCH_PRIORITY (autogroup nice of the bench's processes, e.g. -10 on a busy shared machine),
 BENCH_REAL_ENGINE (default on in a full run), BENCH_REAL_REQUESTS, BENCH_PEERS,
-BENCH_AUDIT_ROWS. Writes ``bench/results/latest.md`` and ``latest.json``.
+BENCH_AUDIT_ROWS, BENCH_SECTIONS (comma list of routing,memory,prompt,peers,real; default all),
+BENCH_GATEWAY_ROOT (run a patched copy of the gateway). Writes ``bench/results/latest.md`` and ``latest.json``.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def main() -> int:
     results: dict = {
         "started_at": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "config": {"quick": config.quick, "pinning": pinning, "wrk_duration_s": config.wrk_duration_s,
-                   "priority": config.priority},
+                   "priority": config.priority, "sections": sorted(config.sections)},
         "machine": machine,
     }
     errors: list[str] = []
@@ -78,25 +79,30 @@ def main() -> int:
     RESULTS.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="isogate-bench-"))
     try:
-        with instant_rig(config, work) as rig:
-            httpx.post(rig.gateway_url + "/v1/completions", content=request_body(False), timeout=30,
-                       headers={"Authorization": f"Bearer {rig.gateway_key}", "Content-Type": "application/json"})
-            idle_fresh_mb = rss_bytes(rig.gateway_pid) / 1e6
-            _section("1. routing cost on an instant backend", results, errors,
-                     lambda: results.__setitem__("routing", cells_as_json(run_routing_bench(rig, log))))
-            # Memory before the prompt section: a 1M-token prompt grows the heap for good.
-            _section("4. gateway memory", results, errors,
-                     lambda: results.__setitem__("memory", memory_as_json(run_memory_bench(rig, idle_fresh_mb, log))))
-            _section("2. tokenization, admission, refusal, blocking", results, errors,
-                     lambda: results.__setitem__("prompt", run_prompt_bench(rig, log)))
+        if config.sections & {"routing", "memory", "prompt"}:
+            with instant_rig(config, work) as rig:
+                httpx.post(rig.gateway_url + "/v1/completions", content=request_body(False), timeout=30,
+                           headers={"Authorization": f"Bearer {rig.gateway_key}", "Content-Type": "application/json"})
+                idle_fresh_mb = rss_bytes(rig.gateway_pid) / 1e6
+                if config.runs("routing"):
+                    _section("1. routing cost on an instant backend", results, errors,
+                             lambda: results.__setitem__("routing", cells_as_json(run_routing_bench(rig, log))))
+                # Memory before the prompt section: a 1M-token prompt grows the heap for good.
+                if config.runs("memory"):
+                    _section("4. gateway memory", results, errors, lambda: results.__setitem__(
+                        "memory", memory_as_json(run_memory_bench(rig, idle_fresh_mb, log))))
+                if config.runs("prompt"):
+                    _section("2. tokenization, admission, refusal, blocking", results, errors,
+                             lambda: results.__setitem__("prompt", run_prompt_bench(rig, log)))
     except Exception as exc:
         errors.append(f"instant-backend rig: {type(exc).__name__}: {exc}")
         log(traceback.format_exc())
-    if config.peer_benches:
+    if config.peer_benches and config.runs("peers"):
         _section("3. other benches", results, errors,
                  lambda: results.__setitem__("peers", run_peer_benches(config, log)))
-    _section("real SGLang PD pair", results, errors,
-             lambda: results.__setitem__("real_engine", run_real_engine_bench(config, work, log)))
+    if config.runs("real"):
+        _section("real SGLang PD pair", results, errors,
+                 lambda: results.__setitem__("real_engine", run_real_engine_bench(config, work, log)))
     results["machine"]["load average at end"] = load_average()
     results["seconds"] = time.monotonic() - started
     results["errors"] = errors
