@@ -88,6 +88,23 @@ def test_without_engine_patch_the_incident_replays_on_0_5_23(tmp_path):
     assert "isolation_tenant" not in incident.decode.meta_info  # no plugin, no echo
 
 
+def test_without_engine_patch_undoing_only_the_admission_fix_does_not_leak_on_0_5_23(tmp_path):
+    # Recorded on 0.5.23: with is_unadmitted_reject undone but prefill's retirement
+    # of a pending abort intact, prefill answers the stub with 400 and aborts its
+    # sender; decode waits for KV that never comes and fails with 500 (transfer
+    # timeout). The later cleanup closes the leak on its own on this version.
+    with incident_pair(
+        tmp_path,
+        [CPU_SHIM_PLUGIN, INCIDENT_REPLAY_PLUGIN],
+        ISOGATE_TEST_UNDO_FIXES="admission",
+        **UNDO_FIXES,
+    ) as cluster:
+        _, incident = replay(cluster)
+    assert incident.prefill.status == 400
+    assert incident.decode.status == 500
+    assert not incident.decode.is_200_with_content()
+
+
 def test_with_engine_patch_the_incident_worker_refuses_to_start(tmp_path):
     plugins = [CPU_SHIM_PLUGIN, INCIDENT_REPLAY_PLUGIN, ENGINE_PATCH_PLUGIN]
     cluster = incident_pair(tmp_path, plugins, **UNDO_FIXES)
