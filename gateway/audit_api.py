@@ -13,6 +13,10 @@ Query parameters (any other is a 400, so a misspelt filter is never silently ign
 
 ``GET /v1/audit/events/{generation_id}`` returns one event; 404 when it does not exist or
 belongs to another tenant (the two are indistinguishable to a tenant, on purpose).
+
+Events this replica has recorded but not yet written are written before a query runs, so a
+request's event can be looked up as soon as its response arrived (on the replica that
+served it; other replicas see it within ``audit_flush_interval_s``).
 """
 
 from __future__ import annotations
@@ -71,7 +75,7 @@ async def list_events(request: Request) -> Response:
     )
     if query.since is not None and query.until is not None and query.since >= query.until:
         raise bad_request("'since' must be earlier than 'until'.", param="since")
-    rows, next_cursor = await _query(components.store, query)
+    rows, next_cursor = await _query(components, query)
     return _json({"object": "list", "data": [audit_row_json(r) for r in rows], "next_cursor": next_cursor})
 
 
@@ -84,7 +88,7 @@ async def get_event(request: Request) -> Response:
         generation_id=generation_id,
         limit=1,
     )
-    rows, _ = await _query(components.store, query)
+    rows, _ = await _query(components, query)
     if not rows:
         raise not_found(f"No audit event {generation_id!r}.", param="generation_id")
     return _json(audit_row_json(rows[0]))
@@ -129,9 +133,14 @@ def parse_cursor(value: str | None) -> tuple[datetime, str] | None:
         raise bad_request("'cursor' is not a cursor this API returned.", param="cursor") from exc
 
 
-async def _query(store: Any, query: AuditQuery) -> tuple[list[dict[str, Any]], str | None]:
+async def _query(components: Any, query: AuditQuery) -> tuple[list[dict[str, Any]], str | None]:
+    # Read your writes: events this replica recorded but has not written yet (at most one
+    # flush interval's worth) are written first, so a response's id is found at once.
+    audit = getattr(components, "audit", None)
+    if audit is not None and audit.queued:
+        await audit.flush()
     try:
-        return await asyncio.to_thread(store.query_audit, query)
+        return await asyncio.to_thread(components.store.query_audit, query)
     except SQLAlchemyError as exc:
         raise unavailable("The audit store is unavailable; try again.", code="audit_store_unavailable") from exc
 

@@ -231,3 +231,24 @@ async def test_event_json_carries_every_field_and_no_text(api: httpx.AsyncClient
         "latency_ms", "created_at", "detail",
     }
     assert event["id"] == "gen-acme-010" and event["created_at"] == "2026-11-29T12:00:05.000000Z"
+
+
+async def test_a_responses_id_finds_its_event_at_once(api: httpx.AsyncClient, store: Store, settings) -> None:
+    from gateway.audit import AuditEvent, AuditLog
+
+    key = await make_tenant_with_key(api, "acme")
+    # A flush interval far longer than the test: only the read-your-writes flush can help.
+    audit = AuditLog(store, settings.model_copy(update={"audit_flush_interval_s": 60.0}))
+    await audit.start()
+    api.components.audit = audit  # type: ignore[attr-defined]
+    try:
+        audit.record(AuditEvent("gen_just_served", "acme", "key_x", "m", "served", 200, None, "p", "d",
+                                5, 6, False, 3.0, datetime.now(UTC)))
+        found = await api.get("/v1/audit/events/gen_just_served", headers=key_headers(key))
+        assert found.status_code == 200 and found.json()["completion_tokens"] == 6
+        audit.record(AuditEvent("gen_next", "acme", "key_x", "m", "rejected", 400, "context_length_exceeded",
+                                None, None, 9000, None, True, 1.0, datetime.now(UTC)))
+        listed = await api.get("/v1/audit/events", params={"generation_id": "gen_next"}, headers=key_headers(key))
+        assert [e["code"] for e in listed.json()["data"]] == ["context_length_exceeded"]
+    finally:
+        await audit.close()
