@@ -139,3 +139,27 @@ def test_table_grows_for_pages_past_its_initial_size():
     table.mark(torch.tensor([10]), 7, 8)
     assert table.pages_not_written_by(torch.tensor([10]), 7) == 0
     assert table.pages_not_written_by(torch.tensor([3, 10]), 7) == 1
+
+
+def test_preempted_request_resumed_into_new_pages_is_not_failed_and_a_fresh_one_is_checked():
+    from sglang.srt.disaggregation.decode import SchedulerDisaggregationDecodeMixin
+
+    from engine_patch.page_tags import check_pages_before_first_decode
+
+    scheduler = decode_worker()
+    # Passed its check before its first decode step, then was retracted and
+    # restored from the host backup into pages nobody tagged.
+    resumed = make_req("gen_resumed", 16)
+    preallocate(scheduler, resumed, 16)
+    resumed.isogate_pages_checked = True
+    resumed.is_retracted = True
+    fresh = make_req("gen_fresh", 16)
+    preallocate(scheduler, fresh, 16)
+    mark_transferred(scheduler, fresh, 0, 16)
+    fresh.isogate_pages_checked = False
+
+    batch = ScheduleBatch(reqs=[resumed, fresh], token_to_kv_pool_allocator=scheduler.token_to_kv_pool_allocator)
+    check_pages_before_first_decode(SchedulerDisaggregationDecodeMixin._verify_kv_checksums, scheduler, batch)
+    assert [req.rid for req in batch.reqs] == ["gen_resumed", "gen_fresh"]
+    assert resumed.finished_reason is None and fresh.finished_reason is None
+    assert fresh.isogate_pages_checked is True  # checked once, not again after a retraction
