@@ -26,7 +26,7 @@ import secrets
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import orjson
 from sqlalchemy import (
@@ -46,6 +46,7 @@ from sqlalchemy import (
     and_,
     create_engine,
     event,
+    func,
     insert,
     or_,
     select,
@@ -454,8 +455,6 @@ class Store:
         return rows, next_cursor
 
     def count_audit(self) -> int:
-        from sqlalchemy import func
-
         with self.reader.connect() as conn:
             return int(conn.execute(select(func.count()).select_from(audit_events)).scalar_one())
 
@@ -554,8 +553,3 @@ def _sqlite_on_connect(dbapi_connection: Any, _record: Any) -> None:
 
 def _now() -> datetime:
     return datetime.now(UTC)
-
-
-def rows_from_events(events: Iterable[Any]) -> list[dict[str, Any]]:
-    """Audit rows from objects with the AuditEvent attributes."""
-    return [{name: getattr(e, name) for name in AUDIT_COLUMNS} for e in events]
