@@ -1,8 +1,9 @@
 """Live KV pool capacity of every worker, polled from SGLang and shared between replicas.
 
-Each worker is polled every ``capacity_poll_interval_s`` on ``/server_info`` (pool size,
-``max_req_input_len``, page size, context length, whether ``engine_patch`` is loaded) and
-``/v1/loads`` (tokens in use). An observation older than ``capacity_stale_after_s`` is no
+Each worker is polled every ``capacity_poll_interval_s`` on ``/v1/loads`` (pool size and
+tokens in use, read from shared memory: cheap even on a busy worker), and every ten seconds or
+after an error on ``/server_info`` and ``/v1/models`` (``max_req_input_len``, page size, context
+length, whether ``engine_patch`` is loaded). An observation older than ``capacity_stale_after_s`` is no
 observation: ``CapacityRegistry.get`` returns ``None`` and the worker is not routed to.
 Numbers are never guessed.
 
@@ -97,23 +98,42 @@ def _first_int(top: dict[str, Any], internal: list[dict[str, Any]], key: str) ->
     return None
 
 
-async def poll_worker(client: httpx.AsyncClient, url: str, role: Role) -> WorkerCapacity:
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    """What a worker says about itself that changes only when it restarts."""
+
+    server_info: dict[str, Any]
+    models: dict[str, Any]
+    fetched_at: float
+
+
+async def fetch_config(client: httpx.AsyncClient, url: str) -> WorkerConfig:
+    info, models = await asyncio.gather(client.get(f"{url}/server_info"), client.get(f"{url}/v1/models"))
+    info.raise_for_status()
+    models.raise_for_status()
+    return WorkerConfig(info.json(), models.json(), time.monotonic())
+
+
+async def poll_worker(client: httpx.AsyncClient, url: str, role: Role,
+                      config: WorkerConfig | None = None) -> tuple[WorkerCapacity, WorkerConfig]:
+    """One observation: ``/v1/loads`` always (cheap, live), the configuration when not given."""
     observed_at = time.time()
-    info, loads, models = await asyncio.gather(
-        client.get(f"{url}/server_info"),
-        client.get(f"{url}/v1/loads", params={"include": "core"}),
-        client.get(f"{url}/v1/models"),
-    )
-    for response in (info, loads, models):
-        response.raise_for_status()
-    return parse_worker_state(url, role, info.json(), loads.json(), observed_at, models.json())
+    if config is None:
+        config, loads = await asyncio.gather(
+            fetch_config(client, url), client.get(f"{url}/v1/loads", params={"include": "core"})
+        )
+    else:
+        loads = await client.get(f"{url}/v1/loads", params={"include": "core"})
+    loads.raise_for_status()
+    state = parse_worker_state(url, role, config.server_info, loads.json(), observed_at, config.models)
+    return state, config
 
 
 class CapacityRegistry:
     """The newest fresh observation of each worker; ``run`` keeps it current."""
 
     def __init__(self, *, poll_interval_s: float, stale_after_s: float, redis: Any | None = None,
-                 key_prefix: str = "isogate", timeout_s: float = 2.0) -> None:
+                 key_prefix: str = "isogate", config_refresh_s: float = 10.0) -> None:
         self._poll_interval_s = poll_interval_s
         self._stale_after_s = stale_after_s
         self._redis = redis
@@ -121,7 +141,10 @@ class CapacityRegistry:
         self._workers: dict[str, Role] = {}
         self._observed: dict[str, WorkerCapacity] = {}
         self._errors: dict[str, str] = {}
-        self._client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s))
+        self._configs: dict[str, WorkerConfig] = {}
+        self._config_refresh_s = config_refresh_s
+        # A poll slower than half the staleness window would make a busy worker look dead.
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(max(0.5, stale_after_s / 2)))
         self._refreshed = asyncio.Event()
 
     def set_workers(self, workers: Iterable[tuple[str, Role]]) -> None:
@@ -149,19 +172,30 @@ class CapacityRegistry:
         if self._redis is not None:
             workers = await self._claim_polls(workers)
         results = await asyncio.gather(
-            *(poll_worker(self._client, url, role) for url, role in workers), return_exceptions=True
+            *(poll_worker(self._client, url, role, self._config_for(url)) for url, role in workers),
+            return_exceptions=True,
         )
         fresh: dict[str, WorkerCapacity] = {}
-        for (url, _), result in zip(workers, results):
+        for (url, role), result in zip(workers, results):
             if isinstance(result, BaseException):
+                if url not in self._errors:
+                    log.warning("capacity: %s worker %s stopped answering polls: %s", role, url, result)
                 self._errors[url] = f"{type(result).__name__}: {result}"
+                self._configs.pop(url, None)  # it may come back with another configuration
             else:
-                self._errors.pop(url, None)
-                fresh[url] = result
+                if self._errors.pop(url, None) is not None:
+                    log.info("capacity: %s worker %s answers polls again", role, url)
+                fresh[url], self._configs[url] = result
         if self._redis is not None:
             fresh = await self._share(fresh)
         self._observed.update(fresh)
         self._refreshed.set()
+
+    def _config_for(self, url: str) -> WorkerConfig | None:
+        config = self._configs.get(url)
+        if config is None or time.monotonic() - config.fetched_at > self._config_refresh_s:
+            return None
+        return config
 
     async def _claim_polls(self, workers: list[tuple[str, Role]]) -> list[tuple[str, Role]]:
         """One replica polls each worker per interval (a Redis lease); the others read its record.

@@ -91,7 +91,8 @@ async def _poll_all(workers: list[tuple[str, str]]) -> list[tuple[str, str, Work
     async with httpx.AsyncClient(timeout=5.0) as client:
         async def one(url: str, role: str) -> tuple[str, str, WorkerCapacity | str]:
             try:
-                return url, role, await poll_worker(client, url, role)  # type: ignore[arg-type]
+                state, _ = await poll_worker(client, url, role)  # type: ignore[arg-type]
+                return url, role, state
             except Exception as exc:  # report, don't crash: an unreachable worker fails the gate
                 return url, role, f"unreachable: {type(exc).__name__}"
         return list(await asyncio.gather(*(one(url, role) for url, role in workers)))
