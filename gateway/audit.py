@@ -14,6 +14,12 @@ between commit and delete duplicates nothing. Spool files left by a previous run
 replayed at start. ``close`` drains the queue into the database, or into the spool while
 the database is down: after it returns, every recorded event is on durable storage.
 
+A database that answers but refuses a batch (a bad value, e.g. a missing tenant id from a
+bug upstream) is not an outage: the batch is written row by row, the good rows in order,
+and each refused row is kept in ``<spool>/refused/refused.jsonl`` with the reason (counted
+in ``AuditLog.refused``), so one bad event never holds back the ones after it. Strings too
+long for their column are cut to fit by the store.
+
 What a hard kill (SIGKILL, power loss) loses: the events still in memory, at most one
 flush interval's worth.
 
@@ -38,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from gateway.settings import Settings
-from gateway.store import AUDIT_COLUMNS
+from gateway.store import AUDIT_COLUMNS, AuditRowsRefused
 
 if TYPE_CHECKING:
     from gateway.store import Store
@@ -113,7 +119,9 @@ class AuditSpool:
         self._next_number += 1
         temporary = path.with_suffix(".tmp")
         with open(temporary, "wb") as handle:
-            handle.write(b"".join(orjson.dumps(row) + b"\n" for row in rows))
+            # default=str: whatever a buggy caller put in an event, the spool can hold it (the
+            # database may still refuse it at replay; then it is set aside, see _insert_each).
+            handle.write(b"".join(orjson.dumps(row, default=str) + b"\n" for row in rows))
             handle.flush()
             os.fsync(handle.fileno())
         os.rename(temporary, path)
@@ -167,6 +175,9 @@ class AuditLog:
         self._retry_at = 0.0
         self._retry_delay_s = _RETRY_MIN_S
         self.database_ok = True
+        # Events the database refused (bad values), kept under quarantine_dir; not retried.
+        self.refused = 0
+        self.quarantine_dir = Path(settings.audit_spool_dir) / "refused"
 
     @property
     def queued(self) -> int:
@@ -262,16 +273,52 @@ class AuditLog:
     async def _insert(self, rows: list[dict[str, Any]]) -> bool:
         try:
             await asyncio.to_thread(self._store.insert_audit_rows, rows)
+        except AuditRowsRefused as exc:
+            # Not an outage: some row is bad. Write the batch row by row so the good rows
+            # go in (in order) and only the bad ones are set aside, instead of one bad row
+            # holding back every later event forever.
+            log.error("audit: database refused a batch (%s); writing it row by row", exc)
+            return await self._insert_each(rows)
         except Exception as exc:
-            if self.database_ok:
-                log.error("audit: database write failed (%s); spooling to %s", exc, self._spool.directory)
-            self.database_ok = False
-            self._retry_at = time.monotonic() + self._retry_delay_s
-            self._retry_delay_s = min(self._retry_delay_s * 2, _RETRY_MAX_S)
+            self._note_outage(exc)
             return False
         self.database_ok = True
         self._retry_delay_s = _RETRY_MIN_S
         return True
+
+    def _note_outage(self, exc: Exception) -> None:
+        if self.database_ok:
+            log.error("audit: database write failed (%s); spooling to %s", exc, self._spool.directory)
+        self.database_ok = False
+        self._retry_at = time.monotonic() + self._retry_delay_s
+        self._retry_delay_s = min(self._retry_delay_s * 2, _RETRY_MAX_S)
+
+    async def _insert_each(self, rows: list[dict[str, Any]]) -> bool:
+        for row in rows:
+            try:
+                await asyncio.to_thread(self._store.insert_audit_rows, [row])
+            except AuditRowsRefused as exc:
+                self.refused += 1
+                log.error("audit: event %r refused by the database (%s); kept in %s",
+                          row.get("generation_id"), exc, self.quarantine_dir)
+                await asyncio.to_thread(_quarantine, self.quarantine_dir, row, str(exc))
+            except Exception as exc:
+                # An outage in the middle: the caller spools the whole batch; the rows
+                # already written are skipped on replay (generation_id is unique).
+                self._note_outage(exc)
+                return False
+        self.database_ok = True
+        return True
+
+
+def _quarantine(directory: Path, row: dict[str, Any], reason: str) -> None:
+    """Keep a row the database refused, with the reason, for an operator to look at."""
+    directory.mkdir(parents=True, exist_ok=True)
+    line = orjson.dumps({"reason": reason, "row": row}, default=repr) + b"\n"
+    with open(directory / "refused.jsonl", "ab") as handle:
+        handle.write(line)
+        handle.flush()
+        os.fsync(handle.fileno())
 
 
 def _unlocked(directory: Path) -> bool:

@@ -54,7 +54,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Engine, make_url
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, StatementError
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
 
@@ -161,6 +161,10 @@ _PG_UNNEST_INSERT = (
     + f") WITH ORDINALITY AS incoming({', '.join(AUDIT_COLUMNS)}, ordinal) "
     "ORDER BY ordinal ON CONFLICT (generation_id) DO NOTHING"
 )
+
+
+class AuditRowsRefused(Exception):
+    """The database answered and refused these audit rows (a bad value): not an outage."""
 
 
 class StoreConflict(Exception):
@@ -393,27 +397,46 @@ class Store:
 
     def insert_audit_rows(self, rows: Sequence[dict[str, Any]]) -> None:
         """Insert in the given order, in one transaction; rows whose generation_id is already
-        stored are skipped, so replaying a batch is harmless."""
+        stored are skipped, so replaying a batch is harmless.
+
+        Strings longer than their column (a client's 10 kB model name) are cut to fit, so a
+        value the request path did not bound cannot make the batch unwritable. Raises
+        ``AuditRowsRefused`` when the database answered and refused the rows themselves
+        (e.g. a missing tenant id); any other exception means it could not be written to.
+        """
         if not rows:
             return
-        if self.dialect == "postgresql":
-            self._insert_audit_rows_postgres(rows)
-            return
-        statement = sqlite_insert(audit_events).on_conflict_do_nothing(index_elements=["generation_id"])
-        with self.engine.begin() as conn:
-            conn.execute(statement, list(rows))
+        rows = [_fit_audit_row(row) for row in rows]
+        try:
+            if self.dialect == "postgresql":
+                self._insert_audit_rows_postgres(rows)
+                return
+            statement = sqlite_insert(audit_events).on_conflict_do_nothing(index_elements=["generation_id"])
+            with self.engine.begin() as conn:
+                conn.execute(statement, rows)
+        except (IntegrityError, DataError, ValueError, TypeError, KeyError) as exc:
+            raise AuditRowsRefused(str(exc)) from exc
+        except StatementError as exc:
+            if isinstance(exc, DBAPIError):
+                raise  # the database could not be reached or written: an outage
+            raise AuditRowsRefused(str(exc)) from exc  # a value could not even be bound
 
     def _insert_audit_rows_postgres(self, rows: Sequence[dict[str, Any]]) -> None:
         # One statement per batch: every column travels as one array parameter and unnest
         # turns them back into rows. One round trip and one plan, where executemany costs a
         # statement per row (about twice the client CPU per event).
+        import psycopg
+
         columns = [[row[name] for row in rows] for name in AUDIT_COLUMNS]
         for moment in columns[AUDIT_COLUMNS.index("created_at")]:
-            if moment.tzinfo is None:
-                raise ValueError("naive datetime given to the store; use a UTC-aware datetime")
-        with self.engine.begin() as conn:
-            with conn.connection.driver_connection.cursor() as cursor:
-                cursor.execute(_PG_UNNEST_INSERT, columns)
+            if not isinstance(moment, datetime) or moment.tzinfo is None:
+                raise ValueError("created_at must be a UTC-aware datetime")
+        try:
+            with self.engine.begin() as conn:
+                with conn.connection.driver_connection.cursor() as cursor:
+                    cursor.execute(_PG_UNNEST_INSERT, columns)
+        except (psycopg.errors.DataError, psycopg.errors.IntegrityError) as exc:
+            raise AuditRowsRefused(str(exc)) from exc
 
     def query_audit(self, query: AuditQuery) -> tuple[list[dict[str, Any]], str | None]:
         """Newest first; returns (rows, next_cursor or None)."""
@@ -549,6 +572,22 @@ def _sqlite_on_connect(dbapi_connection: Any, _record: Any) -> None:
     cursor.execute("PRAGMA synchronous=NORMAL")
     cursor.execute("PRAGMA foreign_keys=ON")
     cursor.close()
+
+
+_AUDIT_STRING_LIMITS = {
+    column.name: column.type.length
+    for column in audit_events.columns
+    if isinstance(column.type, String) and column.type.length
+}
+
+
+def _fit_audit_row(row: dict[str, Any]) -> dict[str, Any]:
+    fitted = dict(row)
+    for name, limit in _AUDIT_STRING_LIMITS.items():
+        value = fitted.get(name)
+        if isinstance(value, str) and len(value) > limit:
+            fitted[name] = value[: limit - 1] + "…"
+    return fitted
 
 
 def _now() -> datetime:

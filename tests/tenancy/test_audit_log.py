@@ -257,3 +257,37 @@ async def test_an_event_recorded_after_close_is_kept_for_the_next_start(store: S
     await second.start()
     await second.close()
     assert_stored_exactly(store, [make_event(1), make_event(2)])
+
+
+async def test_overlong_strings_are_cut_to_fit_their_columns(store: Store, settings: Settings) -> None:
+    audit = AuditLog(store, settings)
+    await audit.start()
+    event = make_event(1)
+    event.model = "m" * 5000  # a client's model name, refused by the gateway, still audited
+    event.code = "c" * 500
+    audit.record(event)
+    await audit.close()
+    [row] = stored_in_insertion_order(store)
+    assert row["model"].startswith("mmm") and len(row["model"]) == 200
+    assert len(row["code"]) == 100 and audit.refused == 0
+
+
+async def test_an_event_the_database_refuses_is_set_aside_and_later_events_still_flow(
+    store: Store, settings: Settings
+) -> None:
+    audit = AuditLog(store, settings)
+    await audit.start()
+    events = [make_event(i) for i in range(10)]
+    bad = make_event(99)
+    bad.tenant_id = None  # type: ignore[assignment]  # a bug upstream: NOT NULL refuses it
+    for event in events[:5] + [bad] + events[5:]:
+        audit.record(event)
+    await audit.flush()
+    later = [make_event(i) for i in range(10, 20)]
+    for event in later:
+        audit.record(event)
+    await audit.close()
+    assert_stored_exactly(store, events + later)
+    assert audit.refused == 1 and audit.database_ok and audit.spool_files == 0
+    refused = (audit.quarantine_dir / "refused.jsonl").read_text().splitlines()
+    assert len(refused) == 1 and '"gen-000099"' in refused[0]
