@@ -30,11 +30,12 @@ class Ports:
     slow_decode: int = 34013  # streams slowly: holds streams open for the memory bench
     router: int = 34020  # and router + 1 for its Prometheus endpoint
     gateway: int = 34030
+    # Spaced out: SGLang takes ports above its own for internal use (as gateway.dev.cluster does).
     real_prefill: int = 34100
-    real_decode: int = 34101
-    real_bootstrap: int = 34102
-    real_router: int = 34103  # and + 1 for its Prometheus endpoint
-    real_gateway: int = 34110
+    real_decode: int = 34120
+    real_bootstrap: int = 34140
+    real_router: int = 34160  # and + 1 for its Prometheus endpoint
+    real_gateway: int = 34170
 
 
 @dataclass(frozen=True)

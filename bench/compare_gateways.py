@@ -1,0 +1,76 @@
+"""Before/after: two gateway checkouts side by side in one run, on the same instant backends.
+
+    .venv/bin/python -m bench.compare_gateways --b /tmp/isogate-patched [--a .] [--seconds 5]
+
+Each cell (non-streaming and streaming, 1/16/64 in flight) runs A then B back to back
+(after a 1 s warm-up each), so a noisy neighbour hits both; both gateways are pinned to the
+same CPU (one at a time under load). Prints req/s, p50, p99 and the gateway's CPU per request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from bench.config import BenchConfig
+from bench.processes import (REPO_ROOT, BenchModel, BenchPool, boost, cpu_seconds, instant_backend, start_gateway,
+                             write_bench_policies)
+from bench.rig import MODEL, POOL_TOKENS
+from bench.routing_bench import request_body
+from bench.wrk import run_wrk
+from gateway.dev.model import ensure_tiny_model
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--a", type=Path, default=REPO_ROOT, help="checkout whose gateway/ is A (default: this one)")
+    parser.add_argument("--b", type=Path, required=True, help="checkout whose gateway/ is B")
+    parser.add_argument("--seconds", type=float, default=5.0)
+    args = parser.parse_args(argv)
+    config = BenchConfig.from_env()
+    if config.helper_cpus:
+        os.sched_setaffinity(0, config.helper_cpus)
+    boost(os.getpid(), config.priority)
+    work = Path(tempfile.mkdtemp(prefix="isogate-compare-"))
+    backends, gateways = [], {}
+    try:
+        ports = config.ports
+        for role, port in (("prefill", ports.prefill), ("decode", ports.decode)):
+            backends.append(instant_backend(role, port, work, cpus=config.helper_cpus, pool_tokens=POOL_TOKENS,
+                                            priority=config.priority))
+        pool = BenchPool(f"http://127.0.0.1:{ports.prefill}", ports.bootstrap, f"http://127.0.0.1:{ports.decode}")
+        policies = write_bench_policies(work / "policies", tokenizer_dir=ensure_tiny_model(),
+                                        models=[BenchModel(MODEL, 65_536, pool)])
+        for name, root, port in (("A", args.a, ports.gateway), ("B", args.b, ports.gateway + 1)):
+            gateways[name] = start_gateway(policies, work / name, port, cpus=config.router_cpus,
+                                           priority=config.priority,
+                                           root=None if root.resolve() == REPO_ROOT else root)
+        print(f"A = {args.a}\nB = {args.b}")
+        for stream in (False, True):
+            for concurrency in config.concurrencies:
+                for name, (gateway, key) in gateways.items():
+                    url, body = gateway.url + "/v1/completions", request_body(stream)
+                    run_wrk(url, body, connections=concurrency, duration_s=1, auth=key, cpus=config.helper_cpus)
+                    assert gateway.process is not None
+                    cpu_before, wall_before = cpu_seconds(gateway.process.pid), time.perf_counter()
+                    result = run_wrk(url, body, connections=concurrency, duration_s=args.seconds, auth=key,
+                                     cpus=config.helper_cpus)
+                    cpu = cpu_seconds(gateway.process.pid) - cpu_before
+                    wall = time.perf_counter() - wall_before
+                    print(f"{'stream' if stream else 'plain':6} c={concurrency:<3} {name}: {result.rps:7.0f} req/s  "
+                          f"p50 {result.p50_ms:8.3f} ms  p99 {result.p99_ms:8.3f} ms  "
+                          f"CPU {cpu / max(1, result.requests) * 1e6:6.0f} µs/req ({cpu / wall:.0%} of a core)  "
+                          f"errors {result.errors}", flush=True)
+    finally:
+        for gateway, _ in gateways.values():
+            gateway.stop()
+        for backend in backends:
+            backend.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
