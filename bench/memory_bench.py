@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import orjson
 
@@ -27,6 +28,9 @@ class MemoryResult:
     streams: list[dict]  # {"streams": N, "opened": k, "rss_mb": ..., "open_s": ...}
     idle_after_mb: float  # streams closed
     per_1000_streams_mb: float | None
+    # Engine streams the gateway still holds open to the decode backend after every client
+    # closed its stream (3 s later): a gateway that notices disconnects holds none.
+    upstream_open_after_close: int
 
 
 class HeldStream:
@@ -66,6 +70,17 @@ def _mb(pid: int) -> float:
     return rss_bytes(pid) / 1e6
 
 
+def established_to(port: int) -> int:
+    """Established TCP connections whose remote end is 127.0.0.1:port (from /proc/net/tcp)."""
+    target = f"0100007F:{port:04X}"
+    count = 0
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if fields[2] == target and fields[3] == "01":  # rem_address, state ESTABLISHED
+            count += 1
+    return count
+
+
 async def _hold(rig: Rig, counts: tuple[int, ...], log) -> tuple[list[dict], float]:
     body = orjson.dumps({"model": SLOW_MODEL, "prompt": PROMPT, "max_tokens": 1024, "stream": True})
     target = Target(rig.gateway_url + "/v1/completions", body, (("Authorization", f"Bearer {rig.gateway_key}"),))
@@ -103,14 +118,15 @@ def run_memory_bench(rig: Rig, idle_fresh_mb: float, log=print) -> MemoryResult:
     rows, _ = asyncio.run(_hold(rig, rig.config.streams, log))
     time.sleep(3.0)
     idle_after = _mb(rig.gateway_pid)
-    log(f"  after closing them: {idle_after:.0f} MB")
+    upstream_open = established_to(rig.config.ports.slow_decode)
+    log(f"  after closing them: {idle_after:.0f} MB; engine streams the gateway still holds open: {upstream_open}")
     per_1000 = None
     if rows:
         per_1000 = (rows[0]["rss_mb"] - idle_before) / rows[0]["streams"] * 1000
         if len(rows) > 1:  # the slope between the two largest counts, free of one-time growth
             a, b = rows[-2], rows[-1]
             per_1000 = (b["rss_mb"] - a["rss_mb"]) / (b["streams"] - a["streams"]) * 1000
-    return MemoryResult(idle_fresh_mb, idle_before, rows, idle_after, per_1000)
+    return MemoryResult(idle_fresh_mb, idle_before, rows, idle_after, per_1000, upstream_open)
 
 
 def memory_as_json(result: MemoryResult) -> dict:

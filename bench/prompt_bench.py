@@ -15,6 +15,7 @@ and whether tokenizing a 1M-token prompt blocks other requests.
 from __future__ import annotations
 
 import asyncio
+import socket
 import statistics
 import threading
 import time
@@ -79,6 +80,13 @@ class BlockingResult:
     during_max_ms: float
 
 
+def _client(timeout_s: float) -> httpx.Client:
+    """httpx writes head and body separately: without TCP_NODELAY a small body waits ~40 ms
+    for the server's delayed ACK (Nagle), which would be counted as the gateway's time."""
+    transport = httpx.HTTPTransport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
+    return httpx.Client(timeout=timeout_s, transport=transport)
+
+
 def _post(client: httpx.Client, rig: Rig, body: bytes) -> tuple[float, httpx.Response]:
     started = time.perf_counter()
     response = client.post(rig.gateway_url + "/v1/completions", content=body,
@@ -89,7 +97,7 @@ def _post(client: httpx.Client, rig: Rig, body: bytes) -> tuple[float, httpx.Res
 def tokenize_rows(rig: Rig, log=print) -> list[TokenizeRow]:
     tokenizer = ModelTokenizer(ensure_tiny_model())
     rows = []
-    with httpx.Client(timeout=300) as client:
+    with _client(300) as client:
         for target in rig.config.prompt_tokens:
             text = text_of_tokens(tokenizer, target)
             repeats = 3 if target <= 100_000 else 1
@@ -115,7 +123,7 @@ def tokenize_rows(rig: Rig, log=print) -> list[TokenizeRow]:
 
 def refusal_rows(rig: Rig, log=print) -> list[RefusalRow]:
     rows = []
-    with httpx.Client(timeout=120) as client:
+    with _client(120) as client:
         _post(client, rig, request_body(False))  # connection up
         for megabytes in rig.config.refusal_megabytes:
             body = orjson.dumps({"model": MODEL, "prompt": text_of_bytes(megabytes * 1_000_000), "max_tokens": 4})
@@ -152,7 +160,7 @@ def blocking(rig: Rig, big_tokens: int = 1_000_000, log=print) -> BlockingResult
     big: dict = {}
 
     def send_big() -> None:
-        with httpx.Client(timeout=300) as client:
+        with _client(300) as client:
             big["ms"], response = _post(client, rig, big_body)
             big["status"] = response.status_code
 

@@ -49,8 +49,9 @@ def routing_tables(routing: list[dict]) -> list[str]:
             added50 = cell["p50_ms"] - direct["p50_ms"] if direct and target != "direct" else None
             added99 = cell["p99_ms"] - direct["p99_ms"] if direct and target != "direct" else None
             util = f"{cell['cpu_utilisation']:.0%}" if cell.get("cpu_utilisation") is not None else "-"
-            rows.append([concurrency, target, cell["rps"], cell["p50_ms"], cell["p99_ms"], added50, added99,
-                         cell.get("cpu_us_per_request"), util, cell["errors"]])
+            cpu = cell.get("cpu_us_per_request")
+            rows.append([concurrency, target, round(cell["rps"]), cell["p50_ms"], cell["p99_ms"], added50, added99,
+                         round(cpu) if cpu is not None else None, util, cell["errors"]])
         out += _table(["in flight", "target", "req/s", "p50 ms", "p99 ms", "added p50 ms", "added p99 ms",
                        "CPU µs/req", "router CPU", "errors"], rows)
     return out
@@ -162,6 +163,10 @@ def render(results: dict[str, Any]) -> str:
         out += _table(["state", "RSS MB", "note"], rows)
         if memory.get("per_1000_streams_mb") is not None:
             out += [f"Per 1,000 streams: {memory['per_1000_streams_mb']:.0f} MB.", ""]
+        if memory.get("upstream_open_after_close") is not None:
+            out += [f"Engine streams the gateway still held open to the decode backend 3 s after every client "
+                    f"had closed its stream: {memory['upstream_open_after_close']} (0 when client disconnects "
+                    "are noticed).", ""]
     real = results.get("real_engine")
     if real:
         out += ["## Real SGLang 0.5.23 CPU PD pair (tiny model, small n)", ""]
