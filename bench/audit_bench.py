@@ -38,7 +38,7 @@ from sqlalchemy.engine import make_url
 
 from gateway.audit import AuditEvent, AuditLog
 from gateway.settings import Settings
-from gateway.store import AuditQuery, Store, create_store, decode_cursor, normalize_url
+from gateway.store import AuditQuery, Store, audit_events, create_store, decode_cursor, normalize_url
 
 DEFAULT_POSTGRES_URL = os.environ.get(
     "ISOGATE_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
@@ -166,6 +166,13 @@ def _bulk_fill(store: Store, count: int, tenants: int, *, offset: int) -> None:
     )
     columns = ("generation_id, tenant_id, key_id, model, outcome, status, code, prefill_worker, "
                "decode_worker, prompt_tokens, completion_tokens, stream, latency_ms, created_at, detail")
+    # Loading without the indexes and building them afterwards (one sort each) is several
+    # times faster than maintaining them row by row; they are rebuilt from the same
+    # definitions the migrations use, so the queries measured use the deployed indexes.
+    indexes = sorted(audit_events.indexes, key=lambda index: index.name)
+    with store.engine.begin() as conn:
+        for index in indexes:
+            index.drop(conn)
     with store.engine.begin() as conn:
         if store.dialect == "postgresql":
             conn.execute(text(f"""
@@ -177,7 +184,6 @@ def _bulk_fill(store: Store, count: int, tenants: int, *, offset: int) -> None:
                        (i % 1000) / 3.0, TIMESTAMPTZ '2026-01-01 00:00:00+00' + i * INTERVAL '10 milliseconds', NULL
                 FROM generate_series({offset}, {offset + count - 1}) AS i
             """))
-            conn.execute(text("ANALYZE audit_events"))
         else:
             conn.execute(text(f"""
                 WITH RECURSIVE s(i) AS (SELECT {offset} UNION ALL SELECT i + 1 FROM s WHERE i < {offset + count - 1})
@@ -192,7 +198,10 @@ def _bulk_fill(store: Store, count: int, tenants: int, *, offset: int) -> None:
                        NULL
                 FROM s
             """))
-            conn.execute(text("ANALYZE"))
+    with store.engine.begin() as conn:
+        for index in indexes:
+            index.create(conn)
+        conn.execute(text("ANALYZE audit_events" if store.dialect == "postgresql" else "ANALYZE"))
 
 
 def _backend_cpu_probe(store: Store):
