@@ -154,14 +154,23 @@ def sglang_router(prefill_url: str, bootstrap_port: int, decode_url: str, port: 
                "--host", "127.0.0.1", "--port", str(port),
                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(port + 1),
                "--log-level", "warn", "--worker-startup-check-interval", "1"]
-    router = Managed("sglang-router", command, log_dir / f"sglang-router-{port}.log", cpus,
-                     priority=priority).start()
-    try:
-        wait_http(f"http://127.0.0.1:{port}/readiness", 90, router.process, router.log_path)
-    except BaseException:
-        router.stop()
-        raise
-    return router
+    for attempt in range(3):
+        router = Managed("sglang-router", command, log_dir / f"sglang-router-{port}.log", cpus,
+                         priority=priority).start()
+        try:
+            wait_http(f"http://127.0.0.1:{port}/readiness", 90, router.process, router.log_path)
+            return router
+        except RuntimeError as exc:
+            router.stop()
+            # Our ports lie inside the kernel's ephemeral range: a client socket may hold one
+            # for a moment (seen as "Address already in use"). Wait and try again.
+            if "Address already in use" not in str(exc) or attempt == 2:
+                raise
+            time.sleep(3)
+        except BaseException:
+            router.stop()
+            raise
+    raise AssertionError("unreachable")
 
 
 @dataclass(frozen=True)

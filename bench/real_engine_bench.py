@@ -26,7 +26,7 @@ from bench.processes import BenchModel, BenchPool, sglang_router, start_gateway,
 from bench.routing_bench import PROMPT
 from bench.stream_client import RunResult, Target, run_load, run_pd_direct
 from gateway.capacity import ENGINE_PATCH_MARKER
-from gateway.dev.cluster import PDCluster, default_cluster_spec
+from gateway.dev.cluster import ClusterStartError, PDCluster, default_cluster_spec
 
 MIN_AVAILABLE_GIB = 7.0
 MODEL = "tiny-llama"
@@ -72,7 +72,15 @@ def run_real_engine_bench(config: BenchConfig, work_dir: Path, log=print) -> dic
     router = gateway = None
     started = time.monotonic()
     try:
-        cluster.start()
+        try:
+            cluster.start()
+        except ClusterStartError as exc:
+            # Our ports lie inside the kernel's ephemeral range; one retry after a port clash.
+            if "address already in use" not in str(exc).lower():
+                raise
+            log("  a port was taken for a moment; starting the PD pair again")
+            time.sleep(5)
+            cluster.start()
         log(f"  PD pair ready in {time.monotonic() - started:.0f} s")
         info = httpx.get(f"{cluster.decode_url}/server_info", timeout=10).json()
         tags = bool(info.get(ENGINE_PATCH_MARKER))
