@@ -41,6 +41,8 @@ from .verify import Expectation, IsolationFailure, StreamGuard, check_meta, chec
 log = logging.getLogger("isogate.request")
 
 Kind = Literal["chat", "completion"]
+# On every generation response, errors included: a client can find any request's audit event.
+GENERATION_ID_HEADER = "X-Generation-Id"
 
 
 @dataclass
@@ -149,18 +151,24 @@ async def handle_generation(components: Components, request: Request, kind: Kind
         await _settle(trace)
         components.audit.record(trace.event("served", 200))
         _observe(components, trace, "served")
-        return Response(orjson.dumps(result), media_type="application/json")
+        return Response(orjson.dumps(result), media_type="application/json",
+                        headers={GENERATION_ID_HEADER: trace.generation_id})
     except IsolationFailure as failure:
         await _settle(trace)
         _record_failure(components, trace, failure)
-        return failure.api_error().response()
+        return _with_generation_id(failure.api_error().response(), trace)
     except APIError as error:
         await _settle(trace)
         components.audit.record(trace.event(_outcome(error), error.status, error.code, error.message[:300]))
         _observe(components, trace, _outcome(error))
-        return error.response()
+        return _with_generation_id(error.response(), trace)
     finally:
         await _release(trace)
+
+
+def _with_generation_id(response: Response, trace: Trace) -> Response:
+    response.headers[GENERATION_ID_HEADER] = trace.generation_id
+    return response
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -373,6 +381,7 @@ class GuardedStream(Response):
             (b"content-type", b"text/event-stream; charset=utf-8"),
             (b"cache-control", b"no-cache"),
             (b"x-accel-buffering", b"no"),
+            (GENERATION_ID_HEADER.lower().encode(), trace.generation_id.encode()),
         ]
         self._components = components
         self._trace = trace

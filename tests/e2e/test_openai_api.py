@@ -113,6 +113,8 @@ def test_bad_requests_get_openai_format_errors(gateway: GatewayProcess, tenant: 
     response = httpx.post(gateway.url + "/v1/chat/completions", content=body, timeout=30,
                           headers={"Authorization": f"Bearer {tenant[1]}", "Content-Type": "application/json"})
     assert response.status_code == status
+    # Even a refused request names its generation ID, under which its audit event is filed.
+    assert response.headers["X-Generation-Id"].startswith("gen_")
     error = response.json()["error"]
     assert error["code"] == code
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
