@@ -9,6 +9,7 @@ when the stream ends, fails or is cancelled.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import logging
@@ -149,8 +150,7 @@ async def handle_generation(components: Components, request: Request, kind: Kind
         build = protocol.chat_completion if kind == "chat" else protocol.completion
         result = build(trace.generation_id, model.name, protocol.now(), text, finish_reason, usage)
         await _settle(trace)
-        components.audit.record(trace.event("served", 200))
-        _observe(components, trace, "served")
+        _finish(components, trace, "served", 200)
         return Response(orjson.dumps(result), media_type="application/json",
                         headers={GENERATION_ID_HEADER: trace.generation_id})
     except IsolationFailure as failure:
@@ -159,9 +159,16 @@ async def handle_generation(components: Components, request: Request, kind: Kind
         return _with_generation_id(failure.api_error().response(), trace)
     except APIError as error:
         await _settle(trace)
-        components.audit.record(trace.event(_outcome(error), error.status, error.code, error.message[:300]))
-        _observe(components, trace, _outcome(error))
+        _finish(components, trace, _outcome(error), error.status, error.code, error.message[:300])
         return _with_generation_id(error.response(), trace)
+    except asyncio.CancelledError:
+        # The client went away while we waited on a worker: still exactly one event.
+        _finish(components, trace, "client_cancelled", 499, "client_cancelled")
+        raise
+    except Exception as exc:
+        log.exception("unexpected error serving a generation")
+        _finish(components, trace, "upstream_error", 500, "internal_error", f"{type(exc).__name__}")
+        return _with_generation_id(APIError(500, "Internal error.", "server_error", "internal_error").response(), trace)
     finally:
         await _release(trace)
 
@@ -268,8 +275,7 @@ def _record_failure(components: Components, trace: Trace, failure: IsolationFail
     log.error("isolation check failed", extra={"generation_id": trace.generation_id, "reason": failure.reason,
                                                "tenant_id": trace.principal.tenant_id if trace.principal else None})
     components.metrics.verification_failed(trace.model or "", failure.reason)
-    components.audit.record(trace.event("verification_failed", 502, "isolation_check_failed", failure.reason))
-    _observe(components, trace, "verification_failed")
+    _finish(components, trace, "verification_failed", 502, "isolation_check_failed", failure.reason)
 
 
 def _refuse(components: Components, model: ModelPolicy, prompt_tokens: int | str, limit,
@@ -279,8 +285,10 @@ def _refuse(components: Components, model: ModelPolicy, prompt_tokens: int | str
     return context_length_exceeded(prompt_tokens, limit, max_tokens)
 
 
-def _observe(components: Components, trace: Trace, outcome: str) -> None:
-    """The request counter and latency histogram, at the same points as the audit event."""
+def _finish(components: Components, trace: Trace, outcome: str, status: int, code: str | None = None,
+            detail: str | None = None) -> None:
+    """The one place a request's outcome is recorded: its audit event, counters and latency."""
+    components.audit.record(trace.event(outcome, status, code, detail))
     tenant = trace.principal.tenant_id if trace.principal else ""
     # A model name the client made up is not a label value: that would let clients grow the series.
     model = trace.model if trace.model in components.policies.models else ""
@@ -414,5 +422,4 @@ class GuardedStream(Response):
             await self._events.aclose()
             await _settle(trace)
             await _release(trace)
-            components.audit.record(trace.event(*outcome))
-            _observe(components, trace, outcome[0])
+            _finish(components, trace, *outcome)
