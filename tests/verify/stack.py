@@ -50,15 +50,19 @@ class LyingStack:
         return httpx.Client(base_url=self.gateway.url, headers={"Authorization": f"Bearer {raw_key}"}, timeout=30)
 
     def metric(self, name: str, **labels: str) -> float:
-        """The sum of a metric's samples whose labels include ``labels``."""
-        total = 0.0
-        for line in httpx.get(self.gateway.url + "/metrics", timeout=10).text.splitlines():
-            if line.startswith("#") or not (line.startswith(name + "{") or line.startswith(name + " ")):
-                continue
-            series, value = line.rsplit(" ", 1)
-            if all(f'{k}="{v}"' in series for k, v in labels.items()):
-                total += float(value)
-        return total
+        return gateway_metric(self.gateway, name, **labels)
+
+
+def gateway_metric(gateway: GatewayProcess, name: str, **labels: str) -> float:
+    """The sum of a metric's samples (from the gateway's /metrics) whose labels include ``labels``."""
+    total = 0.0
+    for line in httpx.get(gateway.url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("#") or not (line.startswith(name + "{") or line.startswith(name + " ")):
+            continue
+        series, value = line.rsplit(" ", 1)
+        if all(f'{k}="{v}"' in series for k, v in labels.items()):
+            total += float(value)
+    return total
 
 
 @contextlib.contextmanager
