@@ -41,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
         for role, port in (("prefill", ports.prefill), ("decode", ports.decode)):
             backends.append(instant_backend(role, port, work, cpus=config.helper_cpus, pool_tokens=POOL_TOKENS,
                                             priority=config.priority))
-        pool = BenchPool(f"http://127.0.0.1:{ports.prefill}", ports.bootstrap, f"http://127.0.0.1:{ports.decode}")
+        pool = BenchPool(f"http://127.0.0.1:{backends[0].port}", ports.bootstrap,
+                         f"http://127.0.0.1:{backends[1].port}")
         policies = write_bench_policies(work / "policies", tokenizer_dir=ensure_tiny_model(),
                                         models=[BenchModel(MODEL, 65_536, pool)])
         for name, root, port in (("A", args.a, ports.gateway), ("B", args.b, ports.gateway + 1)):

@@ -118,7 +118,7 @@ def run_memory_bench(rig: Rig, idle_fresh_mb: float, log=print) -> MemoryResult:
     rows, _ = asyncio.run(_hold(rig, rig.config.streams, log))
     time.sleep(3.0)
     idle_after = _mb(rig.gateway_pid)
-    upstream_open = established_to(rig.config.ports.slow_decode)
+    upstream_open = established_to(rig.slow_decode_port)
     log(f"  after closing them: {idle_after:.0f} MB; engine streams the gateway still holds open: {upstream_open}")
     per_1000 = None
     if rows:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -36,6 +37,26 @@ def pin(pid: int, cpus: set[int] | None) -> None:
             os.sched_setaffinity(int(tid), cpus)
         except (ProcessLookupError, OSError):
             pass
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_ports(first: int, count: int = 1, limit: int = 10) -> int:
+    """The first port from ``first`` (within ``limit`` tries) such that it and the next
+    ``count - 1`` are free. The bench's range lies inside the kernel's ephemeral range, where
+    other sessions' tests bind random ports, so a fixed port is sometimes taken."""
+    for start in range(first, first + limit):
+        if all(port_is_free(port) for port in range(start, start + count)):
+            return start
+    raise RuntimeError(f"no {count} free port(s) in {first}..{first + limit + count - 2}")
 
 
 def boost(pid: int, nice: int) -> None:
@@ -95,6 +116,7 @@ class Managed:
     cpus: set[int] | None = None
     env: dict[str, str] | None = None
     priority: int = 0  # see boost()
+    port: int | None = None  # where it listens, once known
     process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> Managed:
@@ -137,28 +159,36 @@ class Managed:
 
 def instant_backend(role: str, port: int, log_dir: Path, *, cpus: set[int] | None, pool_tokens: int,
                     chunks: int = 4, stream_interval_s: float = 0.0, priority: int = 0) -> Managed:
+    port = free_ports(port)
     command = [sys.executable, "-m", "bench.instant_backend", "--role", role, "--port", str(port),
                "--pool-tokens", str(pool_tokens), "--chunks", str(chunks),
                "--stream-interval-s", str(stream_interval_s)]
     backend = Managed(f"instant-{role}", command, log_dir / f"instant-{role}-{port}.log", cpus,
                       priority=priority).start()
     wait_http(f"http://127.0.0.1:{port}/health", 20, backend.process, backend.log_path)
+    backend.port = port
     return backend
+
+
+def _router_command(prefill_url: str, bootstrap_port: int, decode_url: str, port: int) -> list[str]:
+    return [str(ENGINE_PYTHON), "-m", "sglang_router.launch_router", "--pd-disaggregation",
+            "--prefill", prefill_url, str(bootstrap_port), "--decode", decode_url,
+            "--host", "127.0.0.1", "--port", str(port),
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(port + 1),
+            "--log-level", "warn", "--worker-startup-check-interval", "1"]
 
 
 def sglang_router(prefill_url: str, bootstrap_port: int, decode_url: str, port: int, log_dir: Path, *,
                   cpus: set[int] | None, priority: int = 0) -> Managed:
     """SGLang's Rust PD router (``sglang_router`` 0.3.2 from the engine venv), ready on /readiness."""
-    command = [str(ENGINE_PYTHON), "-m", "sglang_router.launch_router", "--pd-disaggregation",
-               "--prefill", prefill_url, str(bootstrap_port), "--decode", decode_url,
-               "--host", "127.0.0.1", "--port", str(port),
-               "--prometheus-host", "127.0.0.1", "--prometheus-port", str(port + 1),
-               "--log-level", "warn", "--worker-startup-check-interval", "1"]
     for attempt in range(3):
+        port = free_ports(port, count=2)  # the router's port and its Prometheus port
+        command = _router_command(prefill_url, bootstrap_port, decode_url, port)
         router = Managed("sglang-router", command, log_dir / f"sglang-router-{port}.log", cpus,
                          priority=priority).start()
         try:
             wait_http(f"http://127.0.0.1:{port}/readiness", 90, router.process, router.log_path)
+            router.port = port
             return router
         except RuntimeError as exc:
             router.stop()
@@ -245,7 +275,7 @@ def start_gateway(policies_dir: Path, work_dir: Path, port: int, *, cpus: set[in
 
     ``root``: run the ``gateway`` package of that directory instead of this checkout's.
     """
-    kwargs = dict(policies_dir=policies_dir, work_dir=work_dir, port=port,
+    kwargs = dict(policies_dir=policies_dir, work_dir=work_dir, port=free_ports(port),
                   env={"ISOGATE_CAPACITY_POLL_INTERVAL_S": "1.0", **(env or {})})
     gateway = PatchedGatewayProcess(root, **kwargs) if root else GatewayProcess(**kwargs)
     try:

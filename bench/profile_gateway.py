@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         ports = config.ports
         for role, port in (("prefill", ports.prefill), ("decode", ports.decode)):
             started.append(instant_backend(role, port, work, cpus=config.helper_cpus, pool_tokens=POOL_TOKENS, priority=config.priority))
-        pool = BenchPool(f"http://127.0.0.1:{ports.prefill}", ports.bootstrap, f"http://127.0.0.1:{ports.decode}")
+        pool = BenchPool(f"http://127.0.0.1:{started[0].port}", ports.bootstrap, f"http://127.0.0.1:{started[1].port}")
         policies = write_bench_policies(work / "policies", tokenizer_dir=ensure_tiny_model(),
                                         models=[BenchModel(MODEL, 65_536, pool)])
         gateway, key = start_gateway(policies, work / "gateway", ports.gateway, cpus=config.router_cpus, priority=config.priority,

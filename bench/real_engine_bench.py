@@ -22,7 +22,7 @@ import httpx
 import orjson
 
 from bench.config import BenchConfig
-from bench.processes import BenchModel, BenchPool, sglang_router, start_gateway, write_bench_policies
+from bench.processes import BenchModel, BenchPool, free_ports, sglang_router, start_gateway, write_bench_policies
 from bench.routing_bench import PROMPT
 from bench.stream_client import RunResult, Target, run_load, run_pd_direct
 from gateway.capacity import ENGINE_PATCH_MARKER
@@ -66,8 +66,8 @@ def run_real_engine_bench(config: BenchConfig, work_dir: Path, log=print) -> dic
     if free < MIN_AVAILABLE_GIB:
         return {"skipped": f"only {free:.1f} GiB available (< {MIN_AVAILABLE_GIB} GiB needed for a PD pair)"}
     ports = config.ports
-    spec = default_cluster_spec(prefill_port=ports.real_prefill, decode_port=ports.real_decode,
-                                bootstrap_port=ports.real_bootstrap, log_dir=work_dir / "sglang")
+    spec = default_cluster_spec(prefill_port=free_ports(ports.real_prefill), decode_port=free_ports(ports.real_decode),
+                                bootstrap_port=free_ports(ports.real_bootstrap), log_dir=work_dir / "sglang")
     cluster = PDCluster(spec)
     router = gateway = None
     started = time.monotonic()
@@ -100,7 +100,8 @@ def run_real_engine_bench(config: BenchConfig, work_dir: Path, log=print) -> dic
                 runs = {
                     "direct": run_pd_direct(cluster.prefill_url, cluster.decode_url, cluster.bootstrap_port, body,
                                             concurrency=concurrency, total_requests=total),
-                    "sglang_router": run_load(Target(router_url(ports) + "/v1/completions", raw, fresh_rid=True),
+                    "sglang_router": run_load(Target(f"http://127.0.0.1:{router.port}/v1/completions", raw,
+                                                     fresh_rid=True),
                                               concurrency=concurrency, total_requests=total, warmup_requests=1),
                     "gateway": run_load(Target(gateway.url + "/v1/completions", raw, auth),
                                         concurrency=concurrency, total_requests=total, warmup_requests=1),
@@ -123,6 +124,3 @@ def run_real_engine_bench(config: BenchConfig, work_dir: Path, log=print) -> dic
             router.stop()
         cluster.stop()
 
-
-def router_url(ports) -> str:
-    return f"http://127.0.0.1:{ports.real_router}"

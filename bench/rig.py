@@ -31,6 +31,7 @@ class Rig:
     router: Managed
     gateway: GatewayProcess
     gateway_key: str
+    slow_decode_port: int
 
     @property
     def gateway_url(self) -> str:
@@ -48,17 +49,21 @@ def instant_rig(config: BenchConfig, work_dir: Path) -> Iterator[Rig]:
     started: list[Managed] = []
     gateway: GatewayProcess | None = None
     try:
-        for role, port, kwargs in (("prefill", ports.prefill, {}), ("decode", ports.decode, {}),
-                                   ("decode", ports.slow_decode, {"chunks": SLOW_STREAM_CHUNKS,
-                                                                  "stream_interval_s": SLOW_STREAM_INTERVAL_S})):
-            started.append(instant_backend(role, port, work_dir, cpus=config.helper_cpus, pool_tokens=POOL_TOKENS,
-                                           priority=config.priority, **kwargs))
-        prefill_url, decode_url = f"http://127.0.0.1:{ports.prefill}", f"http://127.0.0.1:{ports.decode}"
+        backends = {}
+        for name, role, port, kwargs in (
+                ("prefill", "prefill", ports.prefill, {}), ("decode", "decode", ports.decode, {}),
+                ("slow", "decode", ports.slow_decode, {"chunks": SLOW_STREAM_CHUNKS,
+                                                       "stream_interval_s": SLOW_STREAM_INTERVAL_S})):
+            backends[name] = instant_backend(role, port, work_dir, cpus=config.helper_cpus, pool_tokens=POOL_TOKENS,
+                                             priority=config.priority, **kwargs)
+            started.append(backends[name])
+        prefill_url, decode_url = (f"http://127.0.0.1:{backends[n].port}" for n in ("prefill", "decode"))
+        slow_url = f"http://127.0.0.1:{backends['slow'].port}"
         router = sglang_router(prefill_url, ports.bootstrap, decode_url, ports.router, work_dir,
                                cpus=config.router_cpus, priority=config.priority)
         started.append(router)
         pool = BenchPool(prefill_url, ports.bootstrap, decode_url)
-        slow_pool = BenchPool(prefill_url, ports.bootstrap, f"http://127.0.0.1:{ports.slow_decode}")
+        slow_pool = BenchPool(prefill_url, ports.bootstrap, slow_url)
         policies = write_bench_policies(work_dir / "policies", tokenizer_dir=ensure_tiny_model(), models=[
             BenchModel(MODEL, 65_536, pool),
             BenchModel(LONG_MODEL, 4_194_304, pool),
@@ -66,7 +71,8 @@ def instant_rig(config: BenchConfig, work_dir: Path) -> Iterator[Rig]:
         ])
         gateway, key = start_gateway(policies, work_dir / "gateway", ports.gateway, cpus=config.router_cpus,
                                      priority=config.priority, root=config.gateway_root)
-        yield Rig(config, work_dir, decode_url, f"http://127.0.0.1:{ports.router}", router, gateway, key)
+        yield Rig(config, work_dir, decode_url, f"http://127.0.0.1:{router.port}", router, gateway, key,
+                  backends["slow"].port or ports.slow_decode)
     finally:
         if gateway is not None:
             gateway.stop()
