@@ -65,7 +65,7 @@ def body(stream: bool) -> dict[str, Any]:
             "stream": stream}
 
 
-def audited_failure(stack: LyingStack, key: str) -> dict[str, Any]:
+def audited_failure(stack: LyingStack, key: str, response: httpx.Response | None = None) -> dict[str, Any]:
     def events() -> list[dict[str, Any]]:
         with stack.client(key) as client:
             return client.get("/v1/audit/events", params={"outcome": "verification_failed"}).json()["data"]
@@ -73,8 +73,10 @@ def audited_failure(stack: LyingStack, key: str) -> dict[str, Any]:
     found = wait_until(events, timeout_s=10)
     assert len(found) == 1, found
     event = found[0]
-    # The event is the request the decode worker saw: same generation ID.
+    # The event is the request the decode worker saw, and the one the client was told about.
     assert event["generation_id"] == stack.decode.requests[-1]["rid"]
+    if response is not None:
+        assert response.headers["x-generation-id"] == event["generation_id"]
     assert event["code"] == "isolation_check_failed"
     return event
 
@@ -95,7 +97,7 @@ def test_a_lying_answer_is_withheld_with_502(stack: LyingStack, tenant_key: str,
     with stack.client(tenant_key) as client:
         response = client.post("/v1/chat/completions", json=body(stream=False))
     assert_withheld_502(response)
-    event = audited_failure(stack, tenant_key)
+    event = audited_failure(stack, tenant_key, response)
     assert reason in event["detail"] and event["status"] == 502 and event["stream"] is False
     assert stack.metric("isogate_verification_failures_total") == failures_before + 1
 
@@ -110,7 +112,7 @@ def test_a_stream_whose_first_chunk_lies_is_a_502_before_any_byte(stack: LyingSt
             response.read()
     assert_withheld_502(response)
     assert b"data:" not in response.content
-    event = audited_failure(stack, tenant_key)
+    event = audited_failure(stack, tenant_key, response)
     assert reason in event["detail"] and event["status"] == 502 and event["stream"] is True
 
 
@@ -129,7 +131,7 @@ def test_a_stream_that_lies_midway_ends_with_one_error_event_and_no_done(stack: 
     assert "[DONE]" not in events
     assert events[-1]["error"]["code"] == "isolation_check_failed"
     assert sum(1 for e in events if isinstance(e, dict) and "error" in e) == 1
-    event = audited_failure(stack, tenant_key)
+    event = audited_failure(stack, tenant_key, response)
     assert reason in event["detail"] and event["stream"] is True
 
 
