@@ -118,8 +118,13 @@ def run_memory_bench(rig: Rig, idle_fresh_mb: float, log=print) -> MemoryResult:
     rows, _ = asyncio.run(_hold(rig, rig.config.streams, log))
     time.sleep(3.0)
     idle_after = _mb(rig.gateway_pid)
-    upstream_open = established_to(rig.slow_decode_port)
+    assert rig.slow_decode.port is not None
+    upstream_open = established_to(rig.slow_decode.port)
     log(f"  after closing them: {idle_after:.0f} MB; engine streams the gateway still holds open: {upstream_open}")
+    # Streams the gateway still pulls would load it during the next sections: end them from
+    # the engine side (the slow backend is not used again).
+    rig.slow_decode.stop()
+    time.sleep(2.0)
     per_1000 = None
     if rows:
         per_1000 = (rows[0]["rss_mb"] - idle_before) / rows[0]["streams"] * 1000

@@ -31,7 +31,7 @@ class Rig:
     router: Managed
     gateway: GatewayProcess
     gateway_key: str
-    slow_decode_port: int
+    slow_decode: Managed
 
     @property
     def gateway_url(self) -> str:
@@ -72,7 +72,7 @@ def instant_rig(config: BenchConfig, work_dir: Path) -> Iterator[Rig]:
         gateway, key = start_gateway(policies, work_dir / "gateway", ports.gateway, cpus=config.router_cpus,
                                      priority=config.priority, root=config.gateway_root)
         yield Rig(config, work_dir, decode_url, f"http://127.0.0.1:{router.port}", router, gateway, key,
-                  backends["slow"].port or ports.slow_decode)
+                  backends["slow"])
     finally:
         if gateway is not None:
             gateway.stop()
