@@ -397,29 +397,48 @@ class GuardedStream(Response):
         self._releases = list(trace.releases)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        trace, components = self._trace, self._components
+        trace = self._trace
         trace.releases = self._releases
-        outcome: tuple[str, int, str | None, str | None] = ("client_cancelled", 499, "client_cancelled", None)
+        outcome: list[tuple[str, int, str | None, str | None]] = [
+            ("client_cancelled", 499, "client_cancelled", None)]
+        # uvicorn's send() returns silently once the client has gone: without listening for
+        # http.disconnect the engine stream would be pulled to its end, claims held meanwhile.
+        pump = asyncio.ensure_future(self._pump(send, outcome))
+        watcher = asyncio.ensure_future(_disconnected(receive))
         try:
-            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            try:
-                async for event in self._events:
-                    await send({"type": "http.response.body", "body": event, "more_body": True})
-                outcome = ("served", 200, None, None)
-            except IsolationFailure as failure:
-                await send({"type": "http.response.body", "body": _sse(failure.api_error().body()), "more_body": True})
-                log.error("isolation check failed mid-stream", extra={"generation_id": trace.generation_id,
-                                                                      "reason": failure.reason})
-                components.metrics.verification_failed(trace.model or "", failure.reason)
-                outcome = ("verification_failed", 200, "isolation_check_failed", failure.reason)
-            except (APIError, UpstreamStreamError) as error:
-                api_error = error if isinstance(error, APIError) else APIError(
-                    502, f"The decode worker failed mid-stream: {error}", "upstream_error", "upstream_error")
-                await send({"type": "http.response.body", "body": _sse(api_error.body()), "more_body": True})
-                outcome = ("upstream_error", 200, api_error.code, api_error.message[:300])
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            await asyncio.wait((pump, watcher), return_when=asyncio.FIRST_COMPLETED)
         finally:
+            for task in (pump, watcher):
+                task.cancel()
+            await asyncio.gather(pump, watcher, return_exceptions=True)
             await self._events.aclose()
             await _settle(trace)
             await _release(trace)
-            _finish(components, trace, *outcome)
+            _finish(self._components, trace, *outcome[0])
+        if not pump.cancelled() and pump.exception() is not None:
+            raise pump.exception()  # type: ignore[misc]
+
+    async def _pump(self, send: Send, outcome: list[tuple[str, int, str | None, str | None]]) -> None:
+        trace, components = self._trace, self._components
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        try:
+            async for event in self._events:
+                await send({"type": "http.response.body", "body": event, "more_body": True})
+            outcome[0] = ("served", 200, None, None)
+        except IsolationFailure as failure:
+            await send({"type": "http.response.body", "body": _sse(failure.api_error().body()), "more_body": True})
+            log.error("isolation check failed mid-stream", extra={"generation_id": trace.generation_id,
+                                                                  "reason": failure.reason})
+            components.metrics.verification_failed(trace.model or "", failure.reason)
+            outcome[0] = ("verification_failed", 200, "isolation_check_failed", failure.reason)
+        except (APIError, UpstreamStreamError) as error:
+            api_error = error if isinstance(error, APIError) else APIError(
+                502, f"The decode worker failed mid-stream: {error}", "upstream_error", "upstream_error")
+            await send({"type": "http.response.body", "body": _sse(api_error.body()), "more_body": True})
+            outcome[0] = ("upstream_error", 200, api_error.code, api_error.message[:300])
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass

@@ -104,3 +104,27 @@ def test_a_worker_that_stops_answering_is_taken_out_once_its_data_is_stale(tmp_p
         response = _chat(gateway, key)
         assert response.status_code == 503
         assert response.json()["error"]["code"] == "no_worker_available"
+
+
+def test_a_client_that_leaves_mid_stream_releases_its_claims_and_is_audited(tmp_path, tokenizer_dir, workers) -> None:
+    prefill, decode = workers
+    decode.behaviour = Behaviour(text_chunks=tuple(f"w{i} " for i in range(500)))  # ~5 s of streaming
+    with _gateway(tmp_path, tokenizer_dir, prefill.url, decode.url) as gateway:
+        _, key = gateway.create_tenant()
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 600, "stream": True}
+        with httpx.stream("POST", gateway.url + "/v1/chat/completions", json=body, timeout=30,
+                          headers={"Authorization": f"Bearer {key}"}) as response:
+            generation_id = response.headers["X-Generation-Id"]
+            next(response.iter_lines())  # the first event arrived; now hang up
+        deadline = time.monotonic() + 3  # well before the stream would have ended by itself
+        event = None
+        while time.monotonic() < deadline:
+            found = httpx.get(f"{gateway.url}/v1/audit/events/{generation_id}", headers={"Authorization": f"Bearer {key}"})
+            if found.status_code == 200:
+                event = found.json()
+                break
+            time.sleep(0.1)
+        assert event is not None and event["outcome"] == "client_cancelled"
+        with gateway.admin() as admin:
+            claimed = {w["url"]: w["claimed_tokens"] for w in admin.get("/admin/workers").json()["data"]}
+        assert claimed == {prefill.url: 0, decode.url: 0}
