@@ -147,12 +147,31 @@ def check_pages_before_first_decode(original: Any, scheduler: Any, batch: Any) -
 
 
 def _fail_with_pages_released(scheduler: Any, req: Any, problem: str) -> None:
-    # The same unwinding SGLang does for a KV checksum mismatch at this point.
+    # The unwinding SGLang does for a KV checksum mismatch at this point, except
+    # that the handoff token committed from prefill's metadata is withdrawn
+    # first: otherwise a stream's abort event would still carry it as text.
     prepare_abort(
         req,
         f"isolation check failed (foreign_page): {problem}",
         status_code=HTTPStatus.INTERNAL_SERVER_ERROR,
     )
     DECISIONS.record_refused("foreign_page", req.rid, problem)
-    scheduler.output_streamer.stream_output([req], req.return_logprob)
     release_kv_cache(req, scheduler.tree_cache, checkpoint=False)
+    _withdraw_uncommitted_output(req)
+    scheduler.output_streamer.stream_output([req], req.return_logprob)
+
+
+def _withdraw_uncommitted_output(req: Any) -> None:
+    """Drop the tokens of a request failed before its first decode step (the handoff token)."""
+    del req.output_ids[:]
+    if req.return_logprob:
+        logprob = req.logprob
+        for name in (
+            "output_token_logprobs_val",
+            "output_token_logprobs_idx",
+            "output_top_logprobs_val",
+            "output_top_logprobs_idx",
+        ):
+            values = getattr(logprob, name, None)
+            if values:
+                del values[:]

@@ -172,9 +172,27 @@ def test_with_engine_patch_an_admitted_incident_fails_with_500_and_is_logged(tmp
     plugins = [CPU_SHIM_PLUGIN, INCIDENT_REPLAY_PLUGIN, ENGINE_PATCH_PLUGIN]
     with incident_pair(tmp_path, plugins, ISOGATE_ENGINE_DISABLE_CHECKS=disabled, **UNDO_FIXES) as cluster:
         earlier, incident = replay(cluster)
+        streamed = generate_pd(
+            cluster,
+            input_ids=incident_prompt(PROMPT_BETWEEN_POOLS)[1:] + [7],
+            generation="gen_B2",
+            tenant="tenant-b",
+            bootstrap_room=1003,
+            stream=True,
+            timeout_s=120,
+        )
         decode_lines = engine_log_lines(cluster, "decode")
     assert earlier.decode.status == 200 and earlier.decode.meta_info["isolation_tenant"] == "tenant-a"
     assert incident.decode.status == 500
     assert not incident.decode.is_200_with_content()
     assert reason in incident.decode.body["message"]
-    assert refusals(decode_lines, reason)
+    assert len(refusals(decode_lines, reason)) == 2
+
+    # Streaming: SGLang has sent the 200 status line, so the failure is the one
+    # event of the stream, an abort carrying 500 and the reason, with no tokens.
+    print("streamed incident:", streamed.decode.status, str(streamed.decode.body)[:1500])
+    assert not streamed.decode.is_200_with_content()
+    events = stream_decode_chunks(streamed.decode.body)
+    finish = events[-1]["meta_info"]["finish_reason"]
+    assert finish["type"] == "abort" and finish["status_code"] == 500
+    assert reason in finish["message"]

@@ -163,3 +163,16 @@ def test_preempted_request_resumed_into_new_pages_is_not_failed_and_a_fresh_one_
     assert [req.rid for req in batch.reqs] == ["gen_resumed", "gen_fresh"]
     assert resumed.finished_reason is None and fresh.finished_reason is None
     assert fresh.isogate_pages_checked is True  # checked once, not again after a retraction
+
+
+def test_a_request_failed_before_its_first_decode_step_streams_no_token():
+    from engine_patch.page_tags import _withdraw_uncommitted_output
+
+    req = make_req("gen_withdrawn", 8)
+    req.output_ids.append(485)  # the handoff token committed from prefill's metadata
+    req.return_logprob = True
+    req.logprob.output_token_logprobs_val = [-0.5]
+    req.logprob.output_token_logprobs_idx = [485]
+    _withdraw_uncommitted_output(req)
+    assert list(req.output_ids) == []
+    assert req.logprob.output_token_logprobs_val == [] and req.logprob.output_token_logprobs_idx == []
