@@ -20,6 +20,10 @@ from typing import Any, Protocol
 from .errors import APIError, isolation_check_failed
 
 
+# The reason of a canary hit; the pipeline can tell it from the other checks' reasons by it.
+FOREIGN_MARKER_REASON = "output carries another tenant's canary marker"
+
+
 class IsolationFailure(Exception):
     """The engine's answer does not belong to the request; ``reason`` says which check failed."""
 
@@ -126,9 +130,9 @@ class StreamGuard:
         start = max(0, self._sent - self._scanner.holdback_chars)
         marker = self._scanner.foreign_marker(self._text[start:], self._tenant_id)
         if marker is not None:
-            raise IsolationFailure("output carries another tenant's canary marker")
+            raise IsolationFailure(FOREIGN_MARKER_REASON)
 
 
 def check_text(scanner: ContentScanner, text: str, tenant_id: str) -> None:
     if scanner.foreign_marker(text, tenant_id) is not None:
-        raise IsolationFailure("output carries another tenant's canary marker")
+        raise IsolationFailure(FOREIGN_MARKER_REASON)
