@@ -87,37 +87,59 @@ class PDDispatcher:
         return decode_task.result()
 
     async def stream(self, pair: WorkerPair, request: EngineRequest) -> AsyncIterator[dict[str, Any]]:
-        """Decode's chunks, parsed; raises APIError before the first chunk, UpstreamStreamError after."""
+        """Decode's chunks, parsed; raises APIError before the first chunk, UpstreamStreamError after.
+
+        Until decode's first chunk, decode may be silently waiting for a KV transfer that a
+        failed prefill will never send (SGLang waits out its transfer timeout, 300 s by
+        default), so the first chunk races prefill's answer. Once decode has produced a token,
+        the transfer is complete.
+        """
         headers = isolation_headers(request)
-        prefill_task = asyncio.ensure_future(
+        prefill = asyncio.ensure_future(
             self._post(pair.prefill.url, generate_body(pair, request, stream=False), headers, "prefill")
         )
+        chunks = self._decode_chunks(pair, request, headers)
         try:
-            async with _transport_errors("decode", pair.decode.url):
-                async with self._client.stream(
-                    "POST", f"{pair.decode.url}/generate",
-                    content=generate_body(pair, request, stream=True), headers=headers,
-                ) as response:
-                    if response.status_code != 200:
-                        raise _engine_error("decode", response.status_code, await response.aread())
-                    async for line in response.aiter_lines():
-                        if prefill_task.done() and prefill_task.exception() is not None:
-                            raise prefill_task.exception()  # type: ignore[misc]
-                        if not line.startswith("data:"):
-                            continue
-                        payload = line[5:].strip()
-                        if payload == "[DONE]":
-                            break
-                        chunk = orjson.loads(payload)
-                        if "error" in chunk:
-                            raise UpstreamStreamError(_error_message(chunk))
-                        yield chunk
-            await prefill_task
+            first = asyncio.ensure_future(chunks.__anext__())
+            await asyncio.wait((first, prefill), return_when=asyncio.FIRST_COMPLETED)
+            if not first.done() and prefill.exception() is not None:
+                first.cancel()
+                with contextlib.suppress(BaseException):
+                    await first
+                raise prefill.exception()  # type: ignore[misc]
+            try:
+                yield await first
+            except StopAsyncIteration:
+                return
+            async for chunk in chunks:
+                yield chunk
+            await prefill
         finally:
-            if not prefill_task.done():
-                prefill_task.cancel()
+            if not prefill.done():
+                prefill.cancel()
             with contextlib.suppress(BaseException):
-                await prefill_task
+                await prefill
+            await chunks.aclose()
+
+    async def _decode_chunks(self, pair: WorkerPair, request: EngineRequest,
+                             headers: dict[str, str]) -> AsyncIterator[dict[str, Any]]:
+        async with _transport_errors("decode", pair.decode.url):
+            async with self._client.stream(
+                "POST", f"{pair.decode.url}/generate",
+                content=generate_body(pair, request, stream=True), headers=headers,
+            ) as response:
+                if response.status_code != 200:
+                    raise _engine_error("decode", response.status_code, await response.aread())
+                async for line in response.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    payload = line[5:].strip()
+                    if payload == "[DONE]":
+                        return
+                    chunk = orjson.loads(payload)
+                    if "error" in chunk:
+                        raise UpstreamStreamError(_error_message(chunk))
+                    yield chunk
 
     async def _post(self, url: str, body: bytes, headers: dict[str, str], role: str) -> dict[str, Any]:
         async with _transport_errors(role, url):

@@ -74,10 +74,11 @@ def test_a_failing_prefill_fails_the_request_with_502(tmp_path, tokenizer_dir, w
     decode.behaviour = Behaviour(hang=True)  # decode would wait for a transfer that never comes
     with _gateway(tmp_path, tokenizer_dir, prefill.url, decode.url, ISOGATE_UPSTREAM_TIMEOUT_S="20") as gateway:
         _, key = gateway.create_tenant()
-        started = time.monotonic()
-        response = _chat(gateway, key)
-        assert response.status_code == 502
-        assert time.monotonic() - started < 10  # failed fast, did not wait for decode's timeout
+        for stream in (False, True):
+            started = time.monotonic()
+            response = _chat(gateway, key, stream=stream)
+            assert response.status_code == 502
+            assert time.monotonic() - started < 10  # failed fast, did not wait for decode's timeout
 
 
 def test_workers_that_never_answered_are_not_routed_to(tmp_path, tokenizer_dir) -> None:
