@@ -3,6 +3,7 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+ENGINE_PY := .venv-engine/bin/python
 GATEWAY_STAMP := $(VENV)/.installed
 
 .PHONY: run test test-fast bench install engine services check-pools clean
@@ -25,8 +26,11 @@ services:
 run: install engine
 	$(PY) scripts/run-dev
 
+# The gateway's suite (unit, stand-in and real-SGLang end-to-end tests), then engine_patch's
+# unit tests against the real SGLang classes, which need the engine venv.
 test: install engine services
 	$(PY) -m pytest -ra
+	$(ENGINE_PY) -m pytest -ra tests/engine_patch
 
 # Without the real SGLang cluster (unit tests and stand-in workers only).
 test-fast: install services

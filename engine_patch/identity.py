@@ -26,11 +26,17 @@ def tenant_fingerprint(tenant: str) -> int:
 
 
 def generation_of(req: Any) -> str:
-    """The generation a request belongs to: its tag, else its rid.
+    """The generation a request belongs to: its tag, else its PD bootstrap room, else its rid.
 
-    The tokenizer-side check makes a tagged request's rid equal its
-    generation tag, so both sides of a PD pair derive the same value."""
-    return getattr(req, "isolation_generation", None) or req.rid
+    The tokenizer-side check makes a tagged request's rid equal its generation tag, so
+    both sides of a PD pair derive the same value. An untagged request (e.g. sent through
+    sglang_router, which mints a separate rid on each side) shares only its bootstrap room
+    between prefill and decode, so that is its identity."""
+    tagged = getattr(req, "isolation_generation", None)
+    if tagged:
+        return tagged
+    room = getattr(req, "bootstrap_room", None)
+    return f"room:{room}" if room is not None else req.rid
 
 
 def tenant_of(req: Any) -> str:

@@ -35,7 +35,7 @@ from .audit import AuditEvent
 from .auth import Principal
 from .dispatch import EngineRequest
 from .errors import APIError
-from .ids import new_generation_id
+from .ids import new_generation_id, tenant_cache_salt
 from .logs import current_generation_id
 from .routing import WorkerPair
 from .verify import Expectation, IsolationFailure, check_meta
@@ -261,7 +261,6 @@ class CanaryProber:
         return pairs
 
     async def probe(self, model: ModelPolicy, pair: WorkerPair) -> ProbeResult:
-        from .pipeline import cache_salt  # pipeline imports components, which imports this module
 
         components = self._components
         generation_id, marker = new_generation_id(), new_marker()
@@ -282,7 +281,7 @@ class CanaryProber:
                 tenant_id=CANARY_TENANT_ID,
                 input_ids=input_ids,
                 sampling_params={"max_new_tokens": self._max_tokens, "temperature": 0.0},
-                cache_salt=cache_salt(components.settings.cache_salt_secret, CANARY_TENANT_ID),
+                cache_salt=tenant_cache_salt(components.settings.cache_salt_secret, CANARY_TENANT_ID),
             )
             expected = Expectation(generation_id, CANARY_TENANT_ID, len(input_ids), self._max_tokens,
                                    model.require_engine_tags)
@@ -336,8 +335,7 @@ def alert_on_hit(metrics: Any) -> Callable[[CanaryHit], None]:
     """The scanner's hit handler: one alert log line and the ``isogate_canary_hits`` counter."""
 
     def on_hit(hit: CanaryHit) -> None:
-        # The model is not known to the scanner; the pipeline's verification metric has it.
-        metrics.canary_hits.labels("all").inc()
+        metrics.canary_hits.labels(hit.tenant_id).inc()
         log.critical("CANARY HIT: another tenant's canary marker appeared in an output; response withheld",
                      extra={"alert": "canary_hit", "tenant_id": hit.tenant_id, "marker_owner": hit.owner,
                             "marker": hit.marker, "marker_origin": hit.origin})

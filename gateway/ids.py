@@ -7,6 +7,8 @@ source of the PD ``bootstrap_room``.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
 import time
 
@@ -36,3 +38,9 @@ def bootstrap_room(generation_id: str) -> int:
     for char in generation_id[len(PREFIX):]:
         value = (value << 5) | _CROCKFORD.index(char)
     return value & _ROOM_MASK
+
+
+def tenant_cache_salt(secret: str, tenant_id: str) -> str:
+    """The tenant's SGLang ``extra_key`` (part of the radix-cache key): a keyed hash of the tenant,
+    so prefix-cache entries never match across tenants and no client can choose or guess one."""
+    return hmac.new(secret.encode(), tenant_id.encode(), hashlib.sha256).hexdigest()[:32]

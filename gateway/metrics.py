@@ -21,8 +21,8 @@ class Metrics:
                                            ["model"], registry=self.registry)
         self.verification_failures = Counter("isogate_verification_failures", "Responses withheld by an isolation check.",
                                              ["model", "reason"], registry=self.registry)
-        self.canary_hits = Counter("isogate_canary_hits", "Outputs that carried another tenant's canary marker.",
-                                   ["model"], registry=self.registry)
+        self.canary_hits = Counter("isogate_canary_hits", "Outputs that carried another tenant's canary marker, by the tenant they were withheld from.",
+                                   ["tenant"], registry=self.registry)
         self.latency = Histogram("isogate_request_duration_seconds", "Request latency through the gateway.",
                                  ["model", "outcome"], buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.pool_tokens = Gauge("isogate_worker_kv_pool_tokens", "Live KV pool capacity per worker.",

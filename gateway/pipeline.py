@@ -10,8 +10,6 @@ when the stream ends, fails or is cancelled.
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import logging
 import time
 from dataclasses import dataclass, field
@@ -30,7 +28,7 @@ from .auth import Principal
 from .components import Components
 from .dispatch import EngineRequest, UpstreamStreamError
 from .errors import APIError, bad_request, not_found, unavailable
-from .ids import new_generation_id
+from .ids import new_generation_id, tenant_cache_salt
 from .limits import LimitLease
 from .logs import current_generation_id
 from .policies import ModelPolicy
@@ -131,7 +129,7 @@ async def handle_generation(components: Components, request: Request, kind: Kind
             tenant_id=principal.tenant_id,
             input_ids=input_ids,
             sampling_params=_sampling_params(parsed, max_tokens),
-            cache_salt=cache_salt(components.settings.cache_salt_secret, principal.tenant_id),
+            cache_salt=tenant_cache_salt(components.settings.cache_salt_secret, principal.tenant_id),
         )
         expected = Expectation(trace.generation_id, principal.tenant_id, prompt_tokens, max_tokens,
                                model.require_engine_tags)
@@ -190,11 +188,6 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise APIError(413, f"Request body exceeds {limit} bytes.", "invalid_request_error", "request_too_large")
         chunks.append(chunk)
     return b"".join(chunks)
-
-
-def cache_salt(secret: str, tenant_id: str) -> str:
-    """The tenant's SGLang ``extra_key``: prefix-cache entries never match across tenants."""
-    return hmac.new(secret.encode(), tenant_id.encode(), hashlib.sha256).hexdigest()[:32]
 
 
 def _refuse_isolation_headers(request: Request) -> None:

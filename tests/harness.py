@@ -115,7 +115,11 @@ class GatewayProcess:
         self.process = subprocess.Popen([sys.executable, "-m", "gateway", "serve"], env=env, cwd=REPO_ROOT,
                                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
-        self._wait("/readyz" if wait_ready else "/healthz", timeout_s)
+        try:
+            self._wait("/readyz" if wait_ready else "/healthz", timeout_s)
+        except BaseException:
+            self.stop()  # never leave a gateway behind when it did not come up
+            raise
         return self
 
     def _wait(self, path: str, timeout_s: float) -> None:

@@ -90,8 +90,6 @@ def test_greedy_output_equals_sglang_router_for_the_same_input_ids(
     with RouterProcess(pd_cluster, port=32003, prometheus_port=32004) as router:
         theirs = httpx.post(router.url + "/generate", timeout=60, json={
             "input_ids": input_ids, "sampling_params": {"max_new_tokens": 12, "temperature": 0},
-            # One rid for both halves, as the gateway sends (the router would mint one per worker).
-            "rid": "router-equivalence-" + ours.id,
         }).json()
     assert ours.choices[0].text == theirs["text"]
     assert ours.usage.completion_tokens == theirs["meta_info"]["completion_tokens"]

@@ -171,3 +171,18 @@ def test_coverage_rule(sent_from, sent_end, written_end, reserved, prefix, reaso
     attestation = Attestation(written_end=written_end, sent_from=sent_from, sent_end=sent_end, generation=generation)
     problem = coverage_problem(attestation, reserved_end=reserved, decode_prefix_len=prefix, generation=generation)
     assert (problem[0] if problem else None) == reason
+
+
+def test_untagged_pd_halves_with_separate_rids_share_their_generation_through_the_bootstrap_room() -> None:
+    """sglang_router mints one rid per worker; prefill and decode must still agree on who wrote."""
+    from types import SimpleNamespace
+
+    from engine_patch.identity import generation_of
+
+    prefill_side = SimpleNamespace(rid="prefill-made-this", bootstrap_room=4242)
+    decode_side = SimpleNamespace(rid="decode-made-that", bootstrap_room=4242)
+    other_request = SimpleNamespace(rid="decode-made-that", bootstrap_room=4243)
+    assert generation_of(prefill_side) == generation_of(decode_side)
+    assert generation_of(decode_side) != generation_of(other_request)
+    tagged = SimpleNamespace(rid="gen_x", bootstrap_room=1, isolation_generation="gen_x")
+    assert generation_of(tagged) == "gen_x"
