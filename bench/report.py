@@ -156,7 +156,7 @@ def render(results: dict[str, Any]) -> str:
     if memory:
         out += ["## 4. Gateway memory", ""]
         rows = [["idle, just started", memory["idle_fresh_mb"], "-"],
-                ["idle, after section 1", memory["idle_before_mb"], "-"]]
+                ["idle, before opening streams", memory["idle_before_mb"], "-"]]
         rows += [[f"{r['streams']:,} streams held open", r["rss_mb"], f"{r['opened']} flowing, opened in "
                   f"{r['open_s']:.1f} s"] for r in memory["streams"]]
         rows.append(["streams closed", memory["idle_after_mb"], "-"])
