@@ -164,9 +164,9 @@ def render(results: dict[str, Any]) -> str:
         if memory.get("per_1000_streams_mb") is not None:
             out += [f"Per 1,000 streams: {memory['per_1000_streams_mb']:.0f} MB.", ""]
         if memory.get("upstream_open_after_close") is not None:
-            out += [f"After every client closed its stream, the gateway had closed its engine streams but "
-                    f"{memory['upstream_open_after_close']} within {memory.get('upstream_release_s', 3.0):.1f} s "
-                    "(it notices client disconnects and audits them as client_cancelled).", ""]
+            out += [f"Engine streams the gateway still held open to the decode backend "
+                    f"{memory.get('upstream_release_s', 3.0):.1f} s after every client had closed its stream: "
+                    f"{memory['upstream_open_after_close']} (about 0 when client disconnects are noticed).", ""]
     real = results.get("real_engine")
     if real:
         out += ["## Real SGLang 0.5.23 CPU PD pair (tiny model, small n)", ""]
