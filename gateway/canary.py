@@ -87,6 +87,7 @@ class CanaryScanner:
     """Implements ``verify.ContentScanner`` over the live markers of every replica."""
 
     holdback_chars = MARKER_LENGTH - 1
+    marker_start = MARKER_PREFIX[0]
 
     def __init__(self, redis: Any | None = None, redis_key: str = "isogate:canary:markers",
                  on_hit: Callable[[CanaryHit], None] | None = None) -> None:

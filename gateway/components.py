@@ -12,14 +12,13 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
-
 from .admission import ClaimLedger
 from .audit import AuditLog
 from .auth import Authenticator
 from .canary import CanaryMetrics, CanaryProber, CanaryScanner, alert_on_hit
 from .capacity import CapacityRegistry, Role
 from .dispatch import PDDispatcher
+from .upstream import UpstreamClient
 from .limits import TenantLimiter
 from .metrics import Metrics
 from .policies import Policies, load_policies
@@ -46,7 +45,6 @@ class Components:
     metrics: Metrics
     scanner: ContentScanner = field(default_factory=NoScanner)
     redis: Any | None = None
-    http: httpx.AsyncClient | None = None
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
 
     def workers(self) -> list[tuple[str, Role]]:
@@ -90,10 +88,6 @@ async def build_components(settings: Settings) -> Components:
         import redis.asyncio as redis_asyncio
 
         redis_client = redis_asyncio.from_url(settings.redis_url)
-    http = httpx.AsyncClient(
-        timeout=httpx.Timeout(settings.upstream_timeout_s, connect=settings.upstream_connect_timeout_s),
-        limits=httpx.Limits(max_connections=4096, max_keepalive_connections=512),
-    )
     capacity = CapacityRegistry(
         poll_interval_s=settings.capacity_poll_interval_s,
         stale_after_s=settings.capacity_stale_after_s,
@@ -108,14 +102,14 @@ async def build_components(settings: Settings) -> Components:
         tokenizers=tokenizers,
         capacity=capacity,
         ledger=ClaimLedger(),
-        dispatcher=PDDispatcher(http),
+        dispatcher=PDDispatcher(UpstreamClient(connect_timeout_s=settings.upstream_connect_timeout_s,
+                                               timeout_s=settings.upstream_timeout_s)),
         store=store,
         authenticator=Authenticator(store, settings),
         audit=AuditLog(store, settings),
         limiter=TenantLimiter(redis_client, settings.redis_key_prefix),
         metrics=Metrics(),
         redis=redis_client,
-        http=http,
     )
     await components.audit.start()
     components.tasks.append(asyncio.create_task(capacity.run(), name="capacity-poller"))
@@ -146,8 +140,7 @@ async def close_components(components: Components) -> None:
     await asyncio.gather(*components.tasks, return_exceptions=True)
     await components.audit.close()
     await components.capacity.close()
-    if components.http is not None:
-        await components.http.aclose()
+    await components.dispatcher.aclose()
     if components.redis is not None:
         await components.redis.aclose()
     components.store.dispose()

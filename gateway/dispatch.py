@@ -17,12 +17,12 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator
 from urllib.parse import urlsplit
 
-import httpx
 import orjson
 
 from .errors import APIError, unavailable, upstream_failed, upstream_timeout
 from .ids import bootstrap_room
 from .routing import WorkerPair
+from .upstream import UpstreamClient, UpstreamError, UpstreamTimeout
 
 TENANT_HEADER = "X-Isolation-Tenant"
 GENERATION_HEADER = "X-Isolation-Generation"
@@ -66,7 +66,7 @@ class UpstreamStreamError(Exception):
 
 
 class PDDispatcher:
-    def __init__(self, client: httpx.AsyncClient) -> None:
+    def __init__(self, client: UpstreamClient) -> None:
         self._client = client
 
     async def generate(self, pair: WorkerPair, request: EngineRequest) -> dict[str, Any]:
@@ -124,38 +124,43 @@ class PDDispatcher:
     async def _decode_chunks(self, pair: WorkerPair, request: EngineRequest,
                              headers: dict[str, str]) -> AsyncIterator[dict[str, Any]]:
         async with _transport_errors("decode", pair.decode.url):
-            async with self._client.stream(
-                "POST", f"{pair.decode.url}/generate",
-                content=generate_body(pair, request, stream=True), headers=headers,
-            ) as response:
-                if response.status_code != 200:
-                    raise _engine_error("decode", response.status_code, await response.aread())
-                async for line in response.aiter_lines():
-                    if not line.startswith("data:"):
+            lines = self._client.stream(f"{pair.decode.url}/generate",
+                                        generate_body(pair, request, stream=True), headers)
+            try:
+                status, _ = await lines.__anext__()
+                if status != 200:
+                    raise _engine_error("decode", status, b"\n".join([line async for _, line in lines]))
+                async for _, line in lines:
+                    if not line.startswith(b"data:"):
                         continue
                     payload = line[5:].strip()
-                    if payload == "[DONE]":
+                    if payload == b"[DONE]":
                         return
                     chunk = orjson.loads(payload)
                     if "error" in chunk:
                         raise UpstreamStreamError(_error_message(chunk))
                     yield chunk
+            finally:
+                await lines.aclose()
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
 
     async def _post(self, url: str, body: bytes, headers: dict[str, str], role: str) -> dict[str, Any]:
         async with _transport_errors(role, url):
-            response = await self._client.post(f"{url}/generate", content=body, headers=headers)
-        if response.status_code != 200:
-            raise _engine_error(role, response.status_code, response.content)
-        return orjson.loads(response.content)
+            status, content = await self._client.post(f"{url}/generate", body, headers)
+        if status != 200:
+            raise _engine_error(role, status, content)
+        return orjson.loads(content)
 
 
 @contextlib.asynccontextmanager
 async def _transport_errors(role: str, url: str) -> AsyncIterator[None]:
     try:
         yield
-    except httpx.TimeoutException as exc:
+    except UpstreamTimeout as exc:
         raise upstream_timeout(f"The {role} worker did not answer in time.") from exc
-    except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
+    except (UpstreamError, OSError) as exc:
         raise unavailable(f"The {role} worker is unavailable.", code="worker_unavailable") from exc
 
 

@@ -7,6 +7,7 @@ source of the PD ``bootstrap_room``.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import os
@@ -40,6 +41,7 @@ def bootstrap_room(generation_id: str) -> int:
     return value & _ROOM_MASK
 
 
+@functools.lru_cache(maxsize=65536)
 def tenant_cache_salt(secret: str, tenant_id: str) -> str:
     """The tenant's SGLang ``extra_key`` (part of the radix-cache key): a keyed hash of the tenant,
     so prefix-cache entries never match across tenants and no client can choose or guess one."""

@@ -81,11 +81,15 @@ class ContentScanner(Protocol):
     @property
     def holdback_chars(self) -> int: ...
 
+    @property
+    def marker_start(self) -> str: ...  # the character every marker begins with
+
     def foreign_marker(self, text: str, tenant_id: str) -> str | None: ...
 
 
 class NoScanner:
     holdback_chars = 0
+    marker_start = ""
 
     def foreign_marker(self, text: str, tenant_id: str) -> str | None:
         return None
@@ -95,8 +99,8 @@ class StreamGuard:
     """Turns the engine's cumulative stream text into checked deltas for the client.
 
     SGLang streams the whole text so far in every chunk. ``feed`` returns the part that is
-    safe to send now: new text minus a hold-back tail that could still be the start of a
-    marker; ``finish`` releases the tail once the full text has been scanned.
+    safe to send now: new text minus a tail that could still be the start of a marker;
+    ``finish`` releases the tail once the full text has been scanned.
     """
 
     def __init__(self, scanner: ContentScanner, tenant_id: str) -> None:
@@ -114,7 +118,16 @@ class StreamGuard:
             raise IsolationFailure("stream text was rewritten by the engine")
         self._text = cumulative_text
         self._scan()
-        safe_until = max(self._sent, len(self._text) - self._scanner.holdback_chars)
+        safe_until = len(self._text)
+        if self._scanner.holdback_chars:
+            # Only a marker still incomplete at the end can hide in the text: it begins within the
+            # last holdback_chars, with the marker's first character. Hold back from there only,
+            # so ordinary text streams without delay.
+            window = max(self._sent, len(self._text) - self._scanner.holdback_chars)
+            start = self._text.find(self._scanner.marker_start, window)
+            if start != -1:
+                safe_until = start
+        safe_until = max(self._sent, safe_until)
         delta = self._text[self._sent:safe_until]
         self._sent = safe_until
         return delta

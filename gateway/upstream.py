@@ -1,0 +1,210 @@
+"""A lean keep-alive HTTP/1.1 client for the engine hot path (``/generate`` to SGLang workers).
+
+Why not httpx here: per request, httpx/httpcore walk every pooled connection and poll its
+socket (``has_expired`` → ``is_socket_readable``), and go through anyio streams, cancel scopes
+and header models; profiled, that was most of the gateway's CPU per request, and it grows
+with the number of pooled connections. This client keeps idle connections per origin in a
+list, learns that a peer closed one from ``connection_lost`` (no syscall per request), and
+parses with ``httptools`` (already installed with ``uvicorn[standard]``).
+
+Only what dispatch needs: POST with a body, read the whole answer or stream it line by line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import ssl
+from typing import AsyncIterator, NamedTuple
+from urllib.parse import urlsplit
+
+import httptools
+
+
+class Origin(NamedTuple):
+    host: str
+    port: int
+    tls: bool
+
+
+class UpstreamError(Exception):
+    """The connection failed, closed early, or sent something that is not HTTP."""
+
+
+class UpstreamTimeout(UpstreamError):
+    pass
+
+
+class _Connection(asyncio.Protocol):
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self.parser = httptools.HttpResponseParser(self)
+        self.status = 0
+        self.keep_alive = False
+        self.headers_done: asyncio.Future[None] | None = None
+        self.done: asyncio.Future[None] | None = None
+        self.chunks: collections.deque[bytes] = collections.deque()
+        self.readable = asyncio.Event()
+
+    # -- protocol --
+    def connection_made(self, transport) -> None:  # type: ignore[no-untyped-def]
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail(UpstreamError(f"invalid HTTP from upstream: {exc}"))
+            self.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._fail(UpstreamError("upstream closed the connection"))
+
+    # -- httptools --
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+        if self.headers_done is not None and not self.headers_done.done():
+            self.headers_done.set_result(None)
+
+    def on_body(self, body: bytes) -> None:
+        self.chunks.append(body)
+        self.readable.set()
+
+    def on_message_complete(self) -> None:
+        self.keep_alive = self.parser.should_keep_alive()
+        if self.done is not None and not self.done.done():
+            self.done.set_result(None)
+        self.readable.set()
+
+    # -- use --
+    def begin(self, request: bytes) -> None:
+        loop = asyncio.get_running_loop()
+        self.status, self.keep_alive = 0, False
+        self.headers_done, self.done = loop.create_future(), loop.create_future()
+        self.chunks.clear()
+        self.readable.clear()
+        assert self.transport is not None
+        self.transport.write(request)
+
+    def _fail(self, exc: Exception) -> None:
+        for future in (self.headers_done, self.done):
+            if future is not None and not future.done():
+                future.set_exception(exc)
+                future.exception()  # retrieved: no "never retrieved" log when nobody waits
+        self.readable.set()
+
+    def close(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.close()
+
+
+class UpstreamClient:
+    def __init__(self, *, connect_timeout_s: float, timeout_s: float, max_idle_per_origin: int = 512) -> None:
+        self._connect_timeout_s = connect_timeout_s
+        self._timeout_s = timeout_s
+        self._max_idle = max_idle_per_origin
+        self._idle: dict[Origin, list[_Connection]] = {}
+        self._tls = ssl.create_default_context()
+
+    async def _acquire(self, origin: Origin) -> _Connection:
+        idle = self._idle.get(origin)
+        while idle:
+            connection = idle.pop()
+            if not connection.closed:
+                return connection
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self._connect_timeout_s):
+                _, connection = await loop.create_connection(
+                    _Connection, origin.host, origin.port, ssl=self._tls if origin.tls else None
+                )
+        except TimeoutError as exc:
+            raise UpstreamTimeout("connect timed out") from exc
+        except OSError as exc:
+            raise UpstreamError(f"connect failed: {exc}") from exc
+        return connection
+
+    def _release(self, origin: Origin, connection: _Connection) -> None:
+        idle = self._idle.setdefault(origin, [])
+        if connection.keep_alive and not connection.closed and len(idle) < self._max_idle:
+            idle.append(connection)
+        else:
+            connection.close()
+
+    @staticmethod
+    def _request(url: str, body: bytes, headers: dict[str, str]) -> tuple[Origin, bytes]:
+        parts = urlsplit(url)
+        tls = parts.scheme == "https"
+        origin = Origin(parts.hostname or "127.0.0.1", parts.port or (443 if tls else 80), tls)
+        head = [f"POST {parts.path or '/'} HTTP/1.1", f"Host: {parts.netloc}", f"Content-Length: {len(body)}"]
+        head += [f"{k}: {v}" for k, v in headers.items()]
+        return origin, ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
+
+    async def post(self, url: str, body: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
+        origin, raw = self._request(url, body, headers)
+        connection = await self._acquire(origin)
+        finished = False
+        try:
+            connection.begin(raw)
+            try:
+                async with asyncio.timeout(self._timeout_s):
+                    await connection.done  # type: ignore[misc]
+            except TimeoutError as exc:
+                raise UpstreamTimeout("upstream did not answer in time") from exc
+            finished = True
+            return connection.status, b"".join(connection.chunks)
+        finally:
+            if finished:
+                self._release(origin, connection)
+            else:
+                connection.close()
+
+    async def stream(self, url: str, body: bytes, headers: dict[str, str]) -> AsyncIterator[tuple[int, bytes]]:
+        """Yields ``(status, b"")`` once the head arrives, then ``(status, line)`` per body line."""
+        origin, raw = self._request(url, body, headers)
+        connection = await self._acquire(origin)
+        finished = False
+        try:
+            connection.begin(raw)
+            try:
+                async with asyncio.timeout(self._timeout_s):
+                    await connection.headers_done  # type: ignore[misc]
+            except TimeoutError as exc:
+                raise UpstreamTimeout("upstream did not answer in time") from exc
+            status = connection.status
+            yield status, b""
+            pending = b""
+            while True:
+                while connection.chunks:
+                    pending += connection.chunks.popleft()
+                    *lines, pending = pending.split(b"\n")
+                    for line in lines:
+                        yield status, line.rstrip(b"\r")
+                if connection.done.done():  # type: ignore[union-attr]
+                    connection.done.result()  # type: ignore[union-attr]  # raises if it failed
+                    if not connection.chunks:
+                        break
+                    continue
+                connection.readable.clear()
+                try:
+                    async with asyncio.timeout(self._timeout_s):
+                        await connection.readable.wait()
+                except TimeoutError as exc:
+                    raise UpstreamTimeout("upstream stream stalled") from exc
+            if pending:
+                yield status, pending
+            finished = True
+        finally:
+            if finished:
+                self._release(origin, connection)
+            else:
+                connection.close()
+
+    async def aclose(self) -> None:
+        for idle in self._idle.values():
+            for connection in idle:
+                connection.close()
+        self._idle.clear()
