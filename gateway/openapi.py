@@ -234,6 +234,23 @@ def _response_schemas() -> dict[str, Any]:
             "required": ["object", "data"],
             "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": _ref("ApiKey")}},
         },
+        "Worker": {
+            "type": "object",
+            "required": ["url", "role", "fresh", "capacity", "claimed_tokens", "error"],
+            "properties": {
+                "url": {"type": "string"},
+                "role": {"type": "string", "enum": ["prefill", "decode"]},
+                "fresh": {"type": "boolean"},
+                "capacity": {"type": ["object", "null"]},
+                "claimed_tokens": {"type": "integer", "minimum": 0},
+                "error": nullable_str,
+            },
+        },
+        "WorkerList": {
+            "type": "object",
+            "required": ["object", "data"],
+            "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": _ref("Worker")}},
+        },
         "TenantCreate": {
             "type": "object",
             "required": ["id"],
@@ -358,6 +375,8 @@ def _paths() -> dict[str, Any]:
         },
         "/admin/keys/{key_id}/revoke": _admin("post", "Revoke a key", "200", "ApiKey", params=[key_id],
                                               errors=(404,)),
+        "/admin/workers": _admin("get", "The capacity view this replica decides on, one record per worker",
+                                 "200", "WorkerList"),
         "/healthz": {"get": {"summary": "Liveness", "responses": {"200": {"description": "Alive"}}}},
         "/readyz": {"get": {"summary": "Readiness: every model has a prefill and a decode worker answering",
                             "responses": {"200": {"description": "Ready"}, "503": {"description": "Not ready"}}}},
