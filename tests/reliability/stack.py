@@ -27,6 +27,8 @@ from tests.standin_worker import Behaviour, StandInWorker
 MODEL = "tiny-llama"
 # Stand-in decode pools hold this many tokens (what /server_info and /v1/loads report).
 STANDIN_POOL_TOKENS = 8192
+# Limits no test here means to reach (the harness's defaults for every other tenant).
+UNLIMITED = {"requests_per_minute": 100000, "tokens_per_minute": 100000000, "max_concurrent": 1000}
 # This suite's port range (36000-36199); 36100-36199 are left to the real SGLang pairs.
 # Each test process starts at its own offset, so two runs of these suites at once rarely collide.
 _FIRST = 36000 + random.randrange(100)
@@ -176,5 +178,6 @@ def two_pool_policies(work_dir: Path, *, victim: str, victim_pool: PoolWorkers, 
             PoolSpec("shared", ((shared_pool.prefill_url, shared_pool.bootstrap_port),), (shared_pool.decode_url,)),
         ],
         max_context_tokens=max_context_tokens, require_engine_tags=require_engine_tags,
-        tenants={victim: {"isolation": "dedicated"}},
+        # A tenant entry does not inherit the file's default limits: give the victim the same large ones.
+        tenants={victim: {"isolation": "dedicated", "limits": dict(UNLIMITED)}},
     )

@@ -176,6 +176,8 @@ MATRIX: list[tuple[str, Endpoint, tuple[int, ...]]] = [
      (401, 401, 401, 401, 403, 403, OK, 403)),
     ("DELETE /admin/keys/{k}", _revoke_key("DELETE", ""),
      (401, 401, 401, 401, 403, 403, OK, 403)),
+    ("GET /admin/workers", lambda w: Call("GET", "/admin/workers"),
+     (401, 401, 401, 401, 403, 403, OK, 403)),
     # Public: liveness, readiness, the API description, and (see the note below) metrics.
     ("GET /healthz", lambda w: Call("GET", "/healthz"), (OK,) * 8),
     ("GET /readyz", lambda w: Call("GET", "/readyz"), (OK,) * 8),
