@@ -93,7 +93,9 @@ async def readyz(request: Request) -> Response:
 
 
 async def metrics(request: Request) -> Response:
+    """Prometheus metrics, admin key only: the series name tenants and their traffic."""
     components = _components(request)
+    await components.authenticator.require_admin(request.headers.get("authorization"))
     body = await asyncio.to_thread(components.metrics.export, components.capacity, components.workers())
     return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 

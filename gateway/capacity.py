@@ -116,8 +116,11 @@ async def fetch_config(client: httpx.AsyncClient, url: str) -> WorkerConfig:
 
 async def poll_worker(client: httpx.AsyncClient, url: str, role: Role,
                       config: WorkerConfig | None = None) -> tuple[WorkerCapacity, WorkerConfig]:
-    """One observation: ``/v1/loads`` always (cheap, live), the configuration when not given."""
-    observed_at = time.time()
+    """One observation: ``/v1/loads`` always (cheap, live), the configuration when not given.
+
+    Stamped when the answer arrives: the age of a record is how long ago the worker spoke,
+    not how long another, slower worker's poll kept the batch waiting.
+    """
     if config is None:
         config, loads = await asyncio.gather(
             fetch_config(client, url), client.get(f"{url}/v1/loads", params={"include": "core"})
@@ -125,6 +128,7 @@ async def poll_worker(client: httpx.AsyncClient, url: str, role: Role,
     else:
         loads = await client.get(f"{url}/v1/loads", params={"include": "core"})
     loads.raise_for_status()
+    observed_at = time.time()
     state = parse_worker_state(url, role, config.server_info, loads.json(), observed_at, config.models)
     return state, config
 
@@ -167,29 +171,37 @@ class CapacityRegistry:
         await self._refreshed.wait()
 
     async def refresh(self) -> None:
-        """Poll the workers this replica is responsible for, publish, then adopt the shared view."""
+        """Poll the workers this replica is responsible for, publish, then adopt the shared view.
+
+        Each answer is adopted as it arrives: a worker whose endpoints hang must not age
+        the records of the healthy ones while the batch waits for it.
+        """
         workers = list(self._workers.items())
         if self._redis is not None:
             workers = await self._claim_polls(workers)
-        results = await asyncio.gather(
-            *(poll_worker(self._client, url, role, self._config_for(url)) for url, role in workers),
-            return_exceptions=True,
-        )
-        fresh: dict[str, WorkerCapacity] = {}
-        for (url, role), result in zip(workers, results):
-            if isinstance(result, BaseException):
-                if url not in self._errors:
-                    log.warning("capacity: %s worker %s stopped answering polls: %s", role, url, result)
-                self._errors[url] = f"{type(result).__name__}: {result}"
-                self._configs.pop(url, None)  # it may come back with another configuration
-            else:
-                if self._errors.pop(url, None) is not None:
-                    log.info("capacity: %s worker %s answers polls again", role, url)
-                fresh[url], self._configs[url] = result
+        await asyncio.gather(*(self._observe(url, role) for url, role in workers))
         if self._redis is not None:
-            fresh = await self._share(fresh)
-        self._observed.update(fresh)
+            await self._adopt_shared()
         self._refreshed.set()
+
+    async def _observe(self, url: str, role: Role) -> None:
+        try:
+            state, config = await poll_worker(self._client, url, role, self._config_for(url))
+        except Exception as exc:
+            if url not in self._errors:
+                log.warning("capacity: %s worker %s stopped answering polls: %s", role, url, exc)
+            self._errors[url] = f"{type(exc).__name__}: {exc}"
+            self._configs.pop(url, None)  # it may come back with another configuration
+            return
+        if self._errors.pop(url, None) is not None:
+            log.info("capacity: %s worker %s answers polls again", role, url)
+        self._configs[url] = config
+        self._observed[url] = state
+        if self._redis is not None:
+            try:
+                await self._redis.set(self._key(url), state.to_json(), px=max(1, int(self._stale_after_s * 1000)))
+            except Exception as exc:  # Redis down: our own observations are still real ones.
+                log.warning("capacity: redis unavailable, deciding on local observations: %s", exc)
 
     def _config_for(self, url: str) -> WorkerConfig | None:
         config = self._configs.get(url)
@@ -213,27 +225,21 @@ class CapacityRegistry:
             return workers
         return [worker for worker, mine in zip(workers, won) if mine]
 
-    async def _share(self, fresh: dict[str, WorkerCapacity]) -> dict[str, WorkerCapacity]:
-        """Publish our observations; return the newest observation of every worker in Redis."""
-        ttl_ms = max(1, int(self._stale_after_s * 1000))
+    async def _adopt_shared(self) -> None:
+        """Adopt the newest observation of every worker that Redis holds."""
         keys = [self._key(url) for url in self._workers]
         try:
-            async with self._redis.pipeline(transaction=False) as pipe:
-                for url, state in fresh.items():
-                    pipe.set(self._key(url), state.to_json(), px=ttl_ms)
-                pipe.mget(keys)
-                replies = await pipe.execute()
-        except Exception as exc:  # Redis down: our own observations are still real ones.
+            replies = await self._redis.mget(keys)
+        except Exception as exc:
             log.warning("capacity: redis unavailable, deciding on local observations: %s", exc)
-            return fresh
-        shared: dict[str, WorkerCapacity] = {}
-        for url, raw in zip(self._workers, replies[-1]):
+            return
+        for url, raw in zip(self._workers, replies):
             if raw is None:
                 continue
             state = WorkerCapacity.from_json(raw)
-            mine = fresh.get(url)
-            shared[url] = state if mine is None or state.observed_at >= mine.observed_at else mine
-        return shared
+            mine = self._observed.get(url)
+            if mine is None or state.observed_at > mine.observed_at:
+                self._observed[url] = state
 
     def _key(self, url: str) -> str:
         return f"{self._key_prefix}:capacity:{url}"

@@ -10,7 +10,7 @@ from tests.deploy.conftest import MODEL, chat
 
 
 def _samples(gateway) -> dict[tuple[str, frozenset], float]:
-    response = httpx.get(gateway.url + "/metrics", timeout=10)
+    response = httpx.get(gateway.url + "/metrics", timeout=10, headers={"Authorization": f"Bearer {gateway.admin_key}"})
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/plain")
     samples = {}
@@ -56,7 +56,7 @@ def test_metric_names_follow_prometheus_conventions(start_gateway) -> None:
     gateway = start_gateway()
     _, key = gateway.create_tenant()
     chat(gateway, key)
-    text = httpx.get(gateway.url + "/metrics", timeout=10).text
+    text = httpx.get(gateway.url + "/metrics", timeout=10, headers={"Authorization": f"Bearer {gateway.admin_key}"}).text
     families = list(text_string_to_metric_families(text))
     assert {f.name for f in families} >= {
         "isogate_requests", "isogate_admission_refusals", "isogate_verification_failures",

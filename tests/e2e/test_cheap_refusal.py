@@ -14,7 +14,7 @@ from tests.standin_worker import StandInWorker
 
 
 def untokenized_refusals(gateway: GatewayProcess) -> float:
-    text = httpx.get(gateway.url + "/metrics").text
+    text = httpx.get(gateway.url + "/metrics", headers={"Authorization": f"Bearer {gateway.admin_key}"}).text
     return sum(float(v) for v in re.findall(r"^isogate_admission_refused_untokenized_total\{[^}]*\} (\S+)$", text, re.M))
 
 

@@ -142,11 +142,6 @@ def test_a_hanging_worker_costs_its_tenant_a_504_within_the_timeout_and_nobody_e
         assert outcomes == {("upstream_error", "upstream_timeout")}, outcomes
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "FINDING (since 4c77e9a, poll timeout = stale/2): CapacityRegistry.refresh gathers every worker's poll "
-    "and adopts them when the slowest ends, with observed_at stamped at poll start, so one worker whose "
-    "capacity endpoints hang ages every healthy worker's record to timeout + interval + timeout (5.5 s > "
-    "5 s here): bystanders on a healthy pool get intermittent 503 no_worker_available (7 of 1163)"))
 def test_stale_capacity_data_refuses_at_once_then_recovers_and_bystanders_never_notice(tmp_path: Path) -> None:
     decode = _standin("decode", cls=CapacityFreezingWorker)
     assert isinstance(decode, CapacityFreezingWorker)

@@ -56,7 +56,7 @@ class LyingStack:
 def gateway_metric(gateway: GatewayProcess, name: str, **labels: str) -> float:
     """The sum of a metric's samples (from the gateway's /metrics) whose labels include ``labels``."""
     total = 0.0
-    for line in httpx.get(gateway.url + "/metrics", timeout=10).text.splitlines():
+    for line in httpx.get(gateway.url + "/metrics", timeout=10, headers={"Authorization": f"Bearer {gateway.admin_key}"}).text.splitlines():
         if line.startswith("#") or not (line.startswith(name + "{") or line.startswith(name + " ")):
             continue
         series, value = line.rsplit(" ", 1)
