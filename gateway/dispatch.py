@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 from urllib.parse import urlsplit
@@ -23,6 +24,8 @@ from .errors import APIError, unavailable, upstream_failed, upstream_timeout
 from .ids import bootstrap_room
 from .routing import WorkerPair
 from .upstream import UpstreamClient, UpstreamError, UpstreamTimeout
+
+log = logging.getLogger(__name__)
 
 TENANT_HEADER = "X-Isolation-Tenant"
 GENERATION_HEADER = "X-Isolation-Generation"
@@ -70,6 +73,7 @@ class PDDispatcher:
         self._client = client
 
     async def generate(self, pair: WorkerPair, request: EngineRequest) -> dict[str, Any]:
+        log.debug("dispatch", extra={"prefill": pair.prefill.url, "decode": pair.decode.url, "stream": False})
         headers = isolation_headers(request)
         prefill = self._post(pair.prefill.url, generate_body(pair, request, stream=False), headers, "prefill")
         decode = self._post(pair.decode.url, generate_body(pair, request, stream=False), headers, "decode")
@@ -94,6 +98,7 @@ class PDDispatcher:
         default), so the first chunk races prefill's answer. Once decode has produced a token,
         the transfer is complete.
         """
+        log.debug("dispatch", extra={"prefill": pair.prefill.url, "decode": pair.decode.url, "stream": True})
         headers = isolation_headers(request)
         prefill = asyncio.ensure_future(
             self._post(pair.prefill.url, generate_body(pair, request, stream=False), headers, "prefill")

@@ -280,8 +280,11 @@ def _refuse(components: Components, model: ModelPolicy, prompt_tokens: int | str
 
 def _finish(components: Components, trace: Trace, outcome: str, status: int, code: str | None = None,
             detail: str | None = None) -> None:
-    """The one place a request's outcome is recorded: its audit event, counters and latency."""
-    components.audit.record(trace.event(outcome, status, code, detail))
+    """The one place a request's outcome is recorded: its audit event, counters, latency, log line."""
+    event = trace.event(outcome, status, code, detail)
+    components.audit.record(event)
+    log.info("request finished", extra={"outcome": outcome, "status": status, "code": code,
+                                        "latency_ms": round(event.latency_ms, 3)})
     tenant = trace.principal.tenant_id if trace.principal else ""
     # A model name the client made up is not a label value: that would let clients grow the series.
     model = trace.model if trace.model in components.policies.models else ""

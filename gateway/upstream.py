@@ -14,11 +14,15 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import ssl
 from typing import AsyncIterator, NamedTuple
 from urllib.parse import urlsplit
 
 import httptools
+
+
+log = logging.getLogger(__name__)
 
 
 class Origin(NamedTuple):
@@ -116,6 +120,7 @@ class UpstreamClient:
             if not connection.closed:
                 return connection
         loop = asyncio.get_running_loop()
+        log.debug("new upstream connection", extra={"origin": f"{origin.host}:{origin.port}"})
         try:
             async with asyncio.timeout(self._connect_timeout_s):
                 _, connection = await loop.create_connection(
