@@ -16,7 +16,7 @@ import asyncio
 import collections
 import logging
 import ssl
-from typing import AsyncIterator, NamedTuple
+from typing import AsyncIterator, Awaitable, NamedTuple
 from urllib.parse import urlsplit
 
 import httptools
@@ -154,11 +154,7 @@ class UpstreamClient:
         finished = False
         try:
             connection.begin(raw)
-            try:
-                async with asyncio.timeout(self._timeout_s):
-                    await connection.done  # type: ignore[misc]
-            except TimeoutError as exc:
-                raise UpstreamTimeout("upstream did not answer in time") from exc
+            await self._within(connection.done, "upstream did not answer in time")  # type: ignore[arg-type]
             finished = True
             return connection.status, b"".join(connection.chunks)
         finally:
@@ -174,11 +170,7 @@ class UpstreamClient:
         finished = False
         try:
             connection.begin(raw)
-            try:
-                async with asyncio.timeout(self._timeout_s):
-                    await connection.headers_done  # type: ignore[misc]
-            except TimeoutError as exc:
-                raise UpstreamTimeout("upstream did not answer in time") from exc
+            await self._within(connection.headers_done, "upstream did not answer in time")  # type: ignore[arg-type]
             status = connection.status
             yield status, b""
             pending = b""
@@ -194,11 +186,7 @@ class UpstreamClient:
                         break
                     continue
                 connection.readable.clear()
-                try:
-                    async with asyncio.timeout(self._timeout_s):
-                        await connection.readable.wait()
-                except TimeoutError as exc:
-                    raise UpstreamTimeout("upstream stream stalled") from exc
+                await self._within(connection.readable.wait(), "upstream stream stalled")
             if pending:
                 yield status, pending
             finished = True
@@ -207,6 +195,13 @@ class UpstreamClient:
                 self._release(origin, connection)
             else:
                 connection.close()
+
+    async def _within(self, awaitable: Awaitable[object], message: str) -> None:
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                await awaitable
+        except TimeoutError as exc:
+            raise UpstreamTimeout(message) from exc
 
     async def aclose(self) -> None:
         for idle in self._idle.values():
