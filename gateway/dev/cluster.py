@@ -168,7 +168,7 @@ class ManagedProcess:
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = self.log_path.open("wb")
+        self._log = self.log_path.open("ab")  # a restart appends: what happened before it is evidence
         self._process = subprocess.Popen(
             self.command,
             stdin=subprocess.DEVNULL,

@@ -29,7 +29,7 @@ MODEL = "tiny-llama"
 STANDIN_POOL_TOKENS = 8192
 # Limits no test here means to reach (the harness's defaults for every other tenant).
 UNLIMITED = {"requests_per_minute": 100000, "tokens_per_minute": 100000000, "max_concurrent": 1000}
-# This suite's port range (36000-36199); 36100-36199 are left to the real SGLang pairs.
+# This suite's port range for stand-ins and gateways (36000-36099); the real SGLang pairs use 301xx.
 # Each test process starts at its own offset, so two runs of these suites at once rarely collide.
 _FIRST = 36000 + random.randrange(100)
 _PORTS = itertools.cycle([*range(_FIRST, 36100), *range(36000, _FIRST)])

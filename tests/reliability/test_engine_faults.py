@@ -1,7 +1,8 @@
 """Real SGLang workers killed under the gateway: decode mid-stream, prefill during a transfer.
 
 The victim tenant has a dedicated pool on a real SGLang CPU PD pair of this suite's own
-(ports 36100-36102); every other tenant is on a shared pool of stand-ins, which keeps serving
+(ports 30120-30122, below Linux's ephemeral range so no outgoing connection can hold one
+while a killed worker restarts); every other tenant is on a shared pool of stand-ins, which keeps serving
 while the victim's workers die (one real pair at a time is all the machine holds). For each
 kill: the victim gets a clear error within the configured timeout, never a hang and never a
 200 without [DONE]; the bystanders are served throughout; every request has its audit event.
@@ -32,7 +33,7 @@ from tests.standin_worker import Behaviour, StandInWorker
 
 pytestmark = pytest.mark.engine
 
-PREFILL_PORT, DECODE_PORT, BOOTSTRAP_PORT = 36100, 36101, 36102
+PREFILL_PORT, DECODE_PORT, BOOTSTRAP_PORT = 30120, 30121, 30122
 POOL_TOKENS = 8192
 UPSTREAM_TIMEOUT_S = 30.0
 SLACK_S = 5.0
@@ -106,9 +107,26 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def _victim_served(stack: TwoPoolStack) -> bool:
+def _victim_served(stack: TwoPoolStack, seen: list[str] | None = None) -> bool:
+    """One victim request; what came back is kept in ``seen`` for the failure message."""
     with stack.client(VICTIM, timeout_s=60) as client:
-        return client.post("/v1/chat/completions", json=chat_body(max_tokens=2)).status_code == 200
+        try:
+            response = client.post("/v1/chat/completions", json=chat_body(max_tokens=2))
+        except httpx.HTTPError as exc:
+            if seen is not None:
+                seen.append(repr(exc))
+            return False
+        if seen is not None:
+            seen.append(f"{response.status_code} {response.text[:300]}")
+        return response.status_code == 200
+
+
+def _assert_victim_served_again(cluster: PDCluster, stack: TwoPoolStack, timeout_s: float) -> None:
+    seen: list[str] = []
+    if wait_until(lambda: _victim_served(stack, seen), timeout_s=timeout_s, interval_s=1):
+        return
+    pytest.fail(f"the victim's pool did not serve again within {timeout_s:.0f} s; last answers {seen[-3:]}\n"
+                f"--- prefill:\n{cluster.prefill.log_tail(3000)}\n--- decode:\n{cluster.decode.log_tail(3000)}")
 
 
 def test_decode_killed_mid_stream_ends_the_stream_with_an_error_and_nobody_else_notices(
@@ -118,6 +136,7 @@ def test_decode_killed_mid_stream_ends_the_stream_with_an_error_and_nobody_else_
     load = Load(send_chat(chat_body(max_tokens=1)), {t: stack.client(t, timeout_s=30) for t in BYSTANDERS}).start()
     victim_answers: list[Answer] = []
     killed_at: float | None = None
+    killer: threading.Thread | None = None
     events: list[str] = []
     try:
         with stack.client(VICTIM, timeout_s=UPSTREAM_TIMEOUT_S * 3) as client:
@@ -131,7 +150,8 @@ def test_decode_killed_mid_stream_ends_the_stream_with_an_error_and_nobody_else_
                     events.append(line[len("data: "):])
                     if killed_at is None and len(events) >= 3:  # role chunk + two content chunks: mid-stream
                         killed_at = time.monotonic()
-                        threading.Thread(target=_kill_group, args=(cluster.decode,)).start()
+                        killer = threading.Thread(target=_kill_group, args=(cluster.decode,))
+                        killer.start()
             ended = time.monotonic()
         assert killed_at is not None, f"the stream ended before it could be cut: {events[-2:]}"
         assert events[-1] != "[DONE]", "the stream finished before the kill took effect; make it longer"
@@ -148,20 +168,23 @@ def test_decode_killed_mid_stream_ends_the_stream_with_an_error_and_nobody_else_
                 assert answer.status in (502, 503) and answer.seconds < SLACK_S, answer
     finally:
         answers = load.stop()
-        if cluster.decode.pid is None:
+        if killer is not None:
+            # The kill reaps the whole group, which takes a while on a loaded machine: restart
+            # only once it is done, and always after a kill (not only if it happened to finish).
+            killer.join()
             _restart(cluster, "decode")
     _assert_all_served(by_tenant(answers, BYSTANDERS[0]) + by_tenant(answers, BYSTANDERS[1]))
     events_of_victim = stack.audit_events(VICTIM)
     cut = [e for e in events_of_victim if e["generation_id"] == generation_id]
     assert len(cut) == 1 and cut[0]["outcome"] == "upstream_error", cut
     # The restarted decode is routed to again.
-    assert wait_until(lambda: _victim_served(stack), timeout_s=60, interval_s=1)
+    _assert_victim_served_again(cluster, stack, timeout_s=60)
 
 
 def test_prefill_killed_during_transfers_fails_those_requests_cleanly_and_in_time(
     cluster: PDCluster, stack: TwoPoolStack
 ) -> None:
-    assert wait_until(lambda: _victim_served(stack), timeout_s=60, interval_s=1)
+    _assert_victim_served_again(cluster, stack, timeout_s=60)
     before = len(stack.audit_events(VICTIM))
     bystanders = Load(send_chat(chat_body(max_tokens=1)), {t: stack.client(t, timeout_s=30) for t in BYSTANDERS})
     # Long prompts keep prefill busy computing and shipping KV, so the kill lands mid-transfer.
@@ -190,5 +213,5 @@ def test_prefill_killed_during_transfers_fails_those_requests_cleanly_and_in_tim
     _assert_all_served(by_tenant(answers, BYSTANDERS[0]) + by_tenant(answers, BYSTANDERS[1]))
     assert wait_until(lambda: len(stack.audit_events(VICTIM)) >= before + len(victim_answers), timeout_s=30)
     assert len(stack.audit_events(VICTIM)) == before + len(victim_answers)
-    assert wait_until(lambda: _victim_served(stack), timeout_s=120, interval_s=1)
+    _assert_victim_served_again(cluster, stack, timeout_s=120)
     assert killed_at

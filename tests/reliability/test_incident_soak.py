@@ -37,7 +37,7 @@ from tests.reliability.test_engine_faults import MIN_AVAILABLE_GIB, _available_g
 
 pytestmark = pytest.mark.engine
 
-PREFILL_PORT, DECODE_PORT, BOOTSTRAP_PORT = 36110, 36111, 36112
+PREFILL_PORT, DECODE_PORT, BOOTSTRAP_PORT = 30130, 30131, 30132
 SHAPE = SoakShape()
 TENANTS = ["acme", "globex", "initech", "umbrella"]
 REQUESTS_PER_TENANT = int(os.environ.get("ISOGATE_SOAK_REQUESTS_PER_TENANT", "20"))
@@ -56,7 +56,7 @@ LAYER_ENV = {
 @contextlib.contextmanager
 def incident_cluster(log_dir: Path, layer: str) -> Iterator[PDCluster]:
     """The pair, started; retried once when a port of ours was taken by someone's random port meanwhile
-    (start-up takes minutes on this machine, and 36000-36199 lie in the kernel's ephemeral range)."""
+    (start-up takes minutes on this machine; the ports lie below the ephemeral range, but any program may bind them)."""
     for attempt in (1, 2):
         cluster = _incident_cluster(log_dir / f"attempt-{attempt}", layer)
         try:
@@ -92,7 +92,10 @@ def memory_for_a_pair() -> None:
 
 
 def _port_free(port: int) -> bool:
+    # SO_REUSEADDR as the workers' servers set it: a port that only TIME_WAIT remnants of the
+    # previous pair hold is free for them, and must not read as taken for a minute here.
     with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind(("127.0.0.1", port))
         except OSError:
