@@ -48,6 +48,10 @@ CPU_SERVER_ARGS: tuple[str, ...] = (
     "--disable-overlap-schedule",
     "--disaggregation-transfer-backend", "mooncake",
     "--enable-metrics",
+    # Without it an idle scheduler busy-polls: an idle CPU pair burned ~1.2 of this machine's
+    # 2 cores, starving everything else. It sleeps only when every queue (PD ones too) is empty
+    # and a request on the tokenizer socket wakes it at once.
+    "--sleep-on-idle",
 )  # fmt: skip
 
 
