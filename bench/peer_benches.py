@@ -3,6 +3,8 @@
 - ``bench/audit_bench.py``: audit insert throughput (SQLite, PostgreSQL) and query time.
 - ``bench/verify_bench.py``: verification and canary scanning cost per request and per KB.
 - ``engine_patch.costs.measure_costs()`` in the engine venv: the SGLang plugin's cost.
+- ``bench/python_floor.py``: what a bare Python PD proxy on the gateway's stack costs per
+  request (the floor under the gateway's own work).
 
 Each runs as its own process (so its imports and memory stay out of this one) with a time
 limit; what it printed and the JSON it wrote are kept as they are.
@@ -74,6 +76,9 @@ def run_peer_benches(config: BenchConfig, log=print) -> list[dict]:
         runs.append(_run("engine_patch", [str(ENGINE_PYTHON), "-c", COSTS_SNIPPET], 300, None))
     else:
         runs.append(PeerRun("engine_patch", [], "absent", 0.0, "engine_patch/costs.py is not there yet", None))
+    seconds = str(2 if config.quick else 6)
+    runs.append(_run("python_floor", [python, "-m", "bench.python_floor", "--seconds", seconds,
+                                      "--out", str(RESULTS / "python_floor.json")], 180, RESULTS / "python_floor.json"))
     for run in runs:
         log(f"  {run.name}: {run.status} in {run.seconds:.0f} s")
     return [asdict(r) for r in runs]

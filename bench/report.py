@@ -9,6 +9,8 @@ TARGET_ADDED_P50_MS = 0.5
 TARGET_ADDED_P99_MS = 1.0
 TARGET_REFUSE_50MB_MS = 50.0
 TARGET_STREAMS_MB = 500.0
+TARGET_AUDIT_EVENTS_PER_S = 10_000
+TARGET_AUDIT_QUERY_P99_MS = 20.0
 
 
 def _f(value: Any, digits: int = 2) -> str:
@@ -74,6 +76,12 @@ def target_lines(results: dict[str, Any]) -> list[str]:
                          f"(sglang_router {r50:.3f} ms) | {verdict(g50 <= TARGET_ADDED_P50_MS)} |")
             lines.append(f"| 1 in flight: added p99 ≤ {TARGET_ADDED_P99_MS} ms | gateway {g99:.3f} ms "
                          f"(sglang_router {r99:.3f} ms) | {verdict(g99 <= TARGET_ADDED_P99_MS)} |")
+            # The issue states the absolute bounds as "within 2× of sglang_router": on a slower
+            # machine the peer itself misses them, so the relative form is reported beside them.
+            if r50 > 0 and r99 > 0:
+                lines.append(f"| 1 in flight: added p50 and p99 within 2× of sglang_router's, same run | "
+                             f"p50 ×{g50 / r50:.2f}, p99 ×{g99 / r99:.2f} | "
+                             f"p50 {verdict(g50 <= 2 * r50)}, p99 {verdict(g99 <= 2 * r99)} |")
         best = {t: max((c["rps"] for (n, tt), c in plain.items() if tt == t and n > 1), default=0.0)
                 for t in ("sglang_router", "gateway")}
         if best["sglang_router"]:
@@ -106,6 +114,26 @@ def target_lines(results: dict[str, Any]) -> list[str]:
         lines.append(f"| 1,000 streams ≤ {TARGET_STREAMS_MB:.0f} MB RSS | {row['rss_mb']:.0f} MB with "
                      f"{row['opened']} streams flowing (idle {memory['idle_before_mb']:.0f} MB) | "
                      f"{verdict(row['rss_mb'] <= TARGET_STREAMS_MB and row['opened'] >= 0.99 * row['streams'])} |")
+    floor = next((run.get("results") for run in results.get("peers") or [] if run.get("name") == "python_floor"), None)
+    floor16 = next((row for row in floor if row.get("in_flight") == 16), None) if isinstance(floor, list) else None
+    if floor16:
+        lines.append(f"| (context) a bare Python PD proxy on the same stack, 16 in flight (`bench/python_floor.py`) | "
+                     f"{floor16['cpu_us_per_request']:,.0f} µs CPU per request, {floor16['rps']:,.0f} req/s | - |")
+    audit = next((run.get("results") for run in results.get("peers") or [] if run.get("name") == "audit"), None)
+    for row in audit if isinstance(audit, list) else []:
+        if row.get("database") != "postgresql":
+            continue
+        rate = row.get("audit_log_events_per_s")
+        if rate is not None:
+            lines.append(f"| audit: ≥ {TARGET_AUDIT_EVENTS_PER_S:,} events/s into PostgreSQL | {rate:,.0f} events/s "
+                         f"through the audit log ({row.get('store_insert_events_per_s', 0):,.0f} by the store alone) | "
+                         f"{verdict(rate >= TARGET_AUDIT_EVENTS_PER_S)} |")
+        p99 = row.get("query_tenant_newest_100_p99_ms")
+        if p99 is not None:
+            lines.append(f"| audit: a tenant's newest 100 among {row.get('stored_rows', 0):,} in ≤ "
+                         f"{TARGET_AUDIT_QUERY_P99_MS:.0f} ms p99 (PostgreSQL) | p99 {p99:.2f} ms, "
+                         f"p50 {row.get('query_tenant_newest_100_p50_ms', 0):.2f} ms | "
+                         f"{verdict(p99 <= TARGET_AUDIT_QUERY_P99_MS)} |")
     return lines + [""]
 
 
