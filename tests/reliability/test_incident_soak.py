@@ -48,8 +48,13 @@ COMMON_ENV = {
 }
 LAYER_ENV = {
     "gateway_only": {"SGLANG_PLUGINS": "isogate_cpu,isogate_incident_replay"},
+    # An over-pool prompt refused at prefill's tokenizer leaves decode holding its reservation
+    # for KV that never comes, until SGLang's waiting timeout; decode's pool is small, so the
+    # next requests queue behind it. A router drops decode on prefill's refusal; the bypass
+    # sender waits for decode's own answer, so a shorter wait keeps the run bounded.
     "engine_patch_only": {"SGLANG_PLUGINS": "isogate_cpu,isogate_incident_replay,isogate",
-                          "ISOGATE_ENGINE_DISABLE_CHECKS": "gate"},
+                          "ISOGATE_ENGINE_DISABLE_CHECKS": "gate",
+                          "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "6"},
 }
 
 
