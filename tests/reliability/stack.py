@@ -35,16 +35,23 @@ _FIRST = 36000 + random.randrange(100)
 _PORTS = itertools.cycle([*range(_FIRST, 36100), *range(36000, _FIRST)])
 
 
+def port_is_free(port: int) -> bool:
+    """Bindable by a server: with SO_REUSEADDR, as servers bind, a port that only TIME_WAIT
+    remnants of an earlier server hold counts as free."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def range_port() -> int:
     """A free port from this suite's range, so parallel suites never collide."""
     for _ in range(100):
         port = next(_PORTS)
-        with socket.socket() as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
+        if port_is_free(port):
             return port
     raise RuntimeError("no free port in 36000-36099")
 

@@ -21,7 +21,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -32,7 +31,7 @@ from tests.harness import GatewayProcess, PoolSpec, write_policies
 from tests.reliability.incident_soak import (
     Soak, SoakShape, Tenant, bypass_sender, gateway_sender, make_tenants,
 )
-from tests.reliability.stack import range_port, wait_until
+from tests.reliability.stack import port_is_free, range_port, wait_until
 from tests.reliability.test_engine_faults import MIN_AVAILABLE_GIB, _available_gib
 
 pytestmark = pytest.mark.engine
@@ -92,20 +91,8 @@ def memory_for_a_pair() -> None:
         pytest.fail(f"less than {MIN_AVAILABLE_GIB} GiB available: not starting a PD pair on the shared machine")
     # A prefill that cannot bind its bootstrap port still answers /health_generate, and every
     # PD handshake then fails: wait for the previous pair's ports to be released first.
-    assert wait_until(lambda: all(_port_free(p) for p in (PREFILL_PORT, DECODE_PORT, BOOTSTRAP_PORT)),
+    assert wait_until(lambda: all(port_is_free(p) for p in (PREFILL_PORT, DECODE_PORT, BOOTSTRAP_PORT)),
                       timeout_s=60, interval_s=1), "the pair's ports are taken"
-
-
-def _port_free(port: int) -> bool:
-    # SO_REUSEADDR as the workers' servers set it: a port that only TIME_WAIT remnants of the
-    # previous pair hold is free for them, and must not read as taken for a minute here.
-    with socket.socket() as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
 
 
 def _report(tmp_path: Path, name: str, counts: dict[str, object]) -> None:
