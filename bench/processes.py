@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,7 +20,7 @@ import httpx
 import yaml
 
 from gateway.dev.cluster import group_members
-from tests.harness import GatewayProcess
+from tests.harness import GatewayProcess, port_is_free
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ENGINE_PYTHON = Path(os.environ.get("ENGINE_VENV") or REPO_ROOT / ".venv-engine") / "bin" / "python"
@@ -37,16 +36,6 @@ def pin(pid: int, cpus: set[int] | None) -> None:
             os.sched_setaffinity(int(tid), cpus)
         except (ProcessLookupError, OSError):
             pass
-
-
-def port_is_free(port: int) -> bool:
-    with socket.socket() as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def free_ports(first: int, count: int = 1, limit: int = 10) -> int:

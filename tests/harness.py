@@ -29,6 +29,18 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def port_is_free(port: int) -> bool:
+    """Bindable by a server: with SO_REUSEADDR, as servers bind, a port that only TIME_WAIT
+    remnants of an earlier server hold counts as free."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 @dataclass(frozen=True)
 class PoolSpec:
     name: str

@@ -11,7 +11,6 @@ import contextlib
 import itertools
 import os
 import random
-import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -21,7 +20,7 @@ from typing import Any
 import httpx
 
 from gateway.dev.model import DEFAULT_MODEL_DIR, ensure_tiny_model
-from tests.harness import GatewayProcess, PoolSpec, write_policies
+from tests.harness import GatewayProcess, PoolSpec, port_is_free, write_policies
 from tests.standin_worker import Behaviour, StandInWorker
 
 MODEL = "tiny-llama"
@@ -33,18 +32,6 @@ UNLIMITED = {"requests_per_minute": 100000, "tokens_per_minute": 100000000, "max
 # Each test process starts at its own offset, so two runs of these suites at once rarely collide.
 _FIRST = 36000 + random.randrange(100)
 _PORTS = itertools.cycle([*range(_FIRST, 36100), *range(36000, _FIRST)])
-
-
-def port_is_free(port: int) -> bool:
-    """Bindable by a server: with SO_REUSEADDR, as servers bind, a port that only TIME_WAIT
-    remnants of an earlier server hold counts as free."""
-    with socket.socket() as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def range_port() -> int:

@@ -27,11 +27,11 @@ from pathlib import Path
 import pytest
 
 from gateway.dev.cluster import ClusterStartError, PDCluster, default_cluster_spec
-from tests.harness import GatewayProcess, PoolSpec, write_policies
+from tests.harness import GatewayProcess, PoolSpec, port_is_free, write_policies
 from tests.reliability.incident_soak import (
     Soak, SoakShape, Tenant, bypass_sender, gateway_sender, make_tenants,
 )
-from tests.reliability.stack import port_is_free, range_port, wait_until
+from tests.reliability.stack import range_port, wait_until
 from tests.reliability.test_engine_faults import MIN_AVAILABLE_GIB, _available_gib
 
 pytestmark = pytest.mark.engine
