@@ -16,7 +16,7 @@ from . import protocol
 from .components import Components
 from .errors import APIError
 from .openapi import openapi_json
-from .pipeline import handle_generation
+from .pipeline import Kind, handle_generation
 from .routing import best_limit, candidate_pairs
 
 
@@ -26,6 +26,11 @@ def _components(request: Request) -> Components:
 
 def _json(payload: object, status: int = 200) -> Response:
     return Response(orjson.dumps(payload), status_code=status, media_type="application/json")
+
+
+# The generation routes (POST). ``gateway.app.Gateway`` sends these paths straight to the
+# pipeline; the Starlette routes below serve the same handlers for anything it passes on.
+GENERATION_PATHS: dict[str, Kind] = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 
 
 async def chat_completions(request: Request) -> Response:

@@ -75,14 +75,15 @@ class PDDispatcher:
     async def generate(self, pair: WorkerPair, request: EngineRequest) -> dict[str, Any]:
         log.debug("dispatch", extra={"prefill": pair.prefill.url, "decode": pair.decode.url, "stream": False})
         headers = isolation_headers(request)
-        prefill = self._post(pair.prefill.url, generate_body(pair, request, stream=False), headers, "prefill")
-        decode = self._post(pair.decode.url, generate_body(pair, request, stream=False), headers, "decode")
-        prefill_task = asyncio.ensure_future(prefill)
-        decode_task = asyncio.ensure_future(decode)
+        body = generate_body(pair, request, stream=False)  # the same for both roles
+        prefill_task = asyncio.ensure_future(self._post(pair.prefill.url, body, headers, "prefill"))
+        decode_task = asyncio.ensure_future(self._post(pair.decode.url, body, headers, "decode"))
         try:
             # A failed prefill leaves decode waiting for a transfer that never comes: fail fast.
-            for finished in asyncio.as_completed((prefill_task, decode_task)):
-                await finished
+            await asyncio.wait((prefill_task, decode_task), return_when=asyncio.FIRST_EXCEPTION)
+            for task in (prefill_task, decode_task):
+                if task.done() and task.exception() is not None:
+                    raise task.exception()  # type: ignore[misc]
         except BaseException:
             for task in (prefill_task, decode_task):
                 task.cancel()

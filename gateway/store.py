@@ -52,7 +52,6 @@ from sqlalchemy import (
     select,
     update,
 )
-from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, StatementError
 
@@ -161,6 +160,29 @@ _PG_UNNEST_INSERT = (
     + f") WITH ORDINALITY AS incoming({', '.join(AUDIT_COLUMNS)}, ordinal) "
     "ORDER BY ordinal ON CONFLICT (generation_id) DO NOTHING"
 )
+
+
+# SQLite: the driver's own executemany with positional tuples. SQLAlchemy's compiled insert
+# ran a bind processor per value in Python, on the writer thread, holding the GIL the event
+# loop needs: ~45 µs per event, then the largest single cost of a request (bench/RESULTS.md).
+_SQLITE_AUDIT_INSERT = (
+    f"INSERT INTO audit_events ({', '.join(AUDIT_COLUMNS)}) VALUES ({', '.join('?' for _ in AUDIT_COLUMNS)}) "
+    "ON CONFLICT (generation_id) DO NOTHING"
+)
+_CREATED_AT = AUDIT_COLUMNS.index("created_at")
+_STREAM = AUDIT_COLUMNS.index("stream")
+
+
+def _sqlite_audit_params(row: dict[str, Any]) -> tuple[Any, ...]:
+    """One row as the driver binds it, stored exactly as ``UTCDateTime`` and ``Boolean`` store it
+    (naive UTC text, microseconds always written so text order is time order; 0/1)."""
+    values = [row[name] for name in AUDIT_COLUMNS]
+    moment = values[_CREATED_AT]
+    if not isinstance(moment, datetime) or moment.tzinfo is None:
+        raise ValueError("created_at must be a UTC-aware datetime")
+    values[_CREATED_AT] = moment.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S.%f")
+    values[_STREAM] = 1 if values[_STREAM] else 0
+    return tuple(values)
 
 
 class AuditRowsRefused(Exception):
@@ -411,9 +433,9 @@ class Store:
             if self.dialect == "postgresql":
                 self._insert_audit_rows_postgres(rows)
                 return
-            statement = sqlite_insert(audit_events).on_conflict_do_nothing(index_elements=["generation_id"])
+            params = [_sqlite_audit_params(row) for row in rows]
             with self.engine.begin() as conn:
-                conn.execute(statement, rows)
+                conn.exec_driver_sql(_SQLITE_AUDIT_INSERT, params)
         except (IntegrityError, DataError, ValueError, TypeError, KeyError) as exc:
             raise AuditRowsRefused(str(exc)) from exc
         except StatementError as exc:

@@ -91,7 +91,9 @@ class ModelTokenizer:
 
     async def _encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
         if len(text) < self._thread_min_chars:
-            return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+            # ``encode_batch_fast`` skips the character offsets nobody here reads: 18 µs instead
+            # of 28 µs for the bench's short prompt (one item: no thread pool involved).
+            return self._tokenizer.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
         # Long prompts would stall every other request for as long as they take. ``encode``
         # holds the GIL; ``encode_batch`` releases it, so the loop keeps serving meanwhile.
         # Reading .ids builds a Python list (about 25 ms at 1M tokens): also off the loop.

@@ -10,10 +10,12 @@ from sqlalchemy import inspect, select, text
 
 from gateway.store import (
     AuditQuery,
+    AuditRowsRefused,
     Store,
     StoreConflict,
     StoreNotFound,
     api_keys,
+    audit_events,
     create_store,
     decode_cursor,
     hash_key,
@@ -116,6 +118,33 @@ def test_audit_timestamps_round_trip_as_utc(store: Store) -> None:
     store.insert_audit_rows([audit_row("gen-t", "acme", at=moment.astimezone(UTC))])
     got, _ = store.query_audit(AuditQuery(generation_id="gen-t"))
     assert got[0]["created_at"] == moment and got[0]["created_at"].utcoffset() == timedelta(0)
+
+
+def test_audit_rows_are_stored_exactly_as_the_table_types_store_them(store: Store) -> None:
+    # The SQLite insert binds values itself (no SQLAlchemy bind processors on the writer
+    # thread); what it stores must be what the table's own insert stores, or text order stops
+    # being time order (a whole second has no ".000000" in isoformat) and queries decode wrong.
+    moments = [T0, T0 + timedelta(microseconds=500_000), T0 + timedelta(seconds=1)]
+    stream_flags = [True, False, True]
+    direct = [audit_row(f"direct-{i}", "acme", at=m) | {"stream": s} for i, (m, s) in enumerate(zip(moments, stream_flags))]
+    with store.engine.begin() as conn:
+        conn.execute(audit_events.insert(), direct)
+    store.insert_audit_rows([row | {"generation_id": row["generation_id"].replace("direct", "batch")} for row in direct])
+    with store.engine.connect() as conn:
+        stored = conn.execute(text(
+            "SELECT generation_id, CAST(created_at AS TEXT), stream FROM audit_events ORDER BY created_at, generation_id"
+        )).all()
+    assert [(g.split("-")[1], t, s) for g, t, s in stored][::2] == [(g.split("-")[1], t, s) for g, t, s in stored][1::2]
+    got, _ = store.query_audit(AuditQuery(tenant_id="acme", limit=10))
+    assert [r["generation_id"] for r in got] == ["direct-2", "batch-2", "direct-1", "batch-1", "direct-0", "batch-0"]
+    assert [r["created_at"] for r in got][::2] == moments[::-1]
+    assert [r["stream"] for r in got][::2] == stream_flags[::-1]
+
+
+def test_an_audit_row_without_a_timezone_is_refused_not_stored(store: Store) -> None:
+    with pytest.raises(AuditRowsRefused):
+        store.insert_audit_rows([audit_row("naive", "acme", at=T0.replace(tzinfo=None))])
+    assert store.count_audit() == 0
 
 
 def test_audit_pages_walk_every_event_once_newest_first_with_equal_timestamps(store: Store) -> None:
