@@ -92,6 +92,11 @@ class _Connection(asyncio.Protocol):
         assert self.transport is not None
         self.transport.write(request)
 
+    def time_out(self, message: str) -> None:
+        """Timer callback: fail whatever waits on this connection; it is not reused after."""
+        self._fail(UpstreamTimeout(message))
+        self.close()
+
     def _fail(self, exc: Exception) -> None:
         for future in (self.headers_done, self.done):
             if future is not None and not future.done():
@@ -105,12 +110,21 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
 
 
+def _target(url: str) -> tuple[Origin, bytes]:
+    parts = urlsplit(url)
+    tls = parts.scheme == "https"
+    origin = Origin(parts.hostname or "127.0.0.1", parts.port or (443 if tls else 80), tls)
+    return origin, f"POST {parts.path or '/'} HTTP/1.1\r\nHost: {parts.netloc}\r\n".encode("latin-1")
+
+
 class UpstreamClient:
     def __init__(self, *, connect_timeout_s: float, timeout_s: float, max_idle_per_origin: int = 512) -> None:
         self._connect_timeout_s = connect_timeout_s
         self._timeout_s = timeout_s
         self._max_idle = max_idle_per_origin
         self._idle: dict[Origin, list[_Connection]] = {}
+        # URL → (origin, request line and Host header): parsed once per URL, not per request.
+        self._targets: dict[str, tuple[Origin, bytes]] = {}
         self._tls = ssl.create_default_context()
 
     async def _acquire(self, origin: Origin) -> _Connection:
@@ -139,25 +153,29 @@ class UpstreamClient:
         else:
             connection.close()
 
-    @staticmethod
-    def _request(url: str, body: bytes, headers: dict[str, str]) -> tuple[Origin, bytes]:
-        parts = urlsplit(url)
-        tls = parts.scheme == "https"
-        origin = Origin(parts.hostname or "127.0.0.1", parts.port or (443 if tls else 80), tls)
-        head = [f"POST {parts.path or '/'} HTTP/1.1", f"Host: {parts.netloc}", f"Content-Length: {len(body)}"]
-        head += [f"{k}: {v}" for k, v in headers.items()]
-        return origin, ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
+    def _request(self, url: str, body: bytes, headers: dict[str, str]) -> tuple[Origin, bytes]:
+        target = self._targets.get(url)
+        if target is None:
+            target = self._targets[url] = _target(url)
+        origin, request_line = target
+        head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        return origin, b"%sContent-Length: %d\r\n%s\r\n%s" % (request_line, len(body), head.encode("latin-1"), body)
 
     async def post(self, url: str, body: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
         origin, raw = self._request(url, body, headers)
         connection = await self._acquire(origin)
         finished = False
+        # A timer that fails the connection's futures: one handle per call, where
+        # ``asyncio.timeout`` costs a context manager, a handle and task bookkeeping.
+        deadline = asyncio.get_running_loop().call_later(
+            self._timeout_s, connection.time_out, "upstream did not answer in time")
         try:
             connection.begin(raw)
-            await self._within(connection.done, "upstream did not answer in time")  # type: ignore[arg-type]
+            await connection.done  # type: ignore[misc]
             finished = True
             return connection.status, b"".join(connection.chunks)
         finally:
+            deadline.cancel()
             if finished:
                 self._release(origin, connection)
             else:
