@@ -129,45 +129,44 @@ class PDDispatcher:
 
     async def _decode_chunks(self, pair: WorkerPair, request: EngineRequest,
                              headers: dict[str, str]) -> AsyncIterator[dict[str, Any]]:
-        async with _transport_errors("decode", pair.decode.url):
-            lines = self._client.stream(f"{pair.decode.url}/generate",
-                                        generate_body(pair, request, stream=True), headers)
-            try:
-                status, _ = await lines.__anext__()
-                if status != 200:
-                    raise _engine_error("decode", status, b"\n".join([line async for _, line in lines]))
-                async for _, line in lines:
-                    if not line.startswith(b"data:"):
-                        continue
-                    payload = line[5:].strip()
-                    if payload == b"[DONE]":
-                        return
-                    chunk = orjson.loads(payload)
-                    if "error" in chunk:
-                        raise UpstreamStreamError(_error_message(chunk))
-                    yield chunk
-            finally:
-                await lines.aclose()
+        lines = self._client.stream(f"{pair.decode.url}/generate",
+                                    generate_body(pair, request, stream=True), headers)
+        try:
+            status, _ = await lines.__anext__()
+            if status != 200:
+                raise _engine_error("decode", status, b"\n".join([line async for _, line in lines]))
+            async for _, line in lines:
+                if not line.startswith(b"data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == b"[DONE]":
+                    return
+                chunk = orjson.loads(payload)
+                if "error" in chunk:
+                    raise UpstreamStreamError(_error_message(chunk))
+                yield chunk
+        except (UpstreamError, OSError) as exc:
+            raise _transport_error("decode", exc) from exc
+        finally:
+            await lines.aclose()
 
     async def aclose(self) -> None:
         await self._client.aclose()
 
     async def _post(self, url: str, body: bytes, headers: dict[str, str], role: str) -> dict[str, Any]:
-        async with _transport_errors(role, url):
+        try:
             status, content = await self._client.post(f"{url}/generate", body, headers)
+        except (UpstreamError, OSError) as exc:
+            raise _transport_error(role, exc) from exc
         if status != 200:
             raise _engine_error(role, status, content)
         return orjson.loads(content)
 
 
-@contextlib.asynccontextmanager
-async def _transport_errors(role: str, url: str) -> AsyncIterator[None]:
-    try:
-        yield
-    except UpstreamTimeout as exc:
-        raise upstream_timeout(f"The {role} worker did not answer in time.") from exc
-    except (UpstreamError, OSError) as exc:
-        raise unavailable(f"The {role} worker is unavailable.", code="worker_unavailable") from exc
+def _transport_error(role: str, exc: Exception) -> APIError:
+    if isinstance(exc, UpstreamTimeout):
+        return upstream_timeout(f"The {role} worker did not answer in time.")
+    return unavailable(f"The {role} worker is unavailable.", code="worker_unavailable")
 
 
 def _engine_error(role: str, status: int, body: bytes) -> APIError:

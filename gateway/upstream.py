@@ -16,7 +16,7 @@ import asyncio
 import collections
 import logging
 import ssl
-from typing import AsyncIterator, Awaitable, NamedTuple
+from typing import AsyncIterator, NamedTuple
 from urllib.parse import urlsplit
 
 import httptools
@@ -49,7 +49,8 @@ class _Connection(asyncio.Protocol):
         self.headers_done: asyncio.Future[None] | None = None
         self.done: asyncio.Future[None] | None = None
         self.chunks: collections.deque[bytes] = collections.deque()
-        self.readable = asyncio.Event()
+        # Set when body data arrives, the message completes or the connection fails.
+        self.readable: asyncio.Future[None] | None = None
 
     # -- protocol --
     def connection_made(self, transport) -> None:  # type: ignore[no-untyped-def]
@@ -74,13 +75,13 @@ class _Connection(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         self.chunks.append(body)
-        self.readable.set()
+        self._wake()
 
     def on_message_complete(self) -> None:
         self.keep_alive = self.parser.should_keep_alive()
         if self.done is not None and not self.done.done():
             self.done.set_result(None)
-        self.readable.set()
+        self._wake()
 
     # -- use --
     def begin(self, request: bytes) -> None:
@@ -88,7 +89,7 @@ class _Connection(asyncio.Protocol):
         self.status, self.keep_alive = 0, False
         self.headers_done, self.done = loop.create_future(), loop.create_future()
         self.chunks.clear()
-        self.readable.clear()
+        self.readable = None
         assert self.transport is not None
         self.transport.write(request)
 
@@ -102,7 +103,17 @@ class _Connection(asyncio.Protocol):
             if future is not None and not future.done():
                 future.set_exception(exc)
                 future.exception()  # retrieved: no "never retrieved" log when nobody waits
-        self.readable.set()
+        self._wake()
+
+    def _wake(self) -> None:
+        if self.readable is not None and not self.readable.done():
+            self.readable.set_result(None)
+
+    @property
+    def complete(self) -> bool:
+        """The whole response has arrived (so the connection may carry the next request)."""
+        return self.done is not None and self.done.done() and not self.done.cancelled() \
+            and self.done.exception() is None
 
     def close(self) -> None:
         self.closed = True
@@ -182,13 +193,17 @@ class UpstreamClient:
                 connection.close()
 
     async def stream(self, url: str, body: bytes, headers: dict[str, str]) -> AsyncIterator[tuple[int, bytes]]:
-        """Yields ``(status, b"")`` once the head arrives, then ``(status, line)`` per body line."""
+        """Yields ``(status, b"")`` once the head arrives, then ``(status, line)`` per body line.
+
+        A consumer may stop early (at SSE ``[DONE]``): the connection goes back to the pool
+        if the response had fully arrived by then, and is closed otherwise.
+        """
         origin, raw = self._request(url, body, headers)
         connection = await self._acquire(origin)
-        finished = False
+        loop = asyncio.get_running_loop()
         try:
             connection.begin(raw)
-            await self._within(connection.headers_done, "upstream did not answer in time")  # type: ignore[arg-type]
+            await self._wait(loop, connection, connection.headers_done, "upstream did not answer in time")
             status = connection.status
             yield status, b""
             pending = b""
@@ -203,23 +218,24 @@ class UpstreamClient:
                     if not connection.chunks:
                         break
                     continue
-                connection.readable.clear()
-                await self._within(connection.readable.wait(), "upstream stream stalled")
+                connection.readable = loop.create_future()
+                await self._wait(loop, connection, connection.readable, "upstream stream stalled")
             if pending:
                 yield status, pending
-            finished = True
         finally:
-            if finished:
+            if connection.complete:
                 self._release(origin, connection)
             else:
                 connection.close()
 
-    async def _within(self, awaitable: Awaitable[object], message: str) -> None:
+    async def _wait(self, loop: asyncio.AbstractEventLoop, connection: _Connection,
+                    future: asyncio.Future[None] | None, message: str) -> None:
+        # A plain timer rather than asyncio.timeout: this runs once per streamed chunk.
+        deadline = loop.call_later(self._timeout_s, connection.time_out, message)
         try:
-            async with asyncio.timeout(self._timeout_s):
-                await awaitable
-        except TimeoutError as exc:
-            raise UpstreamTimeout(message) from exc
+            await future  # type: ignore[misc]
+        finally:
+            deadline.cancel()
 
     async def aclose(self) -> None:
         for idle in self._idle.values():
