@@ -21,12 +21,14 @@ Methods of ``Store`` are blocking; call them from a thread in async code.
 from __future__ import annotations
 
 import base64
+import contextlib
+import functools
 import hashlib
 import secrets
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import orjson
 from sqlalchemy import (
@@ -52,7 +54,7 @@ from sqlalchemy import (
     select,
     update,
 )
-from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, StatementError
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
@@ -162,13 +164,20 @@ _PG_UNNEST_INSERT = (
 )
 
 
-# SQLite: the driver's own executemany with positional tuples. SQLAlchemy's compiled insert
-# ran a bind processor per value in Python, on the writer thread, holding the GIL the event
-# loop needs: ~45 µs per event, then the largest single cost of a request (bench/RESULTS.md).
-_SQLITE_AUDIT_INSERT = (
-    f"INSERT INTO audit_events ({', '.join(AUDIT_COLUMNS)}) VALUES ({', '.join('?' for _ in AUDIT_COLUMNS)}) "
-    "ON CONFLICT (generation_id) DO NOTHING"
-)
+# SQLite: multi-row INSERTs of positional values, bound by the driver. SQLAlchemy's compiled
+# insert ran a bind processor per value in Python on the writer thread (~45 µs per event), and
+# executemany releases and retakes the GIL around every row, so each row of a batch was a GIL
+# hand-off with the event loop on the same core. One statement per 64 rows is one hand-off.
+_SQLITE_ROWS_PER_INSERT = 64  # x 15 columns, well under SQLite's 32,766 variables
+
+
+@functools.lru_cache(maxsize=_SQLITE_ROWS_PER_INSERT)
+def _sqlite_audit_insert(rows: int) -> str:
+    values = "(" + ", ".join("?" for _ in AUDIT_COLUMNS) + ")"
+    return (f"INSERT INTO audit_events ({', '.join(AUDIT_COLUMNS)}) VALUES {', '.join([values] * rows)} "
+            "ON CONFLICT (generation_id) DO NOTHING")
+
+
 _CREATED_AT = AUDIT_COLUMNS.index("created_at")
 _STREAM = AUDIT_COLUMNS.index("stream")
 
@@ -183,6 +192,78 @@ def _sqlite_audit_params(row: dict[str, Any]) -> tuple[Any, ...]:
     values[_CREATED_AT] = moment.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S.%f")
     values[_STREAM] = 1 if values[_STREAM] else 0
     return tuple(values)
+
+
+def _insert_sqlite_audit_rows(conn: Connection, rows: Sequence[dict[str, Any]]) -> None:
+    params = [_sqlite_audit_params(row) for row in rows]
+    for start in range(0, len(params), _SQLITE_ROWS_PER_INSERT):
+        chunk = params[start:start + _SQLITE_ROWS_PER_INSERT]
+        conn.exec_driver_sql(_sqlite_audit_insert(len(chunk)), tuple(value for row in chunk for value in row))
+
+
+@contextlib.contextmanager
+def _audit_refusals() -> Iterator[None]:
+    """Tell a database that refused the rows (``AuditRowsRefused``) from one that could not be
+    written (the exception as it is: an outage)."""
+    try:
+        yield
+    except (IntegrityError, DataError, ValueError, TypeError, KeyError) as exc:
+        raise AuditRowsRefused(str(exc)) from exc
+    except StatementError as exc:
+        if isinstance(exc, DBAPIError):
+            raise  # the database could not be reached or written: an outage
+        raise AuditRowsRefused(str(exc)) from exc  # a value could not even be bound
+
+
+class SQLiteAuditWriter:
+    """Audit inserts made on the event loop's thread, on one SQLite connection of their own.
+
+    Why not from a worker thread like every other store call: measured in process (the bench's
+    instant backends, 16 in flight), the same batched insert costs ~8 µs of CPU per event on the
+    loop's thread and ~45 µs from a worker thread, which trades the GIL with the loop at every
+    statement; it was the largest single cost of a request. What keeps the loop responsive:
+    callers insert at most ``_SQLITE_ROWS_PER_INSERT`` rows per call (~0.5 ms); this connection
+    waits at most 20 ms for another process's write lock (then the insert fails like an outage
+    and the audit log spools the batch); and it never checkpoints the WAL (a checkpoint copies
+    and fsyncs megabytes): ``checkpoint`` does that, from a thread, on a pooled connection.
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self._connection: Connection | None = None
+
+    def insert(self, rows: Sequence[dict[str, Any]]) -> None:
+        """As ``Store.insert_audit_rows``; raises ``AuditRowsRefused`` or the outage."""
+        if not rows:
+            return
+        rows = [_fit_audit_row(row) for row in rows]
+        with _audit_refusals():
+            connection = self._connect()
+            try:
+                with connection.begin():
+                    _insert_sqlite_audit_rows(connection, rows)
+            except DBAPIError:
+                self.close()  # whatever broke, the next insert starts on a fresh connection
+                raise
+
+    def checkpoint(self) -> None:
+        """Copy the WAL into the database file (blocking: call it from a thread)."""
+        with self._engine.connect() as connection:
+            connection.exec_driver_sql("PRAGMA wal_checkpoint(PASSIVE)")
+
+    def close(self) -> None:
+        if self._connection is not None:
+            self._connection.close()
+            self._connection = None
+
+    def _connect(self) -> Connection:
+        if self._connection is None:
+            connection = self._engine.connect()
+            connection.exec_driver_sql("PRAGMA busy_timeout = 20")
+            connection.exec_driver_sql("PRAGMA wal_autocheckpoint = 0")
+            connection.commit()
+            self._connection = connection
+        return self._connection
 
 
 class AuditRowsRefused(Exception):
@@ -429,19 +510,16 @@ class Store:
         if not rows:
             return
         rows = [_fit_audit_row(row) for row in rows]
-        try:
+        with _audit_refusals():
             if self.dialect == "postgresql":
                 self._insert_audit_rows_postgres(rows)
                 return
-            params = [_sqlite_audit_params(row) for row in rows]
             with self.engine.begin() as conn:
-                conn.exec_driver_sql(_SQLITE_AUDIT_INSERT, params)
-        except (IntegrityError, DataError, ValueError, TypeError, KeyError) as exc:
-            raise AuditRowsRefused(str(exc)) from exc
-        except StatementError as exc:
-            if isinstance(exc, DBAPIError):
-                raise  # the database could not be reached or written: an outage
-            raise AuditRowsRefused(str(exc)) from exc  # a value could not even be bound
+                _insert_sqlite_audit_rows(conn, rows)
+
+    def sqlite_audit_writer(self) -> SQLiteAuditWriter | None:
+        """The audit log's own connection for inserts from the event loop (SQLite only)."""
+        return SQLiteAuditWriter(self.engine) if self.dialect == "sqlite" else None
 
     def _insert_audit_rows_postgres(self, rows: Sequence[dict[str, Any]]) -> None:
         # One statement per batch: every column travels as one array parameter and unnest
