@@ -291,3 +291,81 @@ async def test_an_event_the_database_refuses_is_set_aside_and_later_events_still
     assert audit.refused == 1 and audit.database_ok and audit.spool_files == 0
     refused = (audit.quarantine_dir / "refused.jsonl").read_text().splitlines()
     assert len(refused) == 1 and '"gen-000099"' in refused[0]
+
+
+# -- SQLite: batches are written from the event loop ---------------------------------------
+
+async def test_sqlite_writes_yield_to_requests_between_slices_of_a_batch(
+    store: Store, settings: Settings, database_url: str
+) -> None:
+    if not database_url.startswith("sqlite"):
+        pytest.skip("PostgreSQL batches are written from a thread")
+    audit = AuditLog(store, settings.model_copy(update={"audit_batch_size": 1000, "audit_flush_interval_s": 60.0}))
+    await audit.start()
+    events = [make_event(i) for i in range(640)]  # ten slices of 64
+    for event in events:
+        audit.record(event)
+    turns = 0
+
+    async def request_meanwhile() -> None:
+        nonlocal turns
+        while True:
+            turns += 1
+            await asyncio.sleep(0)
+
+    meanwhile = asyncio.create_task(request_meanwhile())
+    await asyncio.sleep(0)
+    turns = 0
+    await audit.flush()
+    meanwhile.cancel()
+    await audit.close()
+    assert_stored_exactly(store, events)
+    assert turns >= 9, f"the loop ran {turns} times while 640 events were written"
+
+
+async def test_sqlite_writer_waits_briefly_for_a_locked_database_and_spools_instead(
+    store: Store, settings: Settings, outage: Outage, database_url: str
+) -> None:
+    if not database_url.startswith("sqlite"):
+        pytest.skip("PostgreSQL batches are written from a thread")
+    # The store of a gateway as deployed: SQLite's 5 s busy timeout for every other call.
+    gateway = create_store(outage.store_url, busy_timeout_s=5.0)
+    audit = AuditLog(gateway, settings.model_copy(update={"audit_flush_interval_s": 60.0}))
+    await audit.start()
+    events = [make_event(i) for i in range(100)]
+    outage.begin()
+    for event in events:
+        audit.record(event)
+    started = time.monotonic()
+    await audit.flush()
+    blocked_s = time.monotonic() - started
+    assert blocked_s < 1.0, f"the event loop was blocked {blocked_s:.2f} s by another process's lock"
+    assert not audit.database_ok and audit.spool_files > 0
+    outage.end()
+    await audit.flush()
+    await audit.close()
+    gateway.dispose()
+    assert audit.spool_files == 0
+    assert_stored_exactly(store, events)
+
+
+async def test_sqlite_writer_leaves_wal_checkpoints_to_a_thread(
+    store: Store, settings: Settings, database_url: str
+) -> None:
+    if not database_url.startswith("sqlite"):
+        pytest.skip("SQLite only")
+    database = Path(make_url(database_url).database)
+    wal = database.with_name(database.name + "-wal")
+    writer = store.sqlite_audit_writer()
+    assert writer is not None
+    size_before = database.stat().st_size
+    for start in range(0, 12_000, 500):
+        writer.insert([make_event(i).row() for i in range(start, start + 500)])
+    # SQLite's default would have checkpointed (copied into the database file, fsynced) at
+    # 1,000 pages of WAL, inside one of these inserts, that is on the event loop.
+    assert wal.stat().st_size > 1_000 * 4096
+    assert database.stat().st_size == size_before
+    writer.checkpoint()
+    assert database.stat().st_size > size_before + 1_000_000
+    writer.close()
+    assert store.count_audit() == 12_000
