@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextvars
 import logging
 import sys
+import threading
 import time
 from typing import Any
 
@@ -52,8 +53,57 @@ class JsonFormatter(logging.Formatter):
         return orjson.dumps(entry, default=str).decode()
 
 
+class BatchingStreamHandler(logging.StreamHandler):
+    """A stream handler that writes its lines in batches rather than with one write(2) each.
+
+    Why: the write of each request's "request finished" line cost ~18 µs of the ~45 µs the line
+    cost in all (in process, 16 in flight), at a few thousand lines a second. A line waits at
+    most ``flush_interval_s``; WARNING and above go out at once (with everything before them),
+    and ``logging.shutdown`` (at interpreter exit) flushes the rest. A SIGKILL loses at most
+    that interval's lines; the audit log, not this, is the record of every request.
+    """
+
+    def __init__(self, stream, *, flush_interval_s: float = 0.1, max_pending: int = 256) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(stream)
+        self._pending: list[str] = []
+        self._max_pending = max_pending
+        self._flush_interval_s = flush_interval_s
+        threading.Thread(target=self._flush_periodically, name="log-flush", daemon=True).start()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            line = self.format(record) + self.terminator
+        except Exception:
+            self.handleError(record)
+            return
+        with self.lock:  # type: ignore[union-attr]
+            self._pending.append(line)
+            if record.levelno >= logging.WARNING or len(self._pending) >= self._max_pending:
+                self._write_pending()
+
+    def flush(self) -> None:
+        with self.lock:  # type: ignore[union-attr]
+            self._write_pending()
+
+    def _write_pending(self) -> None:
+        if not self._pending:
+            return
+        lines, self._pending = self._pending, []
+        try:
+            self.stream.write("".join(lines))
+            self.stream.flush()
+        except Exception:  # a closed or broken stderr must not break the request path
+            pass
+
+    def _flush_periodically(self) -> None:
+        while True:
+            time.sleep(self._flush_interval_s)
+            if self._pending:
+                self.flush()
+
+
 def configure_logging(settings: Settings) -> None:
-    handler = logging.StreamHandler(sys.stderr)
+    handler = BatchingStreamHandler(sys.stderr)
     handler.addFilter(GenerationIdFilter())
     if settings.log_json:
         handler.setFormatter(JsonFormatter())
