@@ -2,7 +2,9 @@
 
 ``record`` only appends to an in-memory queue (never blocks, never raises). A writer task
 inserts the queue in batches of ``settings.audit_batch_size`` every
-``settings.audit_flush_interval_s``, from a thread (the store is synchronous).
+``settings.audit_flush_interval_s``: into PostgreSQL from a thread (the store is
+synchronous); into SQLite from the event loop itself, 64 rows per turn, on a connection that
+never waits long for a lock nor checkpoints (``gateway.store.SQLiteAuditWriter`` says why).
 
 While the database cannot be written, batches go to the spool directory instead: one
 JSON-lines file per batch, written to a temporary name, fsynced and renamed, so a file is

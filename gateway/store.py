@@ -15,7 +15,8 @@ Why a *sync* engine, called through ``asyncio.to_thread`` by the async parts:
   ``sqlite3`` and psycopg 3) are what Alembic and the CLI use anyway, so one code path
   serves the gateway, the CLI, the migrations and the bench.
 
-Methods of ``Store`` are blocking; call them from a thread in async code.
+Methods of ``Store`` are blocking; call them from a thread in async code. The one exception
+is ``SQLiteAuditWriter``, which the audit log calls from the event loop, in bounded slices.
 """
 
 from __future__ import annotations
