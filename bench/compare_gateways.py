@@ -1,11 +1,13 @@
 """Before/after: two gateway checkouts side by side in one run, on the same instant backends.
 
     .venv/bin/python -m bench.compare_gateways --b /tmp/isogate-patched [--a .] [--seconds 5]
-        [--concurrency 16] [--modes plain] [--b-env ISOGATE_LOG_LEVEL=warning]
+        [--rounds 3] [--concurrency 16] [--modes plain] [--b-env ISOGATE_LOG_LEVEL=warning]
 
 Each cell (non-streaming and streaming, 1/16/64 in flight) runs A then B back to back
-(after a 1 s warm-up each), so a noisy neighbour hits both; both gateways are pinned to the
-same CPU (one at a time under load). Prints req/s, p50, p99 and the gateway's CPU per request.
+(after a 1 s warm-up each), ``--rounds`` times alternating, so a noisy neighbour hits both;
+both gateways are pinned to the same CPU (one at a time under load). Prints req/s, p50, p99
+and the gateway's CPU per request of each run, and the median CPU per request of each side.
+On this kind of machine one run of a cell moves by ±15 %: use three rounds or more.
 """
 
 from __future__ import annotations

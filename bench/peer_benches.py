@@ -5,6 +5,8 @@
 - ``engine_patch.costs.measure_costs()`` in the engine venv: the SGLang plugin's cost.
 - ``bench/python_floor.py``: what a bare Python PD proxy on the gateway's stack costs per
   request (the floor under the gateway's own work).
+- ``bench/pipeline_costs.py``: what each step of the request path costs, by taking it out
+  (in process, A/B alternating).
 
 Each runs as its own process (so its imports and memory stay out of this one) with a time
 limit; what it printed and the JSON it wrote are kept as they are.
@@ -79,6 +81,10 @@ def run_peer_benches(config: BenchConfig, log=print) -> list[dict]:
     seconds = str(2 if config.quick else 6)
     runs.append(_run("python_floor", [python, "-m", "bench.python_floor", "--seconds", seconds,
                                       "--out", str(RESULTS / "python_floor.json")], 180, RESULTS / "python_floor.json"))
+    rounds = str(2 if config.quick else 5)
+    runs.append(_run("pipeline_costs", [python, "-m", "bench.pipeline_costs", "--rounds", rounds,
+                                        "--out", str(RESULTS / "pipeline_costs.json")], 300,
+                     RESULTS / "pipeline_costs.json"))
     for run in runs:
         log(f"  {run.name}: {run.status} in {run.seconds:.0f} s")
     return [asdict(r) for r in runs]

@@ -173,9 +173,16 @@ def render(results: dict[str, Any]) -> str:
                         b["during_p50_ms"], b["during_p99_ms"], b["during_max_ms"]]])
     peers = results.get("peers")
     if peers:
-        out += ["## 3. Other benches (audit, verification/canary, engine plugin)", ""]
+        out += ["## 3. Other benches (audit, verification/canary, engine plugin, floor, step costs)", ""]
         for run in peers:
             out += [f"### {run['name']}: {run['status']} ({run['seconds']:.0f} s)", ""]
+            if run["name"] == "pipeline_costs" and run.get("results"):
+                out += ["What each step costs, by taking it out (`bench/pipeline_costs.py`: in process, no "
+                        "uvicorn, 16 in flight, A/B alternating; medians):", ""]
+                out += _table(["variant", "as shipped µs/req", "variant µs/req", "difference µs/req"],
+                              [[r["variant"], r["shipped_us"], r["variant_us"], f"{r['difference_us']:+.0f}"]
+                               for r in run["results"]])
+                continue
             if run.get("results") is not None:
                 out += ["```json", json.dumps(run["results"], indent=1, default=str)[:6000], "```", ""]
             elif run.get("output_tail"):

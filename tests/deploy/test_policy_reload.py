@@ -31,8 +31,10 @@ def test_an_edited_models_file_adds_a_model_without_a_restart(start_gateway) -> 
     wait_for(lambda: model_ids(gateway, key) == sorted([MODEL, "tiny-llama-b"]), what="the new model")
     assert chat(gateway, key, model="tiny-llama-b").status_code == 200
     assert gateway.process.pid == pid and gateway.process.poll() is None
-    reloaded = [line for line in log_lines(gateway) if line.get("event") == "policy_reloaded"]
-    assert reloaded and reloaded[-1]["trigger"] == "file change"
+    # Log lines reach the file in batches (within 0.1 s): wait for the line, not just the effect.
+    reloaded = wait_for(lambda: [line for line in log_lines(gateway) if line.get("event") == "policy_reloaded"],
+                        what="the reload's log line")
+    assert reloaded[-1]["trigger"] == "file change"
     assert reloaded[-1]["models"] == sorted([MODEL, "tiny-llama-b"])
 
 
@@ -85,5 +87,7 @@ def test_sighup_reloads_a_change_the_file_watch_cannot_see(start_gateway) -> Non
 
     wait_for(lambda: model_ids(gateway, key) == sorted([MODEL, "tiny-llama-c"]), what="the SIGHUP reload")
     assert gateway.process.poll() is None
-    triggers = [line["trigger"] for line in log_lines(gateway) if line.get("event") == "policy_reloaded"]
-    assert triggers[-1] == "SIGHUP"
+    triggers = wait_for(lambda: [line["trigger"] for line in log_lines(gateway)
+                                 if line.get("event") == "policy_reloaded" and line["trigger"] == "SIGHUP"],
+                        what="the SIGHUP reload's log line")
+    assert triggers == ["SIGHUP"]
