@@ -81,7 +81,7 @@ def run_peer_benches(config: BenchConfig, log=print) -> list[dict]:
     seconds = str(2 if config.quick else 6)
     runs.append(_run("python_floor", [python, "-m", "bench.python_floor", "--seconds", seconds,
                                       "--out", str(RESULTS / "python_floor.json")], 180, RESULTS / "python_floor.json"))
-    rounds = str(2 if config.quick else 5)
+    rounds = str(2 if config.quick else 10)
     runs.append(_run("pipeline_costs", [python, "-m", "bench.pipeline_costs", "--rounds", rounds,
                                         "--out", str(RESULTS / "pipeline_costs.json")], 300,
                      RESULTS / "pipeline_costs.json"))
