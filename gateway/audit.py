@@ -293,7 +293,16 @@ class AuditLog:
         for start in range(0, len(rows), _SQLITE_SLICE_ROWS):
             if start:
                 await asyncio.sleep(0)  # let requests run between slices
-            self._sqlite.insert(rows[start:start + _SQLITE_SLICE_ROWS])
+            try:
+                self._sqlite.insert(rows[start:start + _SQLITE_SLICE_ROWS])
+            except AuditRowsRefused:
+                raise
+            except Exception:
+                # Most often another process's write lock (several workers on one file): wait
+                # for it from a thread, with the store's full busy timeout, not on the loop. If
+                # that fails too, it is an outage (the caller spools; replay skips what is in).
+                await asyncio.to_thread(self._store.insert_audit_rows, rows[start:])
+                break
         self._rows_since_checkpoint += len(rows)
 
     async def _checkpoint_if_due(self) -> None:

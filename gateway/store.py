@@ -165,10 +165,8 @@ _PG_UNNEST_INSERT = (
 )
 
 
-# SQLite: multi-row INSERTs of positional values, bound by the driver. SQLAlchemy's compiled
-# insert ran a bind processor per value in Python on the writer thread (~45 µs per event), and
-# executemany releases and retakes the GIL around every row, so each row of a batch was a GIL
-# hand-off with the event loop on the same core. One statement per 64 rows is one hand-off.
+# SQLite: multi-row INSERTs of positional values, bound by the driver; SQLAlchemy's compiled
+# insert ran a bind processor per value in Python (~35 µs per event more).
 _SQLITE_ROWS_PER_INSERT = 64  # x 15 columns, well under SQLite's 32,766 variables
 
 
@@ -224,9 +222,10 @@ class SQLiteAuditWriter:
     loop's thread and ~45 µs from a worker thread, which trades the GIL with the loop at every
     statement; it was the largest single cost of a request. What keeps the loop responsive:
     callers insert at most ``_SQLITE_ROWS_PER_INSERT`` rows per call (~0.5 ms); this connection
-    waits at most 20 ms for another process's write lock (then the insert fails like an outage
-    and the audit log spools the batch); and it never checkpoints the WAL (a checkpoint copies
-    and fsyncs megabytes): ``checkpoint`` does that, from a thread, on a pooled connection.
+    waits at most 20 ms for another process's write lock (the audit log then waits for the lock
+    from a thread, through ``Store.insert_audit_rows``); and it never checkpoints the WAL (a
+    checkpoint copies and fsyncs megabytes): ``checkpoint`` does that, from a thread, on a
+    pooled connection.
     """
 
     def __init__(self, engine: Engine) -> None:
@@ -254,6 +253,8 @@ class SQLiteAuditWriter:
 
     def close(self) -> None:
         if self._connection is not None:
+            # Discarded, not pooled: its short busy timeout must not pass on to other callers.
+            self._connection.invalidate()
             self._connection.close()
             self._connection = None
 
