@@ -341,18 +341,25 @@ async def _loop_turns_while(awaitable) -> tuple[int, float]:  # type: ignore[no-
     return turns, elapsed
 
 
-async def test_sqlite_writer_waits_for_another_process_lock_off_the_loop_then_spools(
-    store: Store, settings: Settings, outage: Outage, database_url: str
-) -> None:
-    if not database_url.startswith("sqlite"):
-        pytest.skip("PostgreSQL batches are written from a thread")
-    gateway = create_store(outage.store_url, busy_timeout_s=1.0)
+async def _events_queued_while_locked(outage: Outage, settings: Settings, *,
+                                      busy_timeout_s: float) -> tuple[Store, AuditLog, list[AuditEvent]]:
+    """A gateway's store and audit log, 100 events queued while another process holds the lock."""
+    gateway = create_store(outage.store_url, busy_timeout_s=busy_timeout_s)
     audit = AuditLog(gateway, settings.model_copy(update={"audit_flush_interval_s": 60.0}))
     await audit.start()
     events = [make_event(i) for i in range(100)]
     outage.begin()
     for event in events:
         audit.record(event)
+    return gateway, audit, events
+
+
+async def test_sqlite_writer_waits_for_another_process_lock_off_the_loop_then_spools(
+    store: Store, settings: Settings, outage: Outage, database_url: str
+) -> None:
+    if not database_url.startswith("sqlite"):
+        pytest.skip("PostgreSQL batches are written from a thread")
+    gateway, audit, events = await _events_queued_while_locked(outage, settings, busy_timeout_s=1.0)
     turns, elapsed = await _loop_turns_while(audit.flush())
     # The store's busy timeout (1 s) was waited out in a thread: the loop kept turning.
     assert elapsed >= 0.9 and turns >= 200, (turns, elapsed)
@@ -371,13 +378,7 @@ async def test_sqlite_writer_gets_a_briefly_held_lock_without_spooling(
     if not database_url.startswith("sqlite"):
         pytest.skip("SQLite only")
     # Several gateway workers on one SQLite file take the write lock in turns.
-    gateway = create_store(outage.store_url, busy_timeout_s=5.0)
-    audit = AuditLog(gateway, settings.model_copy(update={"audit_flush_interval_s": 60.0}))
-    await audit.start()
-    events = [make_event(i) for i in range(100)]
-    outage.begin()
-    for event in events:
-        audit.record(event)
+    gateway, audit, events = await _events_queued_while_locked(outage, settings, busy_timeout_s=5.0)
     asyncio.get_running_loop().call_later(0.3, outage.end)
     turns, elapsed = await _loop_turns_while(audit.flush())
     await audit.close()
