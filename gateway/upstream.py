@@ -175,19 +175,12 @@ class UpstreamClient:
     async def post(self, url: str, body: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
         origin, raw = self._request(url, body, headers)
         connection = await self._acquire(origin)
-        finished = False
-        # A timer that fails the connection's futures: one handle per call, where
-        # ``asyncio.timeout`` costs a context manager, a handle and task bookkeeping.
-        deadline = asyncio.get_running_loop().call_later(
-            self._timeout_s, connection.time_out, "upstream did not answer in time")
         try:
             connection.begin(raw)
-            await connection.done  # type: ignore[misc]
-            finished = True
+            await self._wait(connection, connection.done, "upstream did not answer in time")
             return connection.status, b"".join(connection.chunks)
         finally:
-            deadline.cancel()
-            if finished:
+            if connection.complete:
                 self._release(origin, connection)
             else:
                 connection.close()
@@ -200,10 +193,9 @@ class UpstreamClient:
         """
         origin, raw = self._request(url, body, headers)
         connection = await self._acquire(origin)
-        loop = asyncio.get_running_loop()
         try:
             connection.begin(raw)
-            await self._wait(loop, connection, connection.headers_done, "upstream did not answer in time")
+            await self._wait(connection, connection.headers_done, "upstream did not answer in time")
             status = connection.status
             yield status, b""
             pending = b""
@@ -218,8 +210,8 @@ class UpstreamClient:
                     if not connection.chunks:
                         break
                     continue
-                connection.readable = loop.create_future()
-                await self._wait(loop, connection, connection.readable, "upstream stream stalled")
+                connection.readable = asyncio.get_running_loop().create_future()
+                await self._wait(connection, connection.readable, "upstream stream stalled")
             if pending:
                 yield status, pending
         finally:
@@ -228,10 +220,10 @@ class UpstreamClient:
             else:
                 connection.close()
 
-    async def _wait(self, loop: asyncio.AbstractEventLoop, connection: _Connection,
-                    future: asyncio.Future[None] | None, message: str) -> None:
-        # A plain timer rather than asyncio.timeout: this runs once per streamed chunk.
-        deadline = loop.call_later(self._timeout_s, connection.time_out, message)
+    async def _wait(self, connection: _Connection, future: asyncio.Future[None] | None, message: str) -> None:
+        # A timer that fails the connection's futures: one handle per wait (once per streamed
+        # chunk), where ``asyncio.timeout`` costs a context manager and task bookkeeping too.
+        deadline = asyncio.get_running_loop().call_later(self._timeout_s, connection.time_out, message)
         try:
             await future  # type: ignore[misc]
         finally:
