@@ -295,6 +295,24 @@ async def test_an_event_the_database_refuses_is_set_aside_and_later_events_still
 
 # -- SQLite: batches are written from the event loop ---------------------------------------
 
+async def _loop_turns_while(awaitable, interval_s: float = 0.001) -> tuple[int, float]:  # type: ignore[no-untyped-def]
+    """How often the event loop came round while ``awaitable`` ran, and how long it ran."""
+    turns = 0
+
+    async def request_meanwhile() -> None:
+        nonlocal turns
+        while True:
+            turns += 1
+            await asyncio.sleep(interval_s)
+
+    meanwhile = asyncio.create_task(request_meanwhile())
+    started = time.monotonic()
+    await awaitable
+    elapsed = time.monotonic() - started
+    meanwhile.cancel()
+    return turns, elapsed
+
+
 async def test_sqlite_writes_yield_to_requests_between_slices_of_a_batch(
     store: Store, settings: Settings, database_url: str
 ) -> None:
@@ -305,40 +323,10 @@ async def test_sqlite_writes_yield_to_requests_between_slices_of_a_batch(
     events = [make_event(i) for i in range(640)]  # ten slices of 64
     for event in events:
         audit.record(event)
-    turns = 0
-
-    async def request_meanwhile() -> None:
-        nonlocal turns
-        while True:
-            turns += 1
-            await asyncio.sleep(0)
-
-    meanwhile = asyncio.create_task(request_meanwhile())
-    await asyncio.sleep(0)
-    turns = 0
-    await audit.flush()
-    meanwhile.cancel()
+    turns, _ = await _loop_turns_while(audit.flush(), interval_s=0)
     await audit.close()
     assert_stored_exactly(store, events)
     assert turns >= 9, f"the loop ran {turns} times while 640 events were written"
-
-
-async def _loop_turns_while(awaitable) -> tuple[int, float]:  # type: ignore[no-untyped-def]
-    """How often the event loop came round while ``awaitable`` ran, and how long it ran."""
-    turns = 0
-
-    async def request_meanwhile() -> None:
-        nonlocal turns
-        while True:
-            turns += 1
-            await asyncio.sleep(0.001)
-
-    meanwhile = asyncio.create_task(request_meanwhile())
-    started = time.monotonic()
-    await awaitable
-    elapsed = time.monotonic() - started
-    meanwhile.cancel()
-    return turns, elapsed
 
 
 async def _events_queued_while_locked(outage: Outage, settings: Settings, *,
