@@ -17,7 +17,6 @@ from .components import Components
 from .errors import APIError
 from .openapi import openapi_json
 from .pipeline import Kind, handle_generation
-from .routing import best_limit, candidate_pairs
 
 
 def _components(request: Request) -> Components:
@@ -51,9 +50,9 @@ async def models(request: Request) -> Response:
         bound: str | None = None
         try:
             tenant = principal.tenant_id if not principal.is_admin else ""
-            pairs = candidate_pairs(components.policies, model, tenant, components.capacity)
+            candidates = components.routes.candidates(components.policies, model, tenant)
             # The largest prompt admitted with a minimal completion, plus that completion.
-            limit = best_limit(pairs, model.max_context_tokens, 1, margin)
+            limit = candidates.best_limit(1, margin)
             max_context, bound = limit.tokens + 1, limit.bound
         except APIError:
             pass  # no fresh pair now: the card says so with nulls rather than guessing

@@ -150,12 +150,25 @@ class CapacityRegistry:
         # A poll slower than half the staleness window would make a busy worker look dead.
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(max(0.5, stale_after_s / 2)))
         self._refreshed = asyncio.Event()
+        # Bumped whenever an observation is adopted or dropped: what was derived from the
+        # observations (gateway.routing.RoutingCache) is valid while it is unchanged.
+        self.version = 0
+
+    @property
+    def stale_after_s(self) -> float:
+        return self._stale_after_s
 
     def set_workers(self, workers: Iterable[tuple[str, Role]]) -> None:
         self._workers = dict(workers)
         for url in list(self._observed):
             if url not in self._workers:
                 del self._observed[url]
+        self.version += 1
+
+    def adopt(self, state: WorkerCapacity) -> None:
+        """Make ``state`` the worker's current observation."""
+        self._observed[state.url] = state
+        self.version += 1
 
     def get(self, url: str) -> WorkerCapacity | None:
         """The worker's capacity, or None if it is unknown or stale."""
@@ -196,7 +209,7 @@ class CapacityRegistry:
         if self._errors.pop(url, None) is not None:
             log.info("capacity: %s worker %s answers polls again", role, url)
         self._configs[url] = config
-        self._observed[url] = state
+        self.adopt(state)
         if self._redis is not None:
             try:
                 await self._redis.set(self._key(url), state.to_json(), px=max(1, int(self._stale_after_s * 1000)))
@@ -239,7 +252,7 @@ class CapacityRegistry:
             state = WorkerCapacity.from_json(raw)
             mine = self._observed.get(url)
             if mine is None or state.observed_at > mine.observed_at:
-                self._observed[url] = state
+                self.adopt(state)
 
     def _key(self, url: str) -> str:
         return f"{self._key_prefix}:capacity:{url}"

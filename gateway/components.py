@@ -22,6 +22,7 @@ from .upstream import UpstreamClient
 from .limits import TenantLimiter
 from .metrics import Metrics
 from .policies import Policies, load_policies
+from .routing import RoutingCache
 from .settings import Settings
 from .store import Store, create_store
 from .tokenize import ModelTokenizer
@@ -36,6 +37,7 @@ class Components:
     policies: Policies
     tokenizers: dict[str, ModelTokenizer]
     capacity: CapacityRegistry
+    routes: RoutingCache
     ledger: ClaimLedger
     dispatcher: PDDispatcher
     store: Store
@@ -101,6 +103,7 @@ async def build_components(settings: Settings) -> Components:
         policies=policies,
         tokenizers=tokenizers,
         capacity=capacity,
+        routes=RoutingCache(capacity),
         ledger=ClaimLedger(),
         dispatcher=PDDispatcher(UpstreamClient(connect_timeout_s=settings.upstream_connect_timeout_s,
                                                timeout_s=settings.upstream_timeout_s)),

@@ -11,7 +11,7 @@ from gateway.admission import ClaimLedger, prompt_limit
 from gateway.capacity import CapacityRegistry, WorkerCapacity, parse_worker_state
 from gateway.errors import APIError
 from gateway.policies import PolicyError, load_policies
-from gateway.routing import best_limit, candidate_pairs, choose_pair
+from gateway.routing import Candidates, RoutingCache, candidate_pairs
 from tests.harness import PoolSpec, write_policies
 
 DATA = Path(__file__).parent.parent / "data"
@@ -58,14 +58,14 @@ def test_claims_make_admission_a_claim_not_a_look(tmp_path: Path) -> None:
     policies = load_policies(write_policies(tmp_path, model_name="m", tokenizer_dir=tmp_path,
                                             pools=[PoolSpec("shared", (("http://p", 1),), ("http://d",))]))
     registry = registry_with(worker("http://p", "prefill", 1000), worker("http://d", "decode", 1000))
-    pairs = candidate_pairs(policies, policies.models["m"], "tenant", registry)
+    candidates = Candidates(candidate_pairs(policies, policies.models["m"], "tenant", registry), 10_000)
     ledger = ClaimLedger()
-    first = choose_pair(pairs, ledger, prompt_tokens=500, policy_max_context=10_000, max_tokens=100, margin=0)
+    first = candidates.choose(ledger, prompt_tokens=500, max_tokens=100, margin=0)
     assert first is not None
     ledger.claim(first.urls, 600)
     # The poll still says the pools are empty, but the first request's tokens are claimed.
-    assert choose_pair(pairs, ledger, prompt_tokens=500, policy_max_context=10_000, max_tokens=100, margin=0) is None
-    assert choose_pair(pairs, ledger, prompt_tokens=300, policy_max_context=10_000, max_tokens=100, margin=0) is not None
+    assert candidates.choose(ledger, prompt_tokens=500, max_tokens=100, margin=0) is None
+    assert candidates.choose(ledger, prompt_tokens=300, max_tokens=100, margin=0) is not None
 
 
 def test_least_loaded_pair_is_chosen(tmp_path: Path) -> None:
@@ -74,8 +74,8 @@ def test_least_loaded_pair_is_chosen(tmp_path: Path) -> None:
         pools=[PoolSpec("shared", (("http://p1", 1), ("http://p2", 2)), ("http://d1",))]))
     registry = registry_with(worker("http://p1", "prefill", 1000, used=700), worker("http://p2", "prefill", 1000, used=10),
                              worker("http://d1", "decode", 1000))
-    pairs = candidate_pairs(policies, policies.models["m"], "t", registry)
-    chosen = choose_pair(pairs, ClaimLedger(), 100, 10_000, 10, 0)
+    candidates = Candidates(candidate_pairs(policies, policies.models["m"], "t", registry), 10_000)
+    chosen = candidates.choose(ClaimLedger(), 100, 10, 0)
     assert chosen is not None and chosen.prefill.url == "http://p2"
 
 
@@ -121,8 +121,54 @@ def test_best_limit_is_the_largest_over_candidate_pairs(tmp_path: Path) -> None:
         pools=[PoolSpec("shared", (("http://p1", 1), ("http://p2", 2)), ("http://d",))]))
     registry = registry_with(worker("http://p1", "prefill", 1000), worker("http://p2", "prefill", 5000),
                              worker("http://d", "decode", 8000))
-    pairs = candidate_pairs(policies, policies.models["m"], "t", registry)
-    assert best_limit(pairs, 100_000, 100, 0).tokens == 4900
+    candidates = Candidates(candidate_pairs(policies, policies.models["m"], "t", registry), 100_000)
+    assert candidates.best_limit(100, 0).tokens == 4900
+    assert candidates.best_limit(1000, 0).tokens == 4000  # limits are kept per max_tokens
+
+
+def _cached_pair_urls(cache: RoutingCache, policies, tenant: str = "t") -> set[tuple[str, str]]:  # type: ignore[no-untyped-def]
+    return {pair.urls for pair in cache.candidates(policies, policies.models["m"], tenant).pairs}
+
+
+def test_the_routing_cache_answers_as_candidate_pairs_would_after_a_new_observation(tmp_path: Path) -> None:
+    policies = load_policies(write_policies(
+        tmp_path, model_name="m", tokenizer_dir=tmp_path,
+        pools=[PoolSpec("shared", (("http://p1", 1), ("http://p2", 2)), ("http://d",))]))
+    registry = registry_with(worker("http://p1", "prefill", 1000), worker("http://p2", "prefill", 1000, patched=False),
+                             worker("http://d", "decode", 1000))
+    cache = RoutingCache(registry)
+    first = cache.candidates(policies, policies.models["m"], "t")
+    assert cache.candidates(policies, policies.models["m"], "t") is first  # nothing changed: kept
+    assert {pair.urls for pair in first.pairs} == {("http://p1", "http://d")}
+    registry.adopt(worker("http://p2", "prefill", 1000))  # p2 now runs engine_patch
+    assert _cached_pair_urls(cache, policies) == {("http://p1", "http://d"), ("http://p2", "http://d")}
+    registry.adopt(worker("http://d", "decode", 5000))
+    assert cache.candidates(policies, policies.models["m"], "t").best_limit(100, 0).tokens == 900
+
+
+def test_the_routing_cache_drops_a_pair_once_its_observation_goes_stale(tmp_path: Path) -> None:
+    policies = load_policies(write_policies(
+        tmp_path, model_name="m", tokenizer_dir=tmp_path,
+        pools=[PoolSpec("shared", (("http://p1", 1), ("http://p2", 2)), ("http://d",))]))
+    ageing = WorkerCapacity(**{**worker("http://p2", "prefill", 1000).as_dict(), "observed_at": time.time() - 4.8})
+    registry = registry_with(worker("http://p1", "prefill", 1000), ageing, worker("http://d", "decode", 1000))
+    cache = RoutingCache(registry)
+    assert len(cache.candidates(policies, policies.models["m"], "t").pairs) == 2
+    time.sleep(0.3)  # p2's observation passes stale_after_s (5 s) with no new poll
+    assert _cached_pair_urls(cache, policies) == {("http://p1", "http://d")}
+
+
+def test_the_routing_cache_follows_reloaded_policies(tmp_path: Path) -> None:
+    registry = registry_with(worker("http://sp", "prefill", 1000), worker("http://sd", "decode", 1000),
+                             worker("http://ap", "prefill", 1000), worker("http://ad", "decode", 1000))
+    pools = [PoolSpec("shared", (("http://sp", 1),), ("http://sd",)),
+             PoolSpec("acme-only", (("http://ap", 1),), ("http://ad",), dedicated_to=("acme",))]
+    shared = load_policies(write_policies(tmp_path / "a", model_name="m", tokenizer_dir=tmp_path, pools=pools))
+    cache = RoutingCache(registry)
+    assert _cached_pair_urls(cache, shared, "acme") == {("http://sp", "http://sd")}
+    dedicated = load_policies(write_policies(tmp_path / "b", model_name="m", tokenizer_dir=tmp_path, pools=pools,
+                                             tenants={"acme": {"isolation": "dedicated"}}))
+    assert _cached_pair_urls(cache, dedicated, "acme") == {("http://ap", "http://ad")}
 
 
 def test_real_sglang_capacity_bodies_parse() -> None:
@@ -139,5 +185,6 @@ def test_real_sglang_capacity_bodies_parse() -> None:
 def registry_with(*states: WorkerCapacity) -> CapacityRegistry:
     registry = CapacityRegistry(poll_interval_s=1, stale_after_s=5)
     registry.set_workers([(s.url, s.role) for s in states])
-    registry._observed.update({s.url: s for s in states})
+    for state in states:
+        registry.adopt(state)
     return registry
