@@ -7,7 +7,6 @@ source of the PD ``bootstrap_room``.
 
 from __future__ import annotations
 
-import base64
 import functools
 import hashlib
 import hmac
@@ -20,18 +19,16 @@ _ULID_CHARS = 26
 _ROOM_MASK = (1 << 63) - 1
 
 
-# Base-32 work is done in C (base64.b32encode, int(..., 32)) and only the alphabet is swapped:
-# ID and room together take 5.6 µs instead of the 8.7 µs of digit loops in Python (timeit).
-_FROM_RFC4648 = bytes.maketrans(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ234567", _CROCKFORD.encode())
+# Ten bits (two digits) per lookup, 13 lookups for the 130 bits of 26 digits (the value's
+# top two bits are zero): 2.9 µs per ID where base64.b32encode, a Python loop in 3.11, took 4.8.
+_DIGIT_PAIRS = tuple(first + second for first in _CROCKFORD for second in _CROCKFORD)
+_PAIR_SHIFTS = tuple(range(120, -1, -10))
 _TO_INT_DIGITS = str.maketrans(_CROCKFORD, "0123456789abcdefghijklmnopqrstuv")
 
 
 def new_generation_id() -> str:
     value = (int(time.time() * 1000) << 80) | int.from_bytes(os.urandom(10), "big")
-    # 26 characters carry 130 bits: shifted by 30, the 160-bit number encodes to 32 characters
-    # whose first 26 are the value's own digits (two leading zero bits included).
-    digits = base64.b32encode((value << 30).to_bytes(20, "big"))[:_ULID_CHARS]
-    return PREFIX + digits.translate(_FROM_RFC4648).decode("ascii")
+    return PREFIX + "".join([_DIGIT_PAIRS[(value >> shift) & 1023] for shift in _PAIR_SHIFTS])
 
 
 def is_generation_id(text: str) -> bool:

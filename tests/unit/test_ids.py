@@ -45,3 +45,14 @@ def test_new_ids_decode_to_their_time_and_sort_by_it(monkeypatch) -> None:
     monkeypatch.setattr(ids.time, "time", lambda: time.time_ns() / 1e9 + 10)  # ten seconds later
     assert ids.new_generation_id() > max(made)
     assert len(set(made)) == len(made)
+
+
+@given(st.integers(min_value=0, max_value=(1 << 48) - 1), st.binary(min_size=10, max_size=10))
+def test_a_new_id_is_the_reference_encoding_of_its_time_and_random_bits(millis: int, random: bytes) -> None:
+    real_time, real_urandom = ids.time.time, ids.os.urandom
+    ids.time.time, ids.os.urandom = (lambda: millis / 1000 + 0.0004), (lambda size: random)
+    try:
+        generation_id = ids.new_generation_id()
+    finally:
+        ids.time.time, ids.os.urandom = real_time, real_urandom
+    assert generation_id == "gen_" + reference_encode((millis << 80) | int.from_bytes(random, "big"))
