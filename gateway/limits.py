@@ -204,10 +204,13 @@ class TenantLimiter:
                 limits.requests_per_minute, limits.tokens_per_minute, now
             )
         bucket.refill(limits, now)
-        for expired in [lid for lid, expiry in bucket.inflight.items() if expiry <= now]:
-            del bucket.inflight[expired]
         if len(bucket.inflight) >= limits.max_concurrent:
-            _raise_if_refused(1, _CONCURRENCY_RETRY_S, limits)
+            # Leases past their TTL no longer count; they can only matter at the limit, so they
+            # are looked for there, not on every request (and never exceed the limit in number).
+            for expired in [lid for lid, expiry in bucket.inflight.items() if expiry <= now]:
+                del bucket.inflight[expired]
+            if len(bucket.inflight) >= limits.max_concurrent:
+                _raise_if_refused(1, _CONCURRENCY_RETRY_S, limits)
         if bucket.requests < 1:
             wait_ms = (1 - bucket.requests) * _WINDOW_MS / limits.requests_per_minute
             _raise_if_refused(2, wait_ms / 1000, limits)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from .capacity import CapacityRegistry
@@ -31,6 +33,9 @@ class Metrics:
                                  ["worker", "role"], registry=self.registry)
         self.worker_fresh = Gauge("isogate_worker_capacity_fresh", "1 when the worker's capacity data is fresh.",
                                   ["worker", "role"], registry=self.registry)
+        # The children of every request's two series, by labels: ``labels()`` validates and
+        # locks on each call. As bounded as the series themselves (models x tenants x outcomes).
+        self._request_series: dict[tuple[str, str, str], tuple[Any, Any]] = {}
 
     def refused_untokenized_inc(self, model: str) -> None:
         self.refused_untokenized.labels(model).inc()
@@ -40,8 +45,14 @@ class Metrics:
         self.verification_failures.labels(model, reason.split(":")[0][:60]).inc()
 
     def observe_request(self, model: str, tenant: str, outcome: str, seconds: float) -> None:
-        self.requests.labels(model, tenant, outcome).inc()
-        self.latency.labels(model, outcome).observe(seconds)
+        key = (model, tenant, outcome)
+        series = self._request_series.get(key)
+        if series is None:
+            series = self._request_series[key] = (self.requests.labels(model, tenant, outcome),
+                                                  self.latency.labels(model, outcome))
+        count, latency = series
+        count.inc()
+        latency.observe(seconds)
 
     def export(self, capacity: CapacityRegistry, workers: list[tuple[str, str]]) -> bytes:
         for url, role in workers:

@@ -188,7 +188,7 @@ def _sqlite_audit_params(row: dict[str, Any]) -> tuple[Any, ...]:
     moment = values[_CREATED_AT]
     if not isinstance(moment, datetime) or moment.tzinfo is None:
         raise ValueError("created_at must be a UTC-aware datetime")
-    values[_CREATED_AT] = moment.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S.%f")
+    values[_CREATED_AT] = moment.astimezone(UTC).replace(tzinfo=None).isoformat(" ", "microseconds")
     values[_STREAM] = 1 if values[_STREAM] else 0
     return tuple(values)
 
@@ -684,12 +684,12 @@ _AUDIT_STRING_LIMITS = {
 
 
 def _fit_audit_row(row: dict[str, Any]) -> dict[str, Any]:
-    fitted = dict(row)
+    """The row with over-long strings cut to their column (a copy; the row itself when none is)."""
     for name, limit in _AUDIT_STRING_LIMITS.items():
-        value = fitted.get(name)
+        value = row.get(name)
         if isinstance(value, str) and len(value) > limit:
-            fitted[name] = value[: limit - 1] + "…"
-    return fitted
+            row = {**row, name: value[: limit - 1] + "…"}
+    return row
 
 
 def _now() -> datetime:
