@@ -17,7 +17,7 @@ from datetime import datetime, timezone
 from typing import Any, AsyncIterator, Literal
 
 import orjson
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
@@ -33,7 +33,7 @@ from .limits import LimitLease
 from .logs import current_generation_id
 from .policies import ModelPolicy
 from .protocol import RESERVED_HEADER_PREFIXES, ChatCompletionRequest, CompletionRequest
-from .routing import WorkerPair, best_limit, candidate_pairs, choose_pair
+from .routing import WorkerPair
 from .tokenize import ChatTurn
 from .verify import Expectation, IsolationFailure, StreamGuard, check_meta, check_text
 
@@ -42,6 +42,7 @@ log = logging.getLogger("isogate.request")
 Kind = Literal["chat", "completion"]
 # On every generation response, errors included: a client can find any request's audit event.
 GENERATION_ID_HEADER = "X-Generation-Id"
+_GENERATION_ID_HEADER_RAW = GENERATION_ID_HEADER.lower().encode()
 
 
 @dataclass
@@ -84,14 +85,15 @@ async def handle_generation(components: Components, request: Request, kind: Kind
     current_generation_id.set(trace.generation_id)
     try:
         # auth
-        trace.principal = principal = await components.authenticator.authenticate(
-            request.headers.get("authorization")
-        )
+        headers = ClientHeaders.of(request.scope)
+        trace.principal = principal = await components.authenticator.authenticate(headers.authorization)
         if principal.is_admin:
             raise APIError(403, "The admin key cannot run generations; use a tenant key.",
                            "permission_error", "admin_key_not_allowed")
-        _refuse_isolation_headers(request)
-        body = await read_body(request, components.settings.max_body_bytes)
+        if headers.reserved is not None:
+            raise bad_request(f"Header '{headers.reserved}' is set by the gateway and may not be supplied by a client.",
+                              code="reserved_header")
+        body = await read_body(request.receive, headers.content_length, components.settings.max_body_bytes)
         parsed = protocol.parse_request(body, ChatCompletionRequest if kind == "chat" else CompletionRequest)
         trace.stream = parsed.stream
         trace.model = parsed.model
@@ -102,9 +104,9 @@ async def handle_generation(components: Components, request: Request, kind: Kind
         max_tokens = _max_tokens(parsed, model)
 
         # tokenize (refusing, before tokenizing, what its byte length alone proves too long)
-        pairs = candidate_pairs(policies, model, principal.tenant_id, components.capacity)
+        candidates = components.routes.candidates(policies, model, principal.tenant_id)
         margin = components.settings.admission_safety_margin_tokens
-        limit = best_limit(pairs, model.max_context_tokens, max_tokens, margin)
+        limit = candidates.best_limit(max_tokens, margin)
         input_ids = await _tokenize(components, model, parsed, limit, max_tokens)
         trace.prompt_tokens = prompt_tokens = len(input_ids)
 
@@ -117,7 +119,7 @@ async def handle_generation(components: Components, request: Request, kind: Kind
         trace.releases.append(lease)
 
         # route
-        pair = choose_pair(pairs, components.ledger, prompt_tokens, model.max_context_tokens, max_tokens, margin)
+        pair = candidates.choose(components.ledger, prompt_tokens, max_tokens, margin)
         if pair is None:
             raise unavailable("Every worker pair that could hold this request is busy; try again shortly.",
                               code="capacity_busy")
@@ -149,8 +151,7 @@ async def handle_generation(components: Components, request: Request, kind: Kind
         result = build(trace.generation_id, model.name, protocol.now(), text, finish_reason, usage)
         await _settle(trace)
         _finish(components, trace, "served", 200)
-        return Response(orjson.dumps(result), media_type="application/json",
-                        headers={GENERATION_ID_HEADER: trace.generation_id})
+        return JSONBodyResponse(orjson.dumps(result), trace.generation_id)
     except IsolationFailure as failure:
         await _settle(trace)
         _record_failure(components, trace, failure)
@@ -159,6 +160,10 @@ async def handle_generation(components: Components, request: Request, kind: Kind
         await _settle(trace)
         _finish(components, trace, _outcome(error), error.status, error.code, error.message[:300])
         return _with_generation_id(error.response(), trace)
+    except ClientDisconnect:
+        _finish(components, trace, "client_cancelled", 499, "client_cancelled")
+        return _with_generation_id(APIError(499, "The client went away.", "invalid_request_error",
+                                            "client_cancelled").response(), trace)
     except asyncio.CancelledError:
         # The client went away while we waited on a worker: still exactly one event.
         _finish(components, trace, "client_cancelled", 499, "client_cancelled")
@@ -176,25 +181,70 @@ def _with_generation_id(response: Response, trace: Trace) -> Response:
     return response
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
+@dataclass(frozen=True, slots=True)
+class ClientHeaders:
+    """The request headers the pipeline reads, found in one pass over the raw ASGI list.
+
+    (Starlette's ``Headers`` searches the whole list again for each name it is asked for.)
+    """
+
+    authorization: str | None
+    content_length: str | None
+    reserved: str | None  # the first header only the gateway may set, if the client sent one
+
+    @classmethod
+    def of(cls, scope: Scope) -> ClientHeaders:
+        authorization = content_length = reserved = None
+        for name, value in scope["headers"]:  # lower-case names (ASGI); the first of a name counts
+            if name == b"authorization":
+                if authorization is None:
+                    authorization = value.decode("latin-1")
+            elif name == b"content-length":
+                if content_length is None:
+                    content_length = value.decode("latin-1")
+            elif reserved is None and name.startswith(_RESERVED_PREFIXES):
+                reserved = name.decode("latin-1")
+        return cls(authorization, content_length, reserved)
+
+
+_RESERVED_PREFIXES = tuple(prefix.encode() for prefix in RESERVED_HEADER_PREFIXES)
+
+
+async def read_body(receive: Receive, declared_length: str | None, limit: int) -> bytes:
+    """The whole body, or a 413 as soon as it is known to exceed ``limit`` bytes."""
+    if declared_length is not None and declared_length.isdigit() and int(declared_length) > limit:
         raise APIError(413, f"Request body exceeds {limit} bytes.", "invalid_request_error", "request_too_large")
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnect()
+        chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
             raise APIError(413, f"Request body exceeds {limit} bytes.", "invalid_request_error", "request_too_large")
         chunks.append(chunk)
-    return b"".join(chunks)
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-def _refuse_isolation_headers(request: Request) -> None:
-    for name in request.headers.keys():
-        if name.startswith(RESERVED_HEADER_PREFIXES):
-            raise bad_request(f"Header '{name}' is set by the gateway and may not be supplied by a client.",
-                              code="reserved_header")
+class JSONBodyResponse(Response):
+    """A served response: JSON bytes with their length and the generation ID.
+
+    The headers are set directly rather than by ``Response.__init__``, which rebuilds them
+    from a dict for every response.
+    """
+
+    def __init__(self, body: bytes, generation_id: str) -> None:
+        self.status_code = 200
+        self.background = None
+        self.body = body
+        self.raw_headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (_GENERATION_ID_HEADER_RAW, generation_id.encode()),
+        ]
 
 
 def _max_tokens(parsed: ChatCompletionRequest | CompletionRequest, model: ModelPolicy) -> int:
@@ -385,7 +435,7 @@ class GuardedStream(Response):
             (b"content-type", b"text/event-stream; charset=utf-8"),
             (b"cache-control", b"no-cache"),
             (b"x-accel-buffering", b"no"),
-            (GENERATION_ID_HEADER.lower().encode(), trace.generation_id.encode()),
+            (_GENERATION_ID_HEADER_RAW, trace.generation_id.encode()),
         ]
         self._components = components
         self._trace = trace

@@ -129,3 +129,25 @@ def test_a_client_that_leaves_mid_stream_releases_its_claims_and_is_audited(tmp_
         with gateway.admin() as admin:
             claimed = {w["url"]: w["claimed_tokens"] for w in admin.get("/admin/workers").json()["data"]}
         assert claimed == {prefill.url: 0, decode.url: 0}
+
+
+def test_a_client_that_leaves_before_its_body_arrived_is_audited_as_cancelled(tmp_path, tokenizer_dir,
+                                                                               workers) -> None:
+    import socket
+    from urllib.parse import urlsplit
+
+    prefill, decode = workers
+    with _gateway(tmp_path, tokenizer_dir, prefill.url, decode.url) as gateway:
+        _, key = gateway.create_tenant()
+        address = urlsplit(gateway.url)
+        with socket.create_connection((address.hostname, address.port), timeout=10) as client:
+            client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
+                           b"Authorization: Bearer " + key.encode() + b"\r\nContent-Length: 1000\r\n\r\n{\"model\"")
+            time.sleep(0.3)  # the request is being read; now hang up
+        deadline = time.monotonic() + 5
+        events: list[dict] = []
+        while time.monotonic() < deadline and not events:
+            events = httpx.get(f"{gateway.url}/v1/audit/events", headers={"Authorization": f"Bearer {key}"}).json()["data"]
+            time.sleep(0.1)
+        assert [(event["outcome"], event["status"]) for event in events] == [("client_cancelled", 499)]
+        assert "unexpected error" not in gateway.log_tail()
