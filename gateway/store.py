@@ -25,6 +25,7 @@ import base64
 import contextlib
 import functools
 import hashlib
+import itertools
 import secrets
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -179,25 +180,43 @@ def _sqlite_audit_insert(rows: int) -> str:
 
 _CREATED_AT = AUDIT_COLUMNS.index("created_at")
 _STREAM = AUDIT_COLUMNS.index("stream")
+# (index in AUDIT_COLUMNS, length) of every bounded string column.
+_AUDIT_STRING_LIMITS = tuple(
+    (AUDIT_COLUMNS.index(column.name), column.type.length)
+    for column in audit_events.columns
+    if isinstance(column.type, String) and column.type.length and column.name in AUDIT_COLUMNS
+)
 
 
-def _sqlite_audit_params(row: dict[str, Any]) -> tuple[Any, ...]:
-    """One row as the driver binds it, stored exactly as ``UTCDateTime`` and ``Boolean`` store it
-    (naive UTC text, microseconds always written so text order is time order; 0/1)."""
+def _audit_values(row: dict[str, Any]) -> list[Any]:
+    """A row's values in ``AUDIT_COLUMNS`` order; strings longer than their column (a client's
+    10 kB model name) cut to fit, so a value the request path did not bound cannot make a batch
+    unwritable; ``created_at`` checked to be a UTC-aware datetime."""
     values = [row[name] for name in AUDIT_COLUMNS]
+    for index, limit in _AUDIT_STRING_LIMITS:
+        value = values[index]
+        if isinstance(value, str) and len(value) > limit:
+            values[index] = value[: limit - 1] + "…"
     moment = values[_CREATED_AT]
     if not isinstance(moment, datetime) or moment.tzinfo is None:
         raise ValueError("created_at must be a UTC-aware datetime")
-    values[_CREATED_AT] = moment.astimezone(UTC).replace(tzinfo=None).isoformat(" ", "microseconds")
+    return values
+
+
+def _sqlite_audit_params(row: dict[str, Any]) -> list[Any]:
+    """One row as the driver binds it, stored exactly as ``UTCDateTime`` and ``Boolean`` store it
+    (naive UTC text, microseconds always written so text order is time order; 0/1)."""
+    values = _audit_values(row)
+    values[_CREATED_AT] = values[_CREATED_AT].astimezone(UTC).replace(tzinfo=None).isoformat(" ", "microseconds")
     values[_STREAM] = 1 if values[_STREAM] else 0
-    return tuple(values)
+    return values
 
 
 def _insert_sqlite_audit_rows(conn: Connection, rows: Sequence[dict[str, Any]]) -> None:
     params = [_sqlite_audit_params(row) for row in rows]
     for start in range(0, len(params), _SQLITE_ROWS_PER_INSERT):
         chunk = params[start:start + _SQLITE_ROWS_PER_INSERT]
-        conn.exec_driver_sql(_sqlite_audit_insert(len(chunk)), tuple(value for row in chunk for value in row))
+        conn.exec_driver_sql(_sqlite_audit_insert(len(chunk)), tuple(itertools.chain.from_iterable(chunk)))
 
 
 @contextlib.contextmanager
@@ -236,7 +255,6 @@ class SQLiteAuditWriter:
         """As ``Store.insert_audit_rows``; raises ``AuditRowsRefused`` or the outage."""
         if not rows:
             return
-        rows = [_fit_audit_row(row) for row in rows]
         with _audit_refusals():
             connection = self._connect()
             try:
@@ -504,14 +522,12 @@ class Store:
         """Insert in the given order, in one transaction; rows whose generation_id is already
         stored are skipped, so replaying a batch is harmless.
 
-        Strings longer than their column (a client's 10 kB model name) are cut to fit, so a
-        value the request path did not bound cannot make the batch unwritable. Raises
+        Strings longer than their column are cut to fit (``_audit_values``). Raises
         ``AuditRowsRefused`` when the database answered and refused the rows themselves
         (e.g. a missing tenant id); any other exception means it could not be written to.
         """
         if not rows:
             return
-        rows = [_fit_audit_row(row) for row in rows]
         with _audit_refusals():
             if self.dialect == "postgresql":
                 self._insert_audit_rows_postgres(rows)
@@ -529,10 +545,7 @@ class Store:
         # statement per row (about twice the client CPU per event).
         import psycopg
 
-        columns = [[row[name] for row in rows] for name in AUDIT_COLUMNS]
-        for moment in columns[AUDIT_COLUMNS.index("created_at")]:
-            if not isinstance(moment, datetime) or moment.tzinfo is None:
-                raise ValueError("created_at must be a UTC-aware datetime")
+        columns = [list(column) for column in zip(*(_audit_values(row) for row in rows))]
         try:
             with self.engine.begin() as conn:
                 with conn.connection.driver_connection.cursor() as cursor:
@@ -675,21 +688,6 @@ def _sqlite_on_connect(dbapi_connection: Any, _record: Any) -> None:
     cursor.execute("PRAGMA foreign_keys=ON")
     cursor.close()
 
-
-_AUDIT_STRING_LIMITS = {
-    column.name: column.type.length
-    for column in audit_events.columns
-    if isinstance(column.type, String) and column.type.length
-}
-
-
-def _fit_audit_row(row: dict[str, Any]) -> dict[str, Any]:
-    """The row with over-long strings cut to their column (a copy; the row itself when none is)."""
-    for name, limit in _AUDIT_STRING_LIMITS.items():
-        value = row.get(name)
-        if isinstance(value, str) and len(value) > limit:
-            row = {**row, name: value[: limit - 1] + "…"}
-    return row
 
 
 def _now() -> datetime:
