@@ -80,7 +80,7 @@ class PDDispatcher:
         decode_task = asyncio.ensure_future(self._post(pair.decode.url, body, headers, "decode"))
         try:
             # A failed prefill leaves decode waiting for a transfer that never comes: fail fast.
-            await asyncio.wait((prefill_task, decode_task), return_when=asyncio.FIRST_EXCEPTION)
+            await _both_or_first_failure(prefill_task, decode_task)
             for task in (prefill_task, decode_task):
                 if task.done() and task.exception() is not None:
                     raise task.exception()  # type: ignore[misc]
@@ -161,6 +161,22 @@ class PDDispatcher:
         if status != 200:
             raise _engine_error(role, status, content)
         return orjson.loads(content)
+
+
+def _both_or_first_failure(first: asyncio.Future[Any], second: asyncio.Future[Any]) -> asyncio.Future[None]:
+    """Done once both are done or as soon as either fails: ``asyncio.wait(FIRST_EXCEPTION)``
+    without the sets, waiter and callback removal it builds on every call."""
+    joined: asyncio.Future[None] = first.get_loop().create_future()
+
+    def on_done(future: asyncio.Future[Any]) -> None:
+        if joined.done():
+            return
+        if future.cancelled() or future.exception() is not None or (first.done() and second.done()):
+            joined.set_result(None)
+
+    first.add_done_callback(on_done)
+    second.add_done_callback(on_done)
+    return joined
 
 
 def _transport_error(role: str, exc: Exception) -> APIError:
