@@ -10,10 +10,10 @@ step and measuring is what says what it costs.
 
     .venv/bin/python -m bench.pipeline_costs [--rounds 8] [--stream] [VARIANT ...]
 
-Variants: no_tokenizer (prompt ids served from a cache), no_audit, no_log_line, no_metrics,
-no_limits, audit_from_thread (the SQLite insert from a worker thread, as before),
-unbatched_log (one write per log line, as before), unbatched_tokenizer (one encode per
-request, as before).
+Variants: no_tokenizer (prompt ids served from a cache), no_audit, no_metrics, no_limits,
+served_line (a served request's log line written, as it was at INFO before),
+audit_from_thread (the SQLite insert from a worker thread, as before), unbatched_tokenizer
+(one encode per request, as before).
 """
 
 from __future__ import annotations
@@ -83,20 +83,10 @@ def audit_from_thread(components: Any) -> Callable[[], None]:
     return lambda: setattr(components.audit, "_sqlite", writer)
 
 
-def no_log_line(components: Any) -> Callable[[], None]:
+def served_line(components: Any) -> Callable[[], None]:
     logger = logging.getLogger("isogate.request")
-    logger.setLevel(logging.WARNING)
+    logger.setLevel(logging.DEBUG)  # served requests log at DEBUG; the root handler writes all
     return lambda: logger.setLevel(logging.NOTSET)
-
-
-def unbatched_log(components: Any) -> Callable[[], None]:
-    root = logging.getLogger()
-    batching = root.handlers[0]
-    plain = logging.StreamHandler(batching.stream)  # type: ignore[attr-defined]
-    plain.filters = list(batching.filters)
-    plain.setFormatter(batching.formatter)
-    root.handlers[:] = [plain]
-    return lambda: root.handlers.__setitem__(slice(None), [batching])
 
 
 def no_metrics(components: Any) -> Callable[[], None]:
@@ -123,8 +113,8 @@ def no_limits(components: Any) -> Callable[[], None]:
 
 
 VARIANTS: dict[str, Callable[[Any], Callable[[], None]]] = {
-    f.__name__: f for f in (no_tokenizer, no_audit, no_log_line, no_metrics, no_limits,
-                            audit_from_thread, unbatched_log, unbatched_tokenizer)
+    f.__name__: f for f in (no_tokenizer, no_audit, served_line, no_metrics, no_limits,
+                            audit_from_thread, unbatched_tokenizer)
 }
 
 

@@ -51,3 +51,17 @@ def test_an_isolation_failure_logs_its_generation_id_and_reason(start_gateway, s
     assert len(generation_ids) == 1 and None not in generation_ids
     failures = [line for line in lines if line["message"] == "isolation check failed"]
     assert len(failures) == 1 and failures[0]["level"] == "error" and failures[0]["reason"]
+
+
+def test_at_info_a_refused_request_logs_its_line_and_a_served_one_only_its_audit_event(start_gateway) -> None:
+    gateway = start_gateway(**{**_quiet_background(), "ISOGATE_LOG_LEVEL": "info"})
+    _, key = gateway.create_tenant()
+
+    served, served_lines = _window(gateway, lambda: chat(gateway, key))
+    refused, refused_lines = _window(gateway, lambda: chat(gateway, key, model="no-such-model"))
+
+    assert served.status_code == 200 and refused.status_code == 404
+    assert [line for line in served_lines if line["message"] == "request finished"] == []
+    finished = [line for line in refused_lines if line["message"] == "request finished"]
+    assert len(finished) == 1 and finished[0]["outcome"] == "rejected" and finished[0]["status"] == 404
+    assert finished[0]["generation_id"] == refused.headers["X-Generation-Id"]
