@@ -73,23 +73,36 @@ class PDDispatcher:
         self._client = client
 
     async def generate(self, pair: WorkerPair, request: EngineRequest) -> dict[str, Any]:
+        """Decode's answer, once prefill and decode have both answered 200.
+
+        Both requests are in flight together, awaited on their connections (no task each); a
+        failed prefill leaves decode waiting for a transfer that never comes, so the first
+        failure ends the wait and the other exchange is abandoned (its connection closed).
+        """
         log.debug("dispatch", extra={"prefill": pair.prefill.url, "decode": pair.decode.url, "stream": False})
         headers = isolation_headers(request)
         body = generate_body(pair, request, stream=False)  # the same for both roles
-        prefill_task = asyncio.ensure_future(self._post(pair.prefill.url, body, headers, "prefill"))
-        decode_task = asyncio.ensure_future(self._post(pair.decode.url, body, headers, "decode"))
+        client = self._client
+        exchanges: list[tuple[str, Any]] = []
         try:
-            # A failed prefill leaves decode waiting for a transfer that never comes: fail fast.
-            await _both_or_first_failure(prefill_task, decode_task)
-            for task in (prefill_task, decode_task):
-                if task.done() and task.exception() is not None:
-                    raise task.exception()  # type: ignore[misc]
-        except BaseException:
-            for task in (prefill_task, decode_task):
-                task.cancel()
-            await asyncio.gather(prefill_task, decode_task, return_exceptions=True)
-            raise
-        return decode_task.result()
+            for role, url in (("prefill", pair.prefill.url), ("decode", pair.decode.url)):
+                try:
+                    exchanges.append((role, await client.send(f"{url}/generate", body, headers)))
+                except (UpstreamError, OSError) as exc:
+                    raise _transport_error(role, exc) from exc
+            await client.wait_for_answers([connection for _, connection in exchanges])
+            # Prefill first: when both failed, decode's failure is most likely prefill's doing.
+            for role, connection in exchanges:
+                if not connection.answered:
+                    continue  # abandoned: the other one failed
+                if connection.failure is not None:
+                    raise _transport_error(role, connection.failure) from connection.failure
+                if connection.status != 200:
+                    raise _engine_error(role, connection.status, connection.body())
+            return orjson.loads(exchanges[1][1].body())
+        finally:
+            for _, connection in exchanges:
+                client.finish(connection)
 
     async def stream(self, pair: WorkerPair, request: EngineRequest) -> AsyncIterator[dict[str, Any]]:
         """Decode's chunks, parsed; raises APIError before the first chunk, UpstreamStreamError after.
@@ -161,22 +174,6 @@ class PDDispatcher:
         if status != 200:
             raise _engine_error(role, status, content)
         return orjson.loads(content)
-
-
-def _both_or_first_failure(first: asyncio.Future[Any], second: asyncio.Future[Any]) -> asyncio.Future[None]:
-    """Done once both are done or as soon as either fails: ``asyncio.wait(FIRST_EXCEPTION)``
-    without the sets, waiter and callback removal it builds on every call."""
-    joined: asyncio.Future[None] = first.get_loop().create_future()
-
-    def on_done(future: asyncio.Future[Any]) -> None:
-        if joined.done():
-            return
-        if future.cancelled() or future.exception() is not None or (first.done() and second.done()):
-            joined.set_result(None)
-
-    first.add_done_callback(on_done)
-    second.add_done_callback(on_done)
-    return joined
 
 
 def _transport_error(role: str, exc: Exception) -> APIError:

@@ -8,6 +8,8 @@ list, learns that a peer closed one from ``connection_lost`` (no syscall per req
 parses with ``httptools`` (already installed with ``uvicorn[standard]``).
 
 Only what dispatch needs: POST with a body, read the whole answer or stream it line by line.
+Whole answers can be awaited together (``send``, ``wait_for_answers``, ``finish``): dispatch
+waits for prefill and decode that way, with no task per request.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import asyncio
 import collections
 import logging
 import ssl
-from typing import AsyncIterator, NamedTuple
+from typing import AsyncIterator, NamedTuple, Sequence
 from urllib.parse import urlsplit
 
 import httptools
@@ -41,6 +43,7 @@ class UpstreamTimeout(UpstreamError):
 
 class _Connection(asyncio.Protocol):
     def __init__(self) -> None:
+        self.origin: Origin | None = None  # set by the client that opened it
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.parser = httptools.HttpResponseParser(self)
@@ -110,6 +113,20 @@ class _Connection(asyncio.Protocol):
             self.readable.set_result(None)
 
     @property
+    def answered(self) -> bool:
+        """The answer arrived or the exchange failed: nothing more to wait for."""
+        return self.done is not None and self.done.done()
+
+    @property
+    def failure(self) -> BaseException | None:
+        """Why the exchange failed (transport, timeout), once answered; None if it did not."""
+        assert self.done is not None
+        return self.done.exception()
+
+    def body(self) -> bytes:
+        return b"".join(self.chunks)
+
+    @property
     def complete(self) -> bool:
         """The whole response has arrived (so the connection may carry the next request)."""
         return self.done is not None and self.done.done() and not self.done.cancelled() \
@@ -155,7 +172,16 @@ class UpstreamClient:
             raise UpstreamTimeout("connect timed out") from exc
         except OSError as exc:
             raise UpstreamError(f"connect failed: {exc}") from exc
+        connection.origin = origin
         return connection
+
+    def finish(self, connection: _Connection) -> None:
+        """Done with an exchange: its connection is pooled if the whole answer arrived, else
+        closed (the rest of an abandoned answer must never be read as the next request's)."""
+        if connection.complete:
+            self._release(connection.origin, connection)  # type: ignore[arg-type]
+        else:
+            connection.close()
 
     def _release(self, origin: Origin, connection: _Connection) -> None:
         idle = self._idle.setdefault(origin, [])
@@ -172,18 +198,50 @@ class UpstreamClient:
         head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
         return origin, b"%sContent-Length: %d\r\n%s\r\n%s" % (request_line, len(body), head.encode("latin-1"), body)
 
-    async def post(self, url: str, body: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
+    async def send(self, url: str, body: bytes, headers: dict[str, str]) -> _Connection:
+        """Send a POST; its answer arrives on the returned connection (``wait_for_answers``).
+        Hand the connection to ``finish`` when done with it, whatever happened."""
         origin, raw = self._request(url, body, headers)
         connection = await self._acquire(origin)
+        connection.begin(raw)
+        return connection
+
+    async def wait_for_answers(self, connections: Sequence[_Connection]) -> None:
+        """Until every answer has arrived, or one failed or came with a status other than 200.
+
+        Why stop at the first bad answer: prefill and decode of one request wait on each other
+        (decode waits for prefill's KV transfer), so once one has failed the other may never
+        answer. One timer covers them all: when it fires, whatever has not answered fails
+        with ``UpstreamTimeout``.
+        """
+        joined: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        def on_answer(_: object = None) -> None:
+            if joined.done():
+                return
+            if all(c.answered for c in connections) or any(
+                c.answered and (c.failure is not None or c.status != 200) for c in connections
+            ):
+                joined.set_result(None)
+
+        for connection in connections:
+            connection.done.add_done_callback(on_answer)  # type: ignore[union-attr]
+        on_answer()
+        deadline = asyncio.get_running_loop().call_later(self._timeout_s, _time_out, connections)
         try:
-            connection.begin(raw)
-            await self._wait(connection, connection.done, "upstream did not answer in time")
-            return connection.status, b"".join(connection.chunks)
+            await joined
         finally:
-            if connection.complete:
-                self._release(origin, connection)
-            else:
-                connection.close()
+            deadline.cancel()
+
+    async def post(self, url: str, body: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
+        connection = await self.send(url, body, headers)
+        try:
+            await self.wait_for_answers((connection,))
+            if connection.failure is not None:
+                raise connection.failure
+            return connection.status, connection.body()
+        finally:
+            self.finish(connection)
 
     async def stream(self, url: str, body: bytes, headers: dict[str, str]) -> AsyncIterator[tuple[int, bytes]]:
         """Yields ``(status, b"")`` once the head arrives, then ``(status, line)`` per body line.
@@ -191,10 +249,8 @@ class UpstreamClient:
         A consumer may stop early (at SSE ``[DONE]``): the connection goes back to the pool
         if the response had fully arrived by then, and is closed otherwise.
         """
-        origin, raw = self._request(url, body, headers)
-        connection = await self._acquire(origin)
+        connection = await self.send(url, body, headers)
         try:
-            connection.begin(raw)
             await self._wait(connection, connection.headers_done, "upstream did not answer in time")
             status = connection.status
             yield status, b""
@@ -215,10 +271,7 @@ class UpstreamClient:
             if pending:
                 yield status, pending
         finally:
-            if connection.complete:
-                self._release(origin, connection)
-            else:
-                connection.close()
+            self.finish(connection)
 
     async def _wait(self, connection: _Connection, future: asyncio.Future[None] | None, message: str) -> None:
         # A timer that fails the connection's futures: one handle per wait (once per streamed
@@ -234,3 +287,9 @@ class UpstreamClient:
             for connection in idle:
                 connection.close()
         self._idle.clear()
+
+
+def _time_out(connections: Sequence[_Connection]) -> None:
+    for connection in connections:
+        if not connection.answered:
+            connection.time_out("upstream did not answer in time")

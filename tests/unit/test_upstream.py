@@ -175,3 +175,63 @@ async def test_a_connection_closed_mid_response_is_an_upstream_error(server: Scr
         await client.post(server.url, b"{}", {})
     assert not isinstance(raised.value, UpstreamTimeout)
     await client.aclose()
+
+
+@pytest.fixture
+async def other() -> AsyncIterator[ScriptedServer]:
+    scripted = ScriptedServer()
+    await scripted.start()
+    yield scripted
+    await scripted.stop()
+
+
+async def test_answers_awaited_together_wait_for_both(server: ScriptedServer, other: ScriptedServer) -> None:
+    async def late(writer: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(0.2)
+        server.whole_json(writer)
+
+    other.respond = late
+    client = UpstreamClient(connect_timeout_s=2, timeout_s=5)
+    first, second = await client.send(server.url, b"{}", {}), await client.send(other.url, b"{}", {})
+    await client.wait_for_answers((first, second))
+    assert first.answered and second.answered and (first.status, second.status) == (200, 200)
+    assert second.body() == b'{"text": "ok"}'
+    for connection in (first, second):
+        client.finish(connection)
+    await client.post(other.url, b"{}", {})
+    assert other.connections == 1  # answered in full: pooled and reused
+    await client.aclose()
+
+
+async def test_a_refusal_ends_the_wait_and_the_unanswered_exchange_is_not_reused(server: ScriptedServer,
+                                                                                  other: ScriptedServer) -> None:
+    async def refuse(writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 2\r\n\r\n{}")
+
+    async def hang(writer: asyncio.StreamWriter) -> None:
+        await other.hold.wait()  # a decode waiting for a transfer that never comes
+
+    server.respond, other.respond = refuse, hang
+    client = UpstreamClient(connect_timeout_s=2, timeout_s=30)
+    refused, waiting = await client.send(server.url, b"{}", {}), await client.send(other.url, b"{}", {})
+    await asyncio.wait_for(client.wait_for_answers((refused, waiting)), 5)  # not the 30 s timeout
+    assert refused.status == 500 and not waiting.answered
+    client.finish(refused)
+    client.finish(waiting)
+    other.respond = other.whole_json
+    assert await client.post(other.url, b"{}", {}) == (200, b'{"text": "ok"}')
+    assert other.connections == 2
+    await client.aclose()
+
+
+async def test_one_timer_fails_only_what_has_not_answered(server: ScriptedServer, other: ScriptedServer) -> None:
+    async def hang(writer: asyncio.StreamWriter) -> None:
+        await other.hold.wait()
+
+    other.respond = hang
+    client = UpstreamClient(connect_timeout_s=2, timeout_s=0.3)
+    answered, hung = await client.send(server.url, b"{}", {}), await client.send(other.url, b"{}", {})
+    await client.wait_for_answers((answered, hung))
+    assert answered.failure is None and answered.status == 200
+    assert isinstance(hung.failure, UpstreamTimeout)
+    await client.aclose()
