@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 

@@ -13,7 +13,6 @@ import re
 import subprocess
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import openai

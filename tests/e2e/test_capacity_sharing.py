@@ -5,8 +5,6 @@ from __future__ import annotations
 import secrets
 import time
 
-import httpx
-import pytest
 
 from gateway.dev.model import ensure_tiny_model
 from tests.harness import GatewayProcess, PoolSpec, write_policies

@@ -28,7 +28,7 @@ from tests.reliability.load import Answer, Load, by_tenant, send_chat
 from tests.reliability.stack import (
     STANDIN_POOL_TOKENS, PoolWorkers, TwoPoolStack, chat_body, range_port, two_pool_policies, wait_until,
 )
-from tests.reliability.test_faults import BYSTANDERS, VICTIM, _assert_all_served, _assert_every_request_audited
+from tests.reliability.test_faults import BYSTANDERS, VICTIM, _assert_all_served
 from tests.standin_worker import Behaviour, StandInWorker
 
 pytestmark = pytest.mark.engine

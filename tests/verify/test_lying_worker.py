@@ -12,7 +12,6 @@ from __future__ import annotations
 import secrets
 from collections.abc import Iterator
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import httpx
