@@ -3,8 +3,8 @@
 Why: the CPU-per-request target (≤ 2× ``sglang_router``) asks whether the gateway's own work
 is what costs. This measures a proxy that does none of it: a bare ASGI app on the same uvicorn
 (uvloop + httptools) that reads the body and sends it to prefill and decode with the
-gateway's own upstream client (``gateway.upstream``), concurrently as ``gateway.dispatch``
-does, and returns decode's answer. No Starlette, no auth, tokenizer, admission, limits,
+gateway's own upstream client (``gateway.upstream``), both in flight together as
+``gateway.dispatch`` does, and returns decode's answer. No Starlette, no auth, tokenizer, admission, limits,
 verification, audit, metrics or logs. Whatever it costs per request, no Python gateway on
 this stack can cost less, and the gateway's cost above it is its own work.
 
@@ -17,7 +17,6 @@ instant backends on the others. Prints one JSON line per concurrency: req/s, p50
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import sys
@@ -50,8 +49,15 @@ async def _app_factory(prefill: str, decode: str):  # type: ignore[no-untyped-de
             if not message.get("more_body"):
                 break
         body = b"".join(chunks)
-        _, (status, answer) = await asyncio.gather(client.post(f"{prefill}/generate", body, headers),
-                                                   client.post(f"{decode}/generate", body, headers))
+        # As gateway.dispatch sends a request to its pair: both in flight, awaited together.
+        exchanges = [await client.send(f"{prefill}/generate", body, headers),
+                     await client.send(f"{decode}/generate", body, headers)]
+        try:
+            await client.wait_for_answers(exchanges)
+            status, answer = exchanges[1].status, exchanges[1].body()
+        finally:
+            for exchange in exchanges:
+                client.finish(exchange)
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(answer)).encode())]})
         await send({"type": "http.response.body", "body": answer})
