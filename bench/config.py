@@ -44,6 +44,10 @@ class BenchConfig:
     concurrencies: tuple[int, ...]
     wrk_duration_s: float
     ttft_duration_s: float
+    # Section 1 runs every cell this many times, the three targets interleaved in each round,
+    # and reports each target's medians: on a shared two-core host one run of a cell moved by
+    # a third between runs twenty minutes apart (bench/RESULTS.md).
+    routing_rounds: int
     prompt_tokens: tuple[int, ...]  # tokenization/admission sizes
     refusal_megabytes: tuple[int, ...]
     refusal_repeats: int
@@ -73,8 +77,9 @@ class BenchConfig:
         return cls(
             quick=quick,
             concurrencies=(1, 16, 64),
-            wrk_duration_s=float(os.environ.get("BENCH_DURATION_S", 2 if quick else 6)),
-            ttft_duration_s=1.5 if quick else 4.0,
+            wrk_duration_s=float(os.environ.get("BENCH_DURATION_S", 2 if quick else 4)),
+            ttft_duration_s=1.5 if quick else 3.0,
+            routing_rounds=int(os.environ.get("BENCH_ROUNDS", 1 if quick else 3)),
             prompt_tokens=(1_000, 10_000, 100_000, 1_000_000) if quick
             else (1_000, 4_000, 16_000, 64_000, 256_000, 1_000_000),
             refusal_megabytes=(1, 10, 50) if quick else (1, 5, 10, 25, 50),

@@ -150,6 +150,8 @@ def render(results: dict[str, Any]) -> str:
                 "Same client request to all three (`POST /v1/completions`, short prompt, 4 output tokens). "
                 "`direct` = straight to the decode instant backend (the floor). Added = target − direct at the "
                 "same concurrency. CPU µs/req = the router process's CPU time ÷ requests served. "
+                f"Each figure is the median of {config.get('routing_rounds', 1)} runs of "
+                f"{config.get('wrk_duration_s')} s (wrk; the three targets interleaved in every round). "
                 f"Pinning: {config.get('pinning')}", ""]
         out += routing_tables(results["routing"])
     prompt = results.get("prompt")

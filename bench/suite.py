@@ -2,7 +2,7 @@
 
     .venv/bin/python -m bench.suite          # full (~12 min); BENCH_QUICK=1: ~2-3 min smoke run
 
-Environment: BENCH_QUICK, BENCH_DURATION_S (seconds per wrk cell), BENCH_PIN (default on),
+Environment: BENCH_QUICK, BENCH_DURATION_S (seconds per wrk cell), BENCH_ROUNDS (runs per section-1 cell), BENCH_PIN (default on),
 BENCH_PRIORITY (autogroup nice of the bench's processes, e.g. -10 on a busy shared machine),
 BENCH_REAL_ENGINE (default on in a full run), BENCH_REAL_REQUESTS, BENCH_PEERS,
 BENCH_AUDIT_ROWS, BENCH_SECTIONS (comma list of routing,memory,prompt,peers,real; default all),
@@ -70,7 +70,7 @@ def main() -> int:
     results: dict = {
         "started_at": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "config": {"quick": config.quick, "pinning": pinning, "wrk_duration_s": config.wrk_duration_s,
-                   "priority": config.priority, "sections": sorted(config.sections)},
+                   "routing_rounds": config.routing_rounds, "priority": config.priority, "sections": sorted(config.sections)},
         "machine": machine,
     }
     errors: list[str] = []
