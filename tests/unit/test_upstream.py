@@ -46,6 +46,13 @@ class ScriptedServer:
         self._server.close()
         self.hold.set()
 
+    async def __aenter__(self) -> ScriptedServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()
+
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
         try:
@@ -77,10 +84,8 @@ class ScriptedServer:
 
 @pytest.fixture
 async def server() -> AsyncIterator[ScriptedServer]:
-    scripted = ScriptedServer()
-    await scripted.start()
-    yield scripted
-    await scripted.stop()
+    async with ScriptedServer() as scripted:
+        yield scripted
 
 
 async def _lines_until_done(client: UpstreamClient, url: str) -> list[bytes]:
@@ -178,11 +183,9 @@ async def test_a_connection_closed_mid_response_is_an_upstream_error(server: Scr
 
 
 @pytest.fixture
-async def other() -> AsyncIterator[ScriptedServer]:
-    scripted = ScriptedServer()
-    await scripted.start()
-    yield scripted
-    await scripted.stop()
+async def other() -> AsyncIterator[ScriptedServer]:  # a second worker: prefill and decode of one request
+    async with ScriptedServer() as scripted:
+        yield scripted
 
 
 async def test_answers_awaited_together_wait_for_both(server: ScriptedServer, other: ScriptedServer) -> None:
