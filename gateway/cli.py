@@ -60,6 +60,10 @@ def _serve(args: argparse.Namespace) -> int:
         workers=args.workers,
         log_config=None,
         access_log=False,
+        # The gateway reads no client address (no X-Forwarded-For), and uvicorn's middleware
+        # for it parses the peer's IP on every request.
+        proxy_headers=False,
+        server_header=False,
         loop="uvloop",
         http="httptools",
         timeout_graceful_shutdown=30,

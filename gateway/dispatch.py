@@ -86,94 +86,100 @@ class PDDispatcher:
         exchanges: list[tuple[str, Any]] = []
         try:
             for role, url in (("prefill", pair.prefill.url), ("decode", pair.decode.url)):
-                try:
-                    exchanges.append((role, await client.send(f"{url}/generate", body, headers)))
-                except (UpstreamError, OSError) as exc:
-                    raise _transport_error(role, exc) from exc
+                exchanges.append((role, await self._send(role, url, body, headers)))
             await client.wait_for_answers([connection for _, connection in exchanges])
             # Prefill first: when both failed, decode's failure is most likely prefill's doing.
             for role, connection in exchanges:
-                if not connection.answered:
-                    continue  # abandoned: the other one failed
-                if connection.failure is not None:
-                    raise _transport_error(role, connection.failure) from connection.failure
-                if connection.status != 200:
-                    raise _engine_error(role, connection.status, connection.body())
+                if connection.answered:  # else abandoned: the other one failed
+                    _raise_unless_ok(role, connection)
             return orjson.loads(exchanges[1][1].body())
         finally:
             for _, connection in exchanges:
                 client.finish(connection)
 
-    async def stream(self, pair: WorkerPair, request: EngineRequest) -> AsyncIterator[dict[str, Any]]:
-        """Decode's chunks, parsed; raises APIError before the first chunk, UpstreamStreamError after.
+    async def stream(self, pair: WorkerPair, request: EngineRequest) -> AsyncIterator[list[dict[str, Any]]]:
+        """Decode's chunks, parsed, in batches of those that arrived together; raises APIError
+        before the first batch, UpstreamStreamError after.
 
         Until decode's first chunk, decode may be silently waiting for a KV transfer that a
         failed prefill will never send (SGLang waits out its transfer timeout, 300 s by
-        default), so the first chunk races prefill's answer. Once decode has produced a token,
-        the transfer is complete.
+        default), so the first chunk races prefill's answer (awaited on its connection, like
+        ``generate``). Once decode has produced a token, the transfer is complete.
         """
         log.debug("dispatch", extra={"prefill": pair.prefill.url, "decode": pair.decode.url, "stream": True})
+        client = self._client
         headers = isolation_headers(request)
-        prefill = asyncio.ensure_future(
-            self._post(pair.prefill.url, generate_body(pair, request, stream=False), headers, "prefill")
-        )
+        prefill = await self._send("prefill", pair.prefill.url, generate_body(pair, request, stream=False), headers)
         chunks = self._decode_chunks(pair, request, headers)
+        first = None
         try:
             first = asyncio.ensure_future(chunks.__anext__())
-            await asyncio.wait((first, prefill), return_when=asyncio.FIRST_COMPLETED)
-            if not first.done() and prefill.exception() is not None:
-                first.cancel()
-                with contextlib.suppress(BaseException):
-                    await first
-                raise prefill.exception()  # type: ignore[misc]
+            await asyncio.wait((first, prefill.done), return_when=asyncio.FIRST_COMPLETED)
+            if not first.done():
+                _raise_unless_ok("prefill", prefill)
             try:
                 yield await first
             except StopAsyncIteration:
                 return
-            async for chunk in chunks:
-                yield chunk
-            await prefill
+            async for batch in chunks:
+                yield batch
+            if not prefill.answered:
+                await client.wait_for_answers((prefill,))
+            _raise_unless_ok("prefill", prefill)
         finally:
-            if not prefill.done():
-                prefill.cancel()
-            with contextlib.suppress(BaseException):
-                await prefill
+            if first is not None and not first.done():
+                first.cancel()
+                with contextlib.suppress(BaseException):
+                    await first
+            client.finish(prefill)
             await chunks.aclose()
 
     async def _decode_chunks(self, pair: WorkerPair, request: EngineRequest,
-                             headers: dict[str, str]) -> AsyncIterator[dict[str, Any]]:
+                             headers: dict[str, str]) -> AsyncIterator[list[dict[str, Any]]]:
         lines = self._client.stream(f"{pair.decode.url}/generate",
                                     generate_body(pair, request, stream=True), headers)
         try:
             status, _ = await lines.__anext__()
             if status != 200:
-                raise _engine_error("decode", status, b"\n".join([line async for _, line in lines]))
-            async for _, line in lines:
-                if not line.startswith(b"data:"):
-                    continue
-                payload = line[5:].strip()
-                if payload == b"[DONE]":
-                    return
-                chunk = orjson.loads(payload)
-                if "error" in chunk:
-                    raise UpstreamStreamError(_error_message(chunk))
-                yield chunk
+                raise _engine_error("decode", status, b"\n".join([line async for _, batch in lines for line in batch]))
+            async for _, batch in lines:
+                chunks = []
+                for line in batch:
+                    if not line.startswith(b"data:"):
+                        continue
+                    payload = line[5:].strip()
+                    if payload == b"[DONE]":
+                        if chunks:
+                            yield chunks
+                        return
+                    chunk = orjson.loads(payload)
+                    if "error" in chunk:
+                        if chunks:
+                            yield chunks  # what came before the error, as it would have unbatched
+                        raise UpstreamStreamError(_error_message(chunk))
+                    chunks.append(chunk)
+                if chunks:
+                    yield chunks
         except (UpstreamError, OSError) as exc:
             raise _transport_error("decode", exc) from exc
         finally:
             await lines.aclose()
 
+    async def _send(self, role: str, url: str, body: bytes, headers: dict[str, str]) -> Any:
+        try:
+            return await self._client.send(f"{url}/generate", body, headers)
+        except (UpstreamError, OSError) as exc:
+            raise _transport_error(role, exc) from exc
+
     async def aclose(self) -> None:
         await self._client.aclose()
 
-    async def _post(self, url: str, body: bytes, headers: dict[str, str], role: str) -> dict[str, Any]:
-        try:
-            status, content = await self._client.post(f"{url}/generate", body, headers)
-        except (UpstreamError, OSError) as exc:
-            raise _transport_error(role, exc) from exc
-        if status != 200:
-            raise _engine_error(role, status, content)
-        return orjson.loads(content)
+def _raise_unless_ok(role: str, connection: Any) -> None:
+    """The error an answered exchange stands for, if it failed or did not answer 200."""
+    if connection.failure is not None:
+        raise _transport_error(role, connection.failure) from connection.failure
+    if connection.status != 200:
+        raise _engine_error(role, connection.status, connection.body())
 
 
 def _transport_error(role: str, exc: Exception) -> APIError:

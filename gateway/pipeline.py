@@ -364,59 +364,77 @@ async def _release(trace: Trace) -> None:
 
 async def _stream(components: Components, trace: Trace, pair: WorkerPair, engine_request: EngineRequest,
                   expected: Expectation, kind: Kind, include_usage: bool) -> Response:
-    """Pull and check the first engine chunk before answering, so early failures keep their status."""
-    chunks = components.dispatcher.stream(pair, engine_request).__aiter__()
+    """Pull and check the first engine chunks before answering, so early failures keep their status."""
+    batches = components.dispatcher.stream(pair, engine_request).__aiter__()
     guard = StreamGuard(components.scanner, expected.tenant_id)
     try:
-        first = await chunks.__anext__()
-        check_meta(first.get("meta_info"), expected)
-        first_delta = guard.feed(first.get("text", ""))
+        first_delta, first_meta = _checked_delta(await batches.__anext__(), expected, guard)
     except StopAsyncIteration:
         raise APIError(502, "The decode worker ended the stream without output.", "upstream_error", "upstream_error")
     except BaseException:
-        await chunks.aclose()
+        await batches.aclose()
         raise
-    stream = GuardedStream(components, trace, _sse_events(components, trace, chunks, first, first_delta, guard,
-                                                          expected, kind, include_usage))
+    stream = GuardedStream(components, trace, _sse_events(trace, batches, first_delta, first_meta, guard, expected,
+                                                          kind, include_usage))
     trace.releases = []  # the stream owns them now
     return stream
 
 
-async def _sse_events(components: Components, trace: Trace, chunks: AsyncIterator[dict[str, Any]],
-                      first: dict[str, Any], first_delta: str, guard: StreamGuard, expected: Expectation,
-                      kind: Kind, include_usage: bool) -> AsyncIterator[bytes]:
+def _checked_delta(batch: list[dict[str, Any]], expected: Expectation, guard: StreamGuard) -> tuple[str, dict[str, Any]]:
+    """The text that engine chunks which arrived together add for the client, once every one of
+    them has passed the checks (none of a batch is sent before all of it is checked); and the
+    last chunk's ``meta_info``."""
+    for chunk in batch:
+        check_meta(chunk.get("meta_info"), expected)
+    return guard.feed_all([chunk.get("text", "") for chunk in batch]), batch[-1]["meta_info"]
+
+
+async def _sse_events(trace: Trace, batches: AsyncIterator[list[dict[str, Any]]], first_delta: str,
+                      first_meta: dict[str, Any], guard: StreamGuard, expected: Expectation, kind: Kind,
+                      include_usage: bool) -> AsyncIterator[bytes]:
+    """The client's SSE events, written together when they are ready together: what is checked
+    goes out before the next wait on decode, the end of the stream with its last text."""
     model, gid, created = trace.model or "", trace.generation_id, protocol.now()
-    if kind == "chat":
-        yield _sse(protocol.chat_chunk(gid, model, created, {"role": "assistant", "content": ""}, None))
 
     def content(delta: str) -> bytes:
         if kind == "chat":
             return _sse(protocol.chat_chunk(gid, model, created, {"content": delta}, None))
         return _sse(protocol.completion_chunk(gid, model, created, delta, None))
 
+    events: list[bytes] = []
+    if kind == "chat":
+        events.append(_sse(protocol.chat_chunk(gid, model, created, {"role": "assistant", "content": ""}, None)))
     if first_delta:
-        yield content(first_delta)
-    meta = first["meta_info"]
-    async for chunk in chunks:
-        meta = chunk.get("meta_info")
-        check_meta(meta, expected)
-        delta = guard.feed(chunk.get("text", ""))
+        events.append(content(first_delta))
+    meta = first_meta
+    while True:
+        # After the chunk that carries the finish reason only the end of the stream follows,
+        # so its text waits for it and both go out in one write.
+        if events and meta.get("finish_reason") is None:
+            yield b"".join(events)
+            events = []
+        try:
+            batch = await batches.__anext__()
+        except StopAsyncIteration:
+            break
+        delta, meta = _checked_delta(batch, expected, guard)
         if delta:
-            yield content(delta)
+            events.append(content(delta))
     finish_reason = _finish_reason(meta)
     tail = guard.finish()
     if tail:
-        yield content(tail)
+        events.append(content(tail))
     if kind == "chat":
-        yield _sse(protocol.chat_chunk(gid, model, created, {}, finish_reason))
+        events.append(_sse(protocol.chat_chunk(gid, model, created, {}, finish_reason)))
     else:
-        yield _sse(protocol.completion_chunk(gid, model, created, "", finish_reason))
+        events.append(_sse(protocol.completion_chunk(gid, model, created, "", finish_reason)))
     trace.completion_tokens = meta.get("completion_tokens", 0)
     if include_usage:
         usage = protocol.usage(expected.prompt_tokens, trace.completion_tokens, meta.get("cached_tokens", 0))
         object_ = "chat.completion.chunk" if kind == "chat" else "text_completion"
-        yield _sse(protocol.usage_chunk(gid, model, created, object_, usage))
-    yield b"data: [DONE]\n\n"
+        events.append(_sse(protocol.usage_chunk(gid, model, created, object_, usage)))
+    events.append(b"data: [DONE]\n\n")
+    yield b"".join(events)
 
 
 def _sse(payload: dict[str, Any]) -> bytes:

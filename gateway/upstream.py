@@ -243,9 +243,12 @@ class UpstreamClient:
         finally:
             self.finish(connection)
 
-    async def stream(self, url: str, body: bytes, headers: dict[str, str]) -> AsyncIterator[tuple[int, bytes]]:
-        """Yields ``(status, b"")`` once the head arrives, then ``(status, line)`` per body line.
+    async def stream(self, url: str, body: bytes, headers: dict[str, str]) -> AsyncIterator[tuple[int, list[bytes]]]:
+        """Yields ``(status, [])`` once the head arrives, then ``(status, lines)`` for the body
+        lines that arrived together (one batch per read, never empty).
 
+        Batches, not single lines: a busy engine (or a gateway that was busy elsewhere) delivers
+        several stream chunks at once, and the pipeline checks and sends them as one.
         A consumer may stop early (at SSE ``[DONE]``): the connection goes back to the pool
         if the response had fully arrived by then, and is closed otherwise.
         """
@@ -253,14 +256,16 @@ class UpstreamClient:
         try:
             await self._wait(connection, connection.headers_done, "upstream did not answer in time")
             status = connection.status
-            yield status, b""
+            yield status, []
             pending = b""
             while True:
-                while connection.chunks:
-                    pending += connection.chunks.popleft()
-                    *lines, pending = pending.split(b"\n")
-                    for line in lines:
-                        yield status, line.rstrip(b"\r")
+                if connection.chunks:
+                    data = pending + b"".join(connection.chunks)
+                    connection.chunks.clear()
+                    *lines, pending = data.split(b"\n")
+                    if lines:
+                        yield status, [line.rstrip(b"\r") for line in lines]
+                        continue  # more may have arrived while the consumer had the batch
                 if connection.done.done():  # type: ignore[union-attr]
                     connection.done.result()  # type: ignore[union-attr]  # raises if it failed
                     if not connection.chunks:
@@ -269,7 +274,7 @@ class UpstreamClient:
                 connection.readable = asyncio.get_running_loop().create_future()
                 await self._wait(connection, connection.readable, "upstream stream stalled")
             if pending:
-                yield status, pending
+                yield status, [pending]
         finally:
             self.finish(connection)
 

@@ -132,6 +132,16 @@ class StreamGuard:
         self._sent = safe_until
         return delta
 
+    def feed_all(self, cumulative_texts: list[str]) -> str:
+        """``feed`` for chunks that arrived together: each must extend the one before it, and
+        what they add is scanned once."""
+        previous = self._text
+        for text in cumulative_texts:
+            if not text.startswith(previous):
+                raise IsolationFailure("stream text was rewritten by the engine")
+            previous = text
+        return self.feed(previous)
+
     def finish(self) -> str:
         self._scan()
         delta = self._text[self._sent:]

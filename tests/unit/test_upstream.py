@@ -92,10 +92,11 @@ async def _lines_until_done(client: UpstreamClient, url: str) -> list[bytes]:
     lines = client.stream(url, b"{}", {})
     seen = []
     try:
-        async for _, line in lines:
-            seen.append(line)
-            if line == b"data: [DONE]":
-                break  # as dispatch does: it stops reading at [DONE]
+        async for _, batch in lines:
+            for line in batch:
+                seen.append(line)
+                if line == b"data: [DONE]":
+                    return seen  # as dispatch does: it stops reading at [DONE]
     finally:
         await lines.aclose()
     return seen
@@ -161,7 +162,7 @@ async def test_a_stream_that_stalls_mid_response_times_out(server: ScriptedServe
     server.respond = stall
     client = UpstreamClient(connect_timeout_s=2, timeout_s=0.2)
     lines = client.stream(server.url, b"{}", {})
-    assert await lines.__anext__() == (200, b"")
+    assert await lines.__anext__() == (200, [])
     with pytest.raises(UpstreamTimeout, match="stalled"):
         async for _ in lines:
             pass
