@@ -20,11 +20,12 @@ import statistics
 import threading
 import time
 from dataclasses import asdict, dataclass
+from urllib.parse import urlsplit
 
 import httpx
 import orjson
 
-from bench.processes import pin
+from bench.processes import free_ports, pin, start_gateway
 from bench.rig import LONG_MODEL, MODEL, Rig
 from bench.routing_bench import request_body
 from bench.stream_client import Target, percentile, run_load
@@ -64,7 +65,7 @@ class RefusalRow:
     p50_ms: float
     min_ms: float
     max_ms: float
-    floor_p50_ms: float  # the same body POSTed to the instant backend: loopback upload + JSON parse
+    floor_p50_ms: float | None  # the same body POSTed to the instant backend: loopback upload + JSON parse
 
 
 @dataclass
@@ -92,6 +93,45 @@ def _post(client: httpx.Client, rig: Rig, body: bytes) -> tuple[float, httpx.Res
     response = client.post(rig.gateway_url + "/v1/completions", content=body,
                            headers={"Authorization": f"Bearer {rig.gateway_key}", "Content-Type": "application/json"})
     return (time.perf_counter() - started) * 1000, response
+
+
+def raw_post(url: str, body: bytes, headers: dict[str, str], timeout_s: float = 120.0) -> tuple[float, int, bytes]:
+    """POST ``body`` over a plain socket: milliseconds from the first byte sent to the whole
+    answer, the status and the answer's body.
+
+    Why not httpx for big bodies: measured here, it took 180-200 ms more than ``sendall`` to
+    upload 50 MB over loopback, so the client, not the server, set the time (the issue asks
+    for a load generator that is not the bottleneck). Head and body go out in two
+    ``sendall`` calls (no 50 MB copy), with TCP_NODELAY; a new connection per request, which
+    asks for keep-alive as every HTTP/1.1 client does (uvicorn closes a ``Connection: close``
+    request's socket as soon as it has answered, unread body or not).
+    """
+    parts = urlsplit(url)
+    head = "".join(f"{name}: {value}\r\n" for name, value in headers.items())
+    request_head = (f"POST {parts.path} HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Length: {len(body)}\r\n"
+                    f"{head}\r\n").encode("latin-1")
+    with socket.create_connection((parts.hostname, parts.port), timeout=timeout_s) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        started = time.perf_counter()
+        sock.sendall(request_head)
+        sock.sendall(body)
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            data = sock.recv(65536)
+            if not data:
+                raise ConnectionError("the server closed the connection before answering")
+            answer += data
+        answer_head, _, answer_body = answer.partition(b"\r\n\r\n")
+        length = next((int(line.split(b":", 1)[1]) for line in answer_head.split(b"\r\n")
+                       if line.lower().startswith(b"content-length:")), None)
+        while length is not None and len(answer_body) < length:
+            data = sock.recv(65536)
+            if not data:
+                break
+            answer_body += data
+        elapsed_ms = (time.perf_counter() - started) * 1000
+    status = int(answer_head.split(b" ", 2)[1])
+    return elapsed_ms, status, answer_body
 
 
 def tokenize_rows(rig: Rig, log=print) -> list[TokenizeRow]:
@@ -122,33 +162,60 @@ def tokenize_rows(rig: Rig, log=print) -> list[TokenizeRow]:
 
 
 def refusal_rows(rig: Rig, log=print) -> list[RefusalRow]:
+    """Over-limit prompts of 1 to 50 MB, each POSTed ``refusal_repeats`` times with ``raw_post``
+    to the gateway and to the instant backend (the floor: the same upload, one JSON parse)."""
     rows = []
-    with _client(120) as client:
-        _post(client, rig, request_body(False))  # connection up
-        for megabytes in rig.config.refusal_megabytes:
-            body = orjson.dumps({"model": MODEL, "prompt": text_of_bytes(megabytes * 1_000_000), "max_tokens": 4})
-            times, response = [], None
-            for _ in range(rig.config.refusal_repeats):
-                ms, response = _post(client, rig, body)
-                times.append(ms)
-            assert response is not None
-            floor = []
-            for _ in range(rig.config.refusal_repeats):
-                begun = time.perf_counter()
-                client.post(rig.direct_url + "/v1/completions", content=body,
-                            headers={"Content-Type": "application/json"})
-                floor.append((time.perf_counter() - begun) * 1000)
-            try:
-                code = response.json().get("error", {}).get("code")
-            except ValueError:
-                code = None
-            row = RefusalRow(megabytes, response.status_code, code, statistics.median(times), min(times), max(times),
-                             statistics.median(floor))
-            rows.append(row)
-            log(f"  refuse {megabytes:>3} MB: HTTP {row.status} {row.code}  p50 {row.p50_ms:7.1f} ms  "
-                f"min {row.min_ms:7.1f} ms  max {row.max_ms:7.1f} ms  (floor: upload + parse at the instant "
-                f"backend {row.floor_p50_ms:.1f} ms)")
+    gateway_headers = {"Authorization": f"Bearer {rig.gateway_key}", "Content-Type": "application/json"}
+    for megabytes in rig.config.refusal_megabytes:
+        body = orjson.dumps({"model": MODEL, "prompt": text_of_bytes(megabytes * 1_000_000), "max_tokens": 4})
+        times, status, answer = [], 0, b""
+        for _ in range(rig.config.refusal_repeats):
+            ms, status, answer = raw_post(rig.gateway_url + "/v1/completions", body, gateway_headers)
+            times.append(ms)
+        floor = [raw_post(rig.direct_url + "/v1/completions", body, {"Content-Type": "application/json"})[0]
+                 for _ in range(rig.config.refusal_repeats)]
+        try:
+            code = orjson.loads(answer).get("error", {}).get("code")
+        except (orjson.JSONDecodeError, AttributeError):
+            code = None
+        row = RefusalRow(megabytes, status, code, statistics.median(times), min(times), max(times),
+                         statistics.median(floor))
+        rows.append(row)
+        log(f"  refuse {megabytes:>3} MB: HTTP {row.status} {row.code}  p50 {row.p50_ms:7.1f} ms  "
+            f"min {row.min_ms:7.1f} ms  max {row.max_ms:7.1f} ms  (floor: upload + parse at the instant "
+            f"backend {row.floor_p50_ms:.1f} ms)")
     return rows
+
+
+# The body cap of the second gateway in ``capped_refusal``: a size a platform team might set
+# (1M tokens of English text is about 4.5 MB of JSON).
+CAPPED_BODY_BYTES = 8 * 1024 * 1024
+
+
+def capped_refusal(rig: Rig, megabytes: int = 50, log=print) -> RefusalRow:
+    """The same over-limit prompt sent to a second gateway started with
+    ``ISOGATE_MAX_BODY_BYTES`` set: it answers 413 from the declared Content-Length, before
+    reading the body, and uvicorn discards the upload. The default gateway has no such cap
+    below 64 MiB, because a cap refuses bodies padded with anything, not only long prompts."""
+    port = free_ports(rig.config.ports.gateway + 20)
+    gateway, key = start_gateway(rig.work_dir / "policies", rig.work_dir / "gateway-capped", port,
+                                 cpus=rig.config.router_cpus, priority=rig.config.priority,
+                                 root=rig.config.gateway_root,
+                                 env={"ISOGATE_MAX_BODY_BYTES": str(CAPPED_BODY_BYTES)})
+    try:
+        body = orjson.dumps({"model": MODEL, "prompt": text_of_bytes(megabytes * 1_000_000), "max_tokens": 4})
+        headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+        times, status, answer = [], 0, b""
+        for _ in range(rig.config.refusal_repeats):
+            ms, status, answer = raw_post(gateway.url + "/v1/completions", body, headers)
+            times.append(ms)
+    finally:
+        gateway.stop()
+    code = orjson.loads(answer).get("error", {}).get("code")
+    row = RefusalRow(megabytes, status, code, statistics.median(times), min(times), max(times), None)
+    log(f"  refuse {megabytes:>3} MB with a {CAPPED_BODY_BYTES / 2**20:.0f} MiB body cap: HTTP {row.status} {row.code}  "
+        f"p50 {row.p50_ms:7.1f} ms  min {row.min_ms:7.1f} ms  max {row.max_ms:7.1f} ms")
+    return row
 
 
 def blocking(rig: Rig, big_tokens: int = 1_000_000, log=print) -> BlockingResult:
@@ -190,6 +257,7 @@ def run_prompt_bench(rig: Rig, log=print) -> dict:
     tokenize = tokenize_rows(rig, log)
     log(" refusing over-limit prompts (HTTP, end to end)")
     refusals = refusal_rows(rig, log)
+    capped = capped_refusal(rig, log=log)
     log(" does tokenizing 1M tokens block other requests? (gateway on every CPU for this part)")
     all_cpus = set(range(__import__("os").cpu_count() or 1))
     pin(rig.gateway_pid, all_cpus)
@@ -198,4 +266,5 @@ def run_prompt_bench(rig: Rig, log=print) -> dict:
     finally:
         pin(rig.gateway_pid, rig.config.router_cpus)
     return {"tokenize": [asdict(r) for r in tokenize], "refusal": [asdict(r) for r in refusals],
+            "refusal_capped": asdict(capped), "capped_body_bytes": CAPPED_BODY_BYTES,
             "blocking": asdict(block)}

@@ -102,6 +102,13 @@ def target_lines(results: dict[str, Any]) -> list[str]:
         lines.append(f"| refuse a 50 MB prompt ≤ {TARGET_REFUSE_50MB_MS:.0f} ms | p50 {r['p50_ms']:.1f} ms, "
                      f"min {r['min_ms']:.1f} ms (HTTP {r['status']} {r['code']}) | "
                      f"{verdict(r['p50_ms'] <= TARGET_REFUSE_50MB_MS and r['status'] == 400)} |")
+    capped = prompt.get("refusal_capped")
+    if capped:
+        cap_mib = prompt["capped_body_bytes"] / 2**20
+        lines.append(f"| refuse a 50 MB prompt ≤ {TARGET_REFUSE_50MB_MS:.0f} ms, with a {cap_mib:.0f} MiB body cap "
+                     f"(`ISOGATE_MAX_BODY_BYTES`) | p50 {capped['p50_ms']:.1f} ms, min {capped['min_ms']:.1f} ms "
+                     f"(HTTP {capped['status']} {capped['code']}, before reading the body) | "
+                     f"{verdict(capped['p50_ms'] <= TARGET_REFUSE_50MB_MS and capped['status'] == 413)} |")
     block = prompt.get("blocking")
     if block:
         ok = block["during_max_ms"] < block["big_ms"] / 4 and block["during_requests"] > 1
@@ -166,6 +173,12 @@ def render(results: dict[str, Any]) -> str:
                        "floor p50 ms (same body to the instant backend: upload + orjson parse)"],
                       [[r["megabytes"], r["status"], str(r["code"]), r["p50_ms"], r["min_ms"], r["max_ms"],
                         r.get("floor_p50_ms")] for r in prompt["refusal"]])
+        capped = prompt.get("refusal_capped")
+        if capped:
+            out += [f"With a body cap (`ISOGATE_MAX_BODY_BYTES={prompt['capped_body_bytes']}`, a second gateway): "
+                    f"the 50 MB prompt got HTTP {capped['status']} {capped['code']} from its declared length, "
+                    f"p50 {capped['p50_ms']:.1f} ms, min {capped['min_ms']:.1f} ms, max {capped['max_ms']:.1f} ms. "
+                    "Client: one plain socket, head and body in two `sendall` calls (`bench.prompt_bench.raw_post`).", ""]
         b = prompt["blocking"]
         out += ["Small requests (1 in flight) while one 1M-token prompt is tokenized and served "
                 "(gateway allowed every CPU for this part):", ""]
