@@ -174,6 +174,7 @@ class PDDispatcher:
     async def aclose(self) -> None:
         await self._client.aclose()
 
+
 def _raise_unless_ok(role: str, connection: Any) -> None:
     """The error an answered exchange stands for, if it failed or did not answer 200."""
     if connection.failure is not None:
