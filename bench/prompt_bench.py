@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 import httpx
 import orjson
 
-from bench.processes import free_ports, pin, start_gateway
+from bench.processes import BenchModel, free_ports, pin, start_gateway, write_bench_policies
 from bench.rig import LONG_MODEL, MODEL, Rig
 from bench.routing_bench import request_body
 from bench.stream_client import Target, percentile, run_load
@@ -198,7 +198,10 @@ def capped_refusal(rig: Rig, megabytes: int = 50, log=print) -> RefusalRow:
     reading the body, and uvicorn discards the upload. The default gateway has no such cap
     below 64 MiB, because a cap refuses bodies padded with anything, not only long prompts."""
     port = free_ports(rig.config.ports.gateway + 20)
-    gateway, key = start_gateway(rig.work_dir / "policies", rig.work_dir / "gateway-capped", port,
+    # Its own policies, the model alone: the rig's also name the slow backend, stopped by now.
+    policies = write_bench_policies(rig.work_dir / "policies-capped", tokenizer_dir=ensure_tiny_model(),
+                                    models=[BenchModel(MODEL, 65_536, rig.pool)])
+    gateway, key = start_gateway(policies, rig.work_dir / "gateway-capped", port,
                                  cpus=rig.config.router_cpus, priority=rig.config.priority,
                                  root=rig.config.gateway_root,
                                  env={"ISOGATE_MAX_BODY_BYTES": str(CAPPED_BODY_BYTES)})

@@ -32,6 +32,7 @@ class Rig:
     gateway: GatewayProcess
     gateway_key: str
     slow_decode: Managed
+    pool: BenchPool  # the instant prefill and decode every model but the slow one routes to
 
     @property
     def gateway_url(self) -> str:
@@ -72,7 +73,7 @@ def instant_rig(config: BenchConfig, work_dir: Path) -> Iterator[Rig]:
         gateway, key = start_gateway(policies, work_dir / "gateway", ports.gateway, cpus=config.router_cpus,
                                      priority=config.priority, root=config.gateway_root)
         yield Rig(config, work_dir, decode_url, f"http://127.0.0.1:{router.port}", router, gateway, key,
-                  backends["slow"])
+                  backends["slow"], pool)
     finally:
         if gateway is not None:
             gateway.stop()
