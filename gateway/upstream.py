@@ -7,9 +7,9 @@ with the number of pooled connections. This client keeps idle connections per or
 list, learns that a peer closed one from ``connection_lost`` (no syscall per request), and
 parses with ``httptools`` (already installed with ``uvicorn[standard]``).
 
-Only what dispatch needs: POST with a body, read the whole answer or stream it line by line.
-Whole answers can be awaited together (``send``, ``wait_for_answers``, ``finish``): dispatch
-waits for prefill and decode that way, with no task per request.
+Only what dispatch needs: POST with a body, then either await whole answers, several together
+(``send``, ``wait_for_answers``, ``finish``: prefill and decode wait that way, with no task per
+request), or read one answer as it streams (``stream``).
 """
 
 from __future__ import annotations
@@ -232,16 +232,6 @@ class UpstreamClient:
             await joined
         finally:
             deadline.cancel()
-
-    async def post(self, url: str, body: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
-        connection = await self.send(url, body, headers)
-        try:
-            await self.wait_for_answers((connection,))
-            if connection.failure is not None:
-                raise connection.failure
-            return connection.status, connection.body()
-        finally:
-            self.finish(connection)
 
     async def stream(self, url: str, body: bytes, headers: dict[str, str]) -> AsyncIterator[tuple[int, list[bytes]]]:
         """Yields ``(status, [])`` once the head arrives, then ``(status, lines)`` for the body

@@ -88,6 +88,18 @@ async def server() -> AsyncIterator[ScriptedServer]:
         yield scripted
 
 
+async def post(client: UpstreamClient, url: str, body: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
+    """One whole exchange, made as dispatch makes its own: send, wait for the answer, finish."""
+    connection = await client.send(url, body, headers)
+    try:
+        await client.wait_for_answers((connection,))
+        if connection.failure is not None:
+            raise connection.failure
+        return connection.status, connection.body()
+    finally:
+        client.finish(connection)
+
+
 async def _lines_until_done(client: UpstreamClient, url: str) -> list[bytes]:
     lines = client.stream(url, b"{}", {})
     seen = []
@@ -105,7 +117,7 @@ async def _lines_until_done(client: UpstreamClient, url: str) -> list[bytes]:
 async def test_posts_reuse_one_keep_alive_connection(server: ScriptedServer) -> None:
     client = UpstreamClient(connect_timeout_s=2, timeout_s=5)
     for number in range(3):
-        assert await client.post(server.url, b'{"n": %d}' % number, {"X-Test": "1"}) == (200, b'{"text": "ok"}')
+        assert await post(client, server.url, b'{"n": %d}' % number, {"X-Test": "1"}) == (200, b'{"text": "ok"}')
     assert server.connections == 1
     assert server.bodies == [b'{"n": 0}', b'{"n": 1}', b'{"n": 2}']
     await client.aclose()
@@ -133,7 +145,7 @@ async def test_a_stream_left_before_its_response_ended_is_closed_not_reused(serv
     assert (await _lines_until_done(client, server.url))[-1] == b"data: [DONE]"
     server.respond = server.whole_json
     # The next request must not read the rest of the abandoned response: a new connection.
-    assert await client.post(server.url, b"{}", {}) == (200, b'{"text": "ok"}')
+    assert await post(client, server.url, b"{}", {}) == (200, b'{"text": "ok"}')
     assert server.connections == 2
     await client.aclose()
 
@@ -145,10 +157,10 @@ async def test_a_post_without_answer_times_out_and_its_connection_is_dropped(ser
     server.respond = hang
     client = UpstreamClient(connect_timeout_s=2, timeout_s=0.2)
     with pytest.raises(UpstreamTimeout, match="did not answer in time"):
-        await client.post(server.url, b"{}", {})
+        await post(client, server.url, b"{}", {})
     server.respond = server.whole_json
     server.hold.set()
-    assert await client.post(server.url, b"{}", {}) == (200, b'{"text": "ok"}')
+    assert await post(client, server.url, b"{}", {}) == (200, b'{"text": "ok"}')
     assert server.connections == 2
     await client.aclose()
 
@@ -178,7 +190,7 @@ async def test_a_connection_closed_mid_response_is_an_upstream_error(server: Scr
     server.respond = cut
     client = UpstreamClient(connect_timeout_s=2, timeout_s=5)
     with pytest.raises(UpstreamError) as raised:
-        await client.post(server.url, b"{}", {})
+        await post(client, server.url, b"{}", {})
     assert not isinstance(raised.value, UpstreamTimeout)
     await client.aclose()
 
@@ -202,7 +214,7 @@ async def test_answers_awaited_together_wait_for_both(server: ScriptedServer, ot
     assert second.body() == b'{"text": "ok"}'
     for connection in (first, second):
         client.finish(connection)
-    await client.post(other.url, b"{}", {})
+    await post(client, other.url, b"{}", {})
     assert other.connections == 1  # answered in full: pooled and reused
     await client.aclose()
 
@@ -223,7 +235,7 @@ async def test_a_refusal_ends_the_wait_and_the_unanswered_exchange_is_not_reused
     client.finish(refused)
     client.finish(waiting)
     other.respond = other.whole_json
-    assert await client.post(other.url, b"{}", {}) == (200, b'{"text": "ok"}')
+    assert await post(client, other.url, b"{}", {}) == (200, b'{"text": "ok"}')
     assert other.connections == 2
     await client.aclose()
 
