@@ -165,26 +165,35 @@ def refusal_rows(rig: Rig, log=print) -> list[RefusalRow]:
     """Over-limit prompts of 1 to 50 MB, each POSTed ``refusal_repeats`` times with ``raw_post``
     to the gateway and to the instant backend (the floor: the same upload, one JSON parse)."""
     rows = []
-    gateway_headers = {"Authorization": f"Bearer {rig.gateway_key}", "Content-Type": "application/json"}
     for megabytes in rig.config.refusal_megabytes:
-        body = orjson.dumps({"model": MODEL, "prompt": text_of_bytes(megabytes * 1_000_000), "max_tokens": 4})
-        times, status, answer = [], 0, b""
-        for _ in range(rig.config.refusal_repeats):
-            ms, status, answer = raw_post(rig.gateway_url + "/v1/completions", body, gateway_headers)
-            times.append(ms)
+        body = _over_limit_body(megabytes)
+        row = _refused(rig.gateway_url, rig.gateway_key, megabytes, body, rig.config.refusal_repeats)
         floor = [raw_post(rig.direct_url + "/v1/completions", body, {"Content-Type": "application/json"})[0]
                  for _ in range(rig.config.refusal_repeats)]
-        try:
-            code = orjson.loads(answer).get("error", {}).get("code")
-        except (orjson.JSONDecodeError, AttributeError):
-            code = None
-        row = RefusalRow(megabytes, status, code, statistics.median(times), min(times), max(times),
-                         statistics.median(floor))
+        row.floor_p50_ms = statistics.median(floor)
         rows.append(row)
         log(f"  refuse {megabytes:>3} MB: HTTP {row.status} {row.code}  p50 {row.p50_ms:7.1f} ms  "
             f"min {row.min_ms:7.1f} ms  max {row.max_ms:7.1f} ms  (floor: upload + parse at the instant "
             f"backend {row.floor_p50_ms:.1f} ms)")
     return rows
+
+
+def _over_limit_body(megabytes: int) -> bytes:
+    return orjson.dumps({"model": MODEL, "prompt": text_of_bytes(megabytes * 1_000_000), "max_tokens": 4})
+
+
+def _refused(gateway_url: str, key: str, megabytes: int, body: bytes, repeats: int) -> RefusalRow:
+    """``body`` POSTed ``repeats`` times to a gateway: the times, and the last answer's status and code."""
+    headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+    times, status, answer = [], 0, b""
+    for _ in range(repeats):
+        ms, status, answer = raw_post(gateway_url + "/v1/completions", body, headers)
+        times.append(ms)
+    try:
+        code = orjson.loads(answer).get("error", {}).get("code")
+    except (orjson.JSONDecodeError, AttributeError):
+        code = None
+    return RefusalRow(megabytes, status, code, statistics.median(times), min(times), max(times), None)
 
 
 # The body cap of the second gateway in ``capped_refusal``: a size a platform team might set
@@ -206,16 +215,9 @@ def capped_refusal(rig: Rig, megabytes: int = 50, log=print) -> RefusalRow:
                                  root=rig.config.gateway_root,
                                  env={"ISOGATE_MAX_BODY_BYTES": str(CAPPED_BODY_BYTES)})
     try:
-        body = orjson.dumps({"model": MODEL, "prompt": text_of_bytes(megabytes * 1_000_000), "max_tokens": 4})
-        headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
-        times, status, answer = [], 0, b""
-        for _ in range(rig.config.refusal_repeats):
-            ms, status, answer = raw_post(gateway.url + "/v1/completions", body, headers)
-            times.append(ms)
+        row = _refused(gateway.url, key, megabytes, _over_limit_body(megabytes), rig.config.refusal_repeats)
     finally:
         gateway.stop()
-    code = orjson.loads(answer).get("error", {}).get("code")
-    row = RefusalRow(megabytes, status, code, statistics.median(times), min(times), max(times), None)
     log(f"  refuse {megabytes:>3} MB with a {CAPPED_BODY_BYTES / 2**20:.0f} MiB body cap: HTTP {row.status} {row.code}  "
         f"p50 {row.p50_ms:7.1f} ms  min {row.min_ms:7.1f} ms  max {row.max_ms:7.1f} ms")
     return row
