@@ -38,7 +38,14 @@ from sqlalchemy.engine import make_url
 
 from gateway.audit import AuditEvent, AuditLog
 from gateway.settings import Settings
-from gateway.store import AuditQuery, Store, audit_events, create_store, decode_cursor, normalize_url
+from gateway.store import (
+    AuditQuery,
+    Store,
+    audit_events,
+    create_store,
+    decode_cursor,
+    normalize_url,
+)
 
 DEFAULT_POSTGRES_URL = os.environ.get(
     "ISOGATE_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
@@ -66,31 +73,52 @@ def run_audit_bench(
             store.dispose()
 
 
-def _measure(store: Store, url: str, total_rows: int, tenants: int, insert_events: int,
-             queries: int, batch_size: int) -> dict[str, Any]:
-    result: dict[str, Any] = {"database": store.dialect, "total_rows": total_rows, "tenants": tenants,
-                              "load_average_1m_at_start": os.getloadavg()[0]}
+def _measure(
+    store: Store,
+    url: str,
+    total_rows: int,
+    tenants: int,
+    insert_events: int,
+    queries: int,
+    batch_size: int,
+) -> dict[str, Any]:
+    result: dict[str, Any] = {
+        "database": store.dialect,
+        "total_rows": total_rows,
+        "tenants": tenants,
+        "load_average_1m_at_start": os.getloadavg()[0],
+    }
 
     # 1. Batched inserts through the store, as the writer does them.
     rows = [_event(i, tenants).row() for i in range(insert_events)]
     backend = _backend_cpu_probe(store)
     started, cpu_started = time.perf_counter(), time.process_time()
     for start in range(0, len(rows), batch_size):
-        store.insert_audit_rows(rows[start:start + batch_size])
+        store.insert_audit_rows(rows[start : start + batch_size])
     result["store_insert_events_per_s"] = round(insert_events / (time.perf_counter() - started))
     # CPU per event, which a busy shared machine does not inflate the way it does wall time:
     # the gateway's side, and (PostgreSQL on this host) the database backend's side.
-    result["store_insert_client_cpu_us_per_event"] = round((time.process_time() - cpu_started) / insert_events * 1e6, 1)
+    result["store_insert_client_cpu_us_per_event"] = round(
+        (time.process_time() - cpu_started) / insert_events * 1e6, 1
+    )
     server_cpu_s = backend()
     if server_cpu_s is not None:
-        result["store_insert_server_cpu_us_per_event"] = round(server_cpu_s / insert_events * 1e6, 1)
+        result["store_insert_server_cpu_us_per_event"] = round(
+            server_cpu_s / insert_events * 1e6, 1
+        )
 
     # 2. The whole audit writer: record() then close().
     with tempfile.TemporaryDirectory() as spool:
-        settings = Settings(database_url=url, audit_spool_dir=Path(spool), audit_batch_size=batch_size,
-                            _env_file=None)
+        settings = Settings(
+            database_url=url,
+            audit_spool_dir=Path(spool),
+            audit_batch_size=batch_size,
+            _env_file=None,
+        )
         events = [_event(insert_events + i, tenants) for i in range(insert_events)]
-        result["audit_log_events_per_s"] = round(asyncio.run(_writer_throughput(store, settings, events)))
+        result["audit_log_events_per_s"] = round(
+            asyncio.run(_writer_throughput(store, settings, events))
+        )
 
     # 3. Fill up to total_rows in bulk (SQL-side generation), then query.
     started = time.perf_counter()
@@ -104,7 +132,8 @@ def _measure(store: Store, url: str, total_rows: int, tenants: int, insert_event
         "tenant_newest_100": lambda: AuditQuery(tenant_id=rng.choice(tenant_ids), limit=100),
         "tenant_newest_100_page_2": None,  # filled below: the page after the newest 100
         "tenant_outcome_rate_limited_100": lambda: AuditQuery(
-            tenant_id=rng.choice(tenant_ids), outcome="rate_limited", limit=100),
+            tenant_id=rng.choice(tenant_ids), outcome="rate_limited", limit=100
+        ),
         "all_tenants_newest_100": lambda: AuditQuery(limit=100),
     }
     for name, make_query in shapes.items():
@@ -112,8 +141,12 @@ def _measure(store: Store, url: str, total_rows: int, tenants: int, insert_event
         cpu_started = time.process_time()
         for _ in range(queries):
             if make_query is None:
-                first, cursor = store.query_audit(AuditQuery(tenant_id=rng.choice(tenant_ids), limit=100))
-                query = AuditQuery(tenant_id=first[0]["tenant_id"], limit=100, after=decode_cursor(cursor))
+                first, cursor = store.query_audit(
+                    AuditQuery(tenant_id=rng.choice(tenant_ids), limit=100)
+                )
+                query = AuditQuery(
+                    tenant_id=first[0]["tenant_id"], limit=100, after=decode_cursor(cursor)
+                )
             else:
                 query = make_query()
             started = time.perf_counter()
@@ -124,10 +157,14 @@ def _measure(store: Store, url: str, total_rows: int, tenants: int, insert_event
         result[f"query_{name}_p99_ms"] = round(_percentile(timings, 0.99), 2)
         # Client CPU per query (page 2 includes its first page): what the gateway process
         # spends, independent of how busy a shared machine is.
-        result[f"query_{name}_client_cpu_ms"] = round((time.process_time() - cpu_started) / queries * 1000, 2)
+        result[f"query_{name}_client_cpu_ms"] = round(
+            (time.process_time() - cpu_started) / queries * 1000, 2
+        )
     result["plan_tenant_newest_100"] = _plan(store, tenant_ids[0])
     if store.dialect == "postgresql":
-        result["server_exec_tenant_newest_100_p50_ms"] = _server_execution_ms(store, tenant_ids, rng)
+        result["server_exec_tenant_newest_100_p50_ms"] = _server_execution_ms(
+            store, tenant_ids, rng
+        )
     result["load_average_1m_at_end"] = os.getloadavg()[0]
     return result
 
@@ -145,11 +182,20 @@ async def _writer_throughput(store: Store, settings: Settings, events: list[Audi
 def _event(i: int, tenants: int) -> AuditEvent:
     outcome = OUTCOMES[(i // tenants) % len(OUTCOMES)]
     return AuditEvent(
-        generation_id=f"bench-{i:09d}", tenant_id=f"tenant-{i % tenants:03d}", key_id=f"key_{i % 997:016x}",
-        model="glm-5" if i % 3 else "tiny-llama", outcome=outcome, status=200 if outcome == "served" else 429,
-        code=None if outcome == "served" else outcome, prefill_worker="http://prefill-3:30000",
-        decode_worker="http://decode-1:30001", prompt_tokens=i % 4096, completion_tokens=i % 512,
-        stream=bool(i % 2), latency_ms=(i % 1000) / 3, created_at=BASE_TIME + timedelta(milliseconds=i * 10),
+        generation_id=f"bench-{i:09d}",
+        tenant_id=f"tenant-{i % tenants:03d}",
+        key_id=f"key_{i % 997:016x}",
+        model="glm-5" if i % 3 else "tiny-llama",
+        outcome=outcome,
+        status=200 if outcome == "served" else 429,
+        code=None if outcome == "served" else outcome,
+        prefill_worker="http://prefill-3:30000",
+        decode_worker="http://decode-1:30001",
+        prompt_tokens=i % 4096,
+        completion_tokens=i % 512,
+        stream=bool(i % 2),
+        latency_ms=(i % 1000) / 3,
+        created_at=BASE_TIME + timedelta(milliseconds=i * 10),
         detail=None,
     )
 
@@ -164,8 +210,10 @@ def _bulk_fill(store: Store, count: int, tenants: int, *, offset: int) -> None:
         f"CASE WHEN {n} = 17 THEN 'rejected' WHEN {n} = 18 THEN 'rate_limited' "
         f"WHEN {n} = 19 THEN 'upstream_error' ELSE 'served' END"
     )
-    columns = ("generation_id, tenant_id, key_id, model, outcome, status, code, prefill_worker, "
-               "decode_worker, prompt_tokens, completion_tokens, stream, latency_ms, created_at, detail")
+    columns = (
+        "generation_id, tenant_id, key_id, model, outcome, status, code, prefill_worker, "
+        "decode_worker, prompt_tokens, completion_tokens, stream, latency_ms, created_at, detail"
+    )
     # Loading without the indexes and building them afterwards (one sort each) is several
     # times faster than maintaining them row by row; they are rebuilt from the same
     # definitions the migrations use, so the queries measured use the deployed indexes.
@@ -175,7 +223,8 @@ def _bulk_fill(store: Store, count: int, tenants: int, *, offset: int) -> None:
             index.drop(conn)
     with store.engine.begin() as conn:
         if store.dialect == "postgresql":
-            conn.execute(text(f"""
+            conn.execute(
+                text(f"""
                 INSERT INTO audit_events ({columns})
                 SELECT 'bench-' || lpad(i::text, 9, '0'), 'tenant-' || lpad((i % {tenants})::text, 3, '0'),
                        'key_' || lpad(to_hex(i % 997), 16, '0'), CASE WHEN i % 3 = 0 THEN 'tiny-llama' ELSE 'glm-5' END,
@@ -183,9 +232,11 @@ def _bulk_fill(store: Store, count: int, tenants: int, *, offset: int) -> None:
                        'http://prefill-3:30000', 'http://decode-1:30001', i % 4096, i % 512, i % 2 = 1,
                        (i % 1000) / 3.0, TIMESTAMPTZ '2026-01-01 00:00:00+00' + i * INTERVAL '10 milliseconds', NULL
                 FROM generate_series({offset}, {offset + count - 1}) AS i
-            """))
+            """)
+            )
         else:
-            conn.execute(text(f"""
+            conn.execute(
+                text(f"""
                 WITH RECURSIVE s(i) AS (SELECT {offset} UNION ALL SELECT i + 1 FROM s WHERE i < {offset + count - 1})
                 INSERT INTO audit_events ({columns})
                 SELECT 'bench-' || printf('%09d', i), 'tenant-' || printf('%03d', i % {tenants}),
@@ -197,7 +248,8 @@ def _bulk_fill(store: Store, count: int, tenants: int, *, offset: int) -> None:
                          || '.' || printf('%06d', (i % 100) * 10000),
                        NULL
                 FROM s
-            """))
+            """)
+            )
     with store.engine.begin() as conn:
         for index in indexes:
             index.create(conn)
@@ -237,9 +289,13 @@ def _server_execution_ms(store: Store, tenant_ids: list[str], rng: random.Random
     times = []
     with store.engine.connect() as conn:
         for _ in range(50):
-            plan = conn.execute(text(
-                "EXPLAIN (ANALYZE, FORMAT JSON) SELECT * FROM audit_events WHERE tenant_id = :t "
-                "ORDER BY created_at DESC, generation_id DESC LIMIT 101"), {"t": rng.choice(tenant_ids)}).scalar_one()
+            plan = conn.execute(
+                text(
+                    "EXPLAIN (ANALYZE, FORMAT JSON) SELECT * FROM audit_events WHERE tenant_id = :t "
+                    "ORDER BY created_at DESC, generation_id DESC LIMIT 101"
+                ),
+                {"t": rng.choice(tenant_ids)},
+            ).scalar_one()
             times.append(plan[0]["Execution Time"])
     return round(statistics.median(times), 3)
 
@@ -248,13 +304,21 @@ def _plan(store: Store, tenant_id: str) -> str:
     """The query plan of the newest-100 query, to show it walks the index without sorting."""
     with store.engine.connect() as conn:
         if store.dialect == "postgresql":
-            rows = conn.execute(text(
-                "EXPLAIN SELECT * FROM audit_events WHERE tenant_id = :t "
-                "ORDER BY created_at DESC, generation_id DESC LIMIT 101"), {"t": tenant_id}).all()
+            rows = conn.execute(
+                text(
+                    "EXPLAIN SELECT * FROM audit_events WHERE tenant_id = :t "
+                    "ORDER BY created_at DESC, generation_id DESC LIMIT 101"
+                ),
+                {"t": tenant_id},
+            ).all()
             return " | ".join(r[0].strip() for r in rows)
-        rows = conn.execute(text(
-            "EXPLAIN QUERY PLAN SELECT * FROM audit_events WHERE tenant_id = :t "
-            "ORDER BY created_at DESC, generation_id DESC LIMIT 101"), {"t": tenant_id}).all()
+        rows = conn.execute(
+            text(
+                "EXPLAIN QUERY PLAN SELECT * FROM audit_events WHERE tenant_id = :t "
+                "ORDER BY created_at DESC, generation_id DESC LIMIT 101"
+            ),
+            {"t": tenant_id},
+        ).all()
         return " | ".join(str(r[-1]) for r in rows)
 
 
@@ -296,11 +360,17 @@ class _scratch_database:
             self._tmp.cleanup()
 
     def _libpq(self) -> str:
-        return make_url(self.database_url).set(drivername="postgresql").render_as_string(hide_password=False)
+        return (
+            make_url(self.database_url)
+            .set(drivername="postgresql")
+            .render_as_string(hide_password=False)
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--insert-events", type=int, default=50_000)
     parser.add_argument("--queries", type=int, default=300)
@@ -311,7 +381,9 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     targets = ["sqlite://"] + ([] if args.sqlite_only else [args.postgres_url])
     for url in targets:
-        result = run_audit_bench(url, total_rows=args.rows, insert_events=args.insert_events, queries=args.queries)
+        result = run_audit_bench(
+            url, total_rows=args.rows, insert_events=args.insert_events, queries=args.queries
+        )
         print(json.dumps(result, indent=2))
         results.append(result)
     args.output.parent.mkdir(parents=True, exist_ok=True)

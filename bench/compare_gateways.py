@@ -21,25 +21,50 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.config import BenchConfig
-from bench.processes import (REPO_ROOT, BenchModel, BenchPool, boost, cpu_seconds, instant_backend, start_gateway,
-                             write_bench_policies)
+from bench.processes import (
+    REPO_ROOT,
+    BenchModel,
+    BenchPool,
+    boost,
+    cpu_seconds,
+    instant_backend,
+    start_gateway,
+    write_bench_policies,
+)
 from bench.rig import MODEL, POOL_TOKENS
 from bench.routing_bench import request_body
 from bench.wrk import run_wrk
-from tests.harness import GatewayProcess
 from gateway.dev.model import ensure_tiny_model
+from tests.harness import GatewayProcess
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--a", type=Path, default=REPO_ROOT, help="checkout whose gateway/ is A (default: this one)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--a", type=Path, default=REPO_ROOT, help="checkout whose gateway/ is A (default: this one)"
+    )
     parser.add_argument("--b", type=Path, required=True, help="checkout whose gateway/ is B")
     parser.add_argument("--seconds", type=float, default=5.0)
-    parser.add_argument("--concurrency", type=int, action="append", help="cells to run (default: all of the suite's)")
-    parser.add_argument("--rounds", type=int, default=1, help="alternate A and B this many times per cell")
-    parser.add_argument("--modes", default="plain,stream", help="plain, stream or both (comma-separated)")
-    parser.add_argument("--a-env", action="append", default=[], metavar="NAME=VALUE", help="extra environment for A")
-    parser.add_argument("--b-env", action="append", default=[], metavar="NAME=VALUE", help="extra environment for B")
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        action="append",
+        help="cells to run (default: all of the suite's)",
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="alternate A and B this many times per cell"
+    )
+    parser.add_argument(
+        "--modes", default="plain,stream", help="plain, stream or both (comma-separated)"
+    )
+    parser.add_argument(
+        "--a-env", action="append", default=[], metavar="NAME=VALUE", help="extra environment for A"
+    )
+    parser.add_argument(
+        "--b-env", action="append", default=[], metavar="NAME=VALUE", help="extra environment for B"
+    )
     args = parser.parse_args(argv)
     config = BenchConfig.from_env()
     if config.helper_cpus:
@@ -50,17 +75,39 @@ def main(argv: list[str] | None = None) -> int:
     try:
         ports = config.ports
         for role, port in (("prefill", ports.prefill), ("decode", ports.decode)):
-            backends.append(instant_backend(role, port, work, cpus=config.helper_cpus, pool_tokens=POOL_TOKENS,
-                                            priority=config.priority))
-        pool = BenchPool(f"http://127.0.0.1:{backends[0].port}", ports.bootstrap,
-                         f"http://127.0.0.1:{backends[1].port}")
-        policies = write_bench_policies(work / "policies", tokenizer_dir=ensure_tiny_model(),
-                                        models=[BenchModel(MODEL, 65_536, pool)])
-        for name, root, port, env in (("A", args.a, ports.gateway, args.a_env),
-                                      ("B", args.b, ports.gateway + 1, args.b_env)):
-            gateways[name] = start_gateway(policies, work / name, port, cpus=config.router_cpus,
-                                           priority=config.priority, env=dict(item.split("=", 1) for item in env),
-                                           root=None if root.resolve() == REPO_ROOT else root)
+            backends.append(
+                instant_backend(
+                    role,
+                    port,
+                    work,
+                    cpus=config.helper_cpus,
+                    pool_tokens=POOL_TOKENS,
+                    priority=config.priority,
+                )
+            )
+        pool = BenchPool(
+            f"http://127.0.0.1:{backends[0].port}",
+            ports.bootstrap,
+            f"http://127.0.0.1:{backends[1].port}",
+        )
+        policies = write_bench_policies(
+            work / "policies",
+            tokenizer_dir=ensure_tiny_model(),
+            models=[BenchModel(MODEL, 65_536, pool)],
+        )
+        for name, root, port, env in (
+            ("A", args.a, ports.gateway, args.a_env),
+            ("B", args.b, ports.gateway + 1, args.b_env),
+        ):
+            gateways[name] = start_gateway(
+                policies,
+                work / name,
+                port,
+                cpus=config.router_cpus,
+                priority=config.priority,
+                env=dict(item.split("=", 1) for item in env),
+                root=None if root.resolve() == REPO_ROOT else root,
+            )
         print(f"A = {args.a}\nB = {args.b}")
         modes = {mode.strip() for mode in args.modes.split(",")}
         for stream in [mode == "stream" for mode in ("plain", "stream") if mode in modes]:
@@ -69,15 +116,25 @@ def main(argv: list[str] | None = None) -> int:
                 # A and B alternate: a neighbour's burst lands on both, and the median sees through it.
                 for _ in range(args.rounds):
                     for name, (gateway, key) in gateways.items():
-                        cpu_per_request[name].append(_cell(gateway, key, stream, concurrency, args.seconds, config))
-                        print(f"{'stream' if stream else 'plain':6} c={concurrency:<3} {name}: "
-                              f"{cpu_per_request[name][-1].line}", flush=True)
+                        cpu_per_request[name].append(
+                            _cell(gateway, key, stream, concurrency, args.seconds, config)
+                        )
+                        print(
+                            f"{'stream' if stream else 'plain':6} c={concurrency:<3} {name}: "
+                            f"{cpu_per_request[name][-1].line}",
+                            flush=True,
+                        )
                 if args.rounds > 1:
-                    medians = {name: statistics.median(cell.cpu_us for cell in cells)
-                               for name, cells in cpu_per_request.items()}
-                    print(f"{'stream' if stream else 'plain':6} c={concurrency:<3} median CPU µs/req: "
-                          + "  ".join(f"{name} {value:.0f}" for name, value in medians.items())
-                          + f"  (B/A {medians['B'] / medians['A']:.2f})", flush=True)
+                    medians = {
+                        name: statistics.median(cell.cpu_us for cell in cells)
+                        for name, cells in cpu_per_request.items()
+                    }
+                    print(
+                        f"{'stream' if stream else 'plain':6} c={concurrency:<3} median CPU µs/req: "
+                        + "  ".join(f"{name} {value:.0f}" for name, value in medians.items())
+                        + f"  (B/A {medians['B'] / medians['A']:.2f})",
+                        flush=True,
+                    )
     finally:
         for gateway, _ in gateways.values():
             gateway.stop()
@@ -92,18 +149,29 @@ class CellResult:
     line: str
 
 
-def _cell(gateway: GatewayProcess, key: str, stream: bool, concurrency: int, seconds: float,
-          config: BenchConfig) -> CellResult:
+def _cell(
+    gateway: GatewayProcess,
+    key: str,
+    stream: bool,
+    concurrency: int,
+    seconds: float,
+    config: BenchConfig,
+) -> CellResult:
     url, body = gateway.url + "/v1/completions", request_body(stream)
     run_wrk(url, body, connections=concurrency, duration_s=1, auth=key, cpus=config.helper_cpus)
     assert gateway.process is not None
     cpu_before, wall_before = cpu_seconds(gateway.process.pid), time.perf_counter()
-    result = run_wrk(url, body, connections=concurrency, duration_s=seconds, auth=key, cpus=config.helper_cpus)
+    result = run_wrk(
+        url, body, connections=concurrency, duration_s=seconds, auth=key, cpus=config.helper_cpus
+    )
     cpu = cpu_seconds(gateway.process.pid) - cpu_before
     wall = time.perf_counter() - wall_before
     cpu_us = cpu / max(1, result.requests) * 1e6
-    return CellResult(cpu_us, f"{result.rps:7.0f} req/s  p50 {result.p50_ms:8.3f} ms  p99 {result.p99_ms:8.3f} ms  "
-                              f"CPU {cpu_us:6.0f} µs/req ({cpu / wall:.0%} of a core)  errors {result.errors}")
+    return CellResult(
+        cpu_us,
+        f"{result.rps:7.0f} req/s  p50 {result.p50_ms:8.3f} ms  p99 {result.p99_ms:8.3f} ms  "
+        f"CPU {cpu_us:6.0f} µs/req ({cpu / wall:.0%} of a core)  errors {result.errors}",
+    )
 
 
 if __name__ == "__main__":

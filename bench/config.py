@@ -80,7 +80,8 @@ class BenchConfig:
             wrk_duration_s=float(os.environ.get("BENCH_DURATION_S", 2 if quick else 4)),
             ttft_duration_s=1.5 if quick else 3.0,
             routing_rounds=int(os.environ.get("BENCH_ROUNDS", 1 if quick else 3)),
-            prompt_tokens=(1_000, 10_000, 100_000, 1_000_000) if quick
+            prompt_tokens=(1_000, 10_000, 100_000, 1_000_000)
+            if quick
             else (1_000, 4_000, 16_000, 64_000, 256_000, 1_000_000),
             refusal_megabytes=(1, 10, 50) if quick else (1, 5, 10, 25, 50),
             refusal_repeats=2 if quick else 5,
@@ -91,7 +92,12 @@ class BenchConfig:
             audit_rows=int(os.environ.get("BENCH_AUDIT_ROWS", 100_000 if quick else 1_000_000)),
             router_cpus={cpus[-1]} if pinned else None,
             priority=int(os.environ.get("BENCH_PRIORITY", "0")),
-            sections=frozenset(os.environ.get("BENCH_SECTIONS", ",".join(sorted(SECTIONS))).split(",")) & SECTIONS,
-            gateway_root=Path(os.environ["BENCH_GATEWAY_ROOT"]) if os.environ.get("BENCH_GATEWAY_ROOT") else None,
+            sections=frozenset(
+                os.environ.get("BENCH_SECTIONS", ",".join(sorted(SECTIONS))).split(",")
+            )
+            & SECTIONS,
+            gateway_root=Path(os.environ["BENCH_GATEWAY_ROOT"])
+            if os.environ.get("BENCH_GATEWAY_ROOT")
+            else None,
             helper_cpus=set(cpus[:-1]) if pinned else None,
         )

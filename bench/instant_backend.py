@@ -57,13 +57,31 @@ def _static_bodies(config: BackendConfig) -> dict[bytes, bytes]:
     info = json.loads((DATA / f"server_info_{config.role}.json").read_text())
     loads = json.loads((DATA / f"loads_{config.role}.json").read_text())
     internal = dict((info.get("internal_states") or [{}])[0])
-    internal.update(max_total_num_tokens=config.pool_tokens, context_length=config.pool_tokens,
-                    max_req_input_len=config.pool_tokens - 1)
-    info.update(internal_states=[internal], context_length=config.pool_tokens, isogate_engine_patch=MARKER,
-                disaggregation_mode=config.role)
-    loads["loads"] = [dict(loads["loads"][0], max_total_num_tokens=config.pool_tokens, num_used_tokens=0)]
-    models = {"object": "list", "data": [{"id": "instant-backend", "object": "model", "owned_by": "bench",
-                                          "max_model_len": config.pool_tokens}]}
+    internal.update(
+        max_total_num_tokens=config.pool_tokens,
+        context_length=config.pool_tokens,
+        max_req_input_len=config.pool_tokens - 1,
+    )
+    info.update(
+        internal_states=[internal],
+        context_length=config.pool_tokens,
+        isogate_engine_patch=MARKER,
+        disaggregation_mode=config.role,
+    )
+    loads["loads"] = [
+        dict(loads["loads"][0], max_total_num_tokens=config.pool_tokens, num_used_tokens=0)
+    ]
+    models = {
+        "object": "list",
+        "data": [
+            {
+                "id": "instant-backend",
+                "object": "model",
+                "owned_by": "bench",
+                "max_model_len": config.pool_tokens,
+            }
+        ],
+    }
     info_body = orjson.dumps(info)
     return {
         b"/server_info": info_body,
@@ -81,7 +99,9 @@ def _static_bodies(config: BackendConfig) -> dict[bytes, bytes]:
 def _head(status: int, content_type: bytes, length: int | None, keep_alive: bool) -> bytes:
     reason = b"OK" if status == 200 else b"Not Found" if status == 404 else b"Error"
     lines = [b"HTTP/1.1 %d %s" % (status, reason), b"content-type: " + content_type]
-    lines.append(b"content-length: %d" % length if length is not None else b"transfer-encoding: chunked")
+    lines.append(
+        b"content-length: %d" % length if length is not None else b"transfer-encoding: chunked"
+    )
     if not keep_alive:
         lines.append(b"connection: close")
     return b"\r\n".join(lines) + b"\r\n\r\n"
@@ -92,7 +112,7 @@ def _chunk(data: bytes) -> bytes:
 
 
 class Request:
-    __slots__ = ("url", "headers", "body")
+    __slots__ = ("body", "headers", "url")
 
     def __init__(self) -> None:
         self.url = b""
@@ -156,7 +176,11 @@ class BackendProtocol(asyncio.Protocol):
                 self._write(_head(404, b"application/json", 2, keep_alive) + b"{}")
             else:
                 self._write(_head(200, b"application/json", len(body), keep_alive) + body)
-        elif method == b"POST" and path in (b"/generate", b"/v1/completions", b"/v1/chat/completions"):
+        elif method == b"POST" and path in (
+            b"/generate",
+            b"/v1/completions",
+            b"/v1/chat/completions",
+        ):
             if self._generate(path, request, keep_alive):
                 return  # a slow stream closes (if it must) when it ends
         else:
@@ -214,13 +238,19 @@ class BackendProtocol(asyncio.Protocol):
 class SGLangAnswer:
     """``/generate``: SGLang's native shape, with the tags engine_patch would echo."""
 
-    def __init__(self, config: BackendConfig, payload: dict[str, Any], headers: dict[bytes, bytes]) -> None:
+    def __init__(
+        self, config: BackendConfig, payload: dict[str, Any], headers: dict[bytes, bytes]
+    ) -> None:
         params = payload.get("sampling_params") or {}
         max_new = int(params.get("max_new_tokens") or config.chunks)
         self._completion = 1 if config.role == "prefill" else max(0, min(config.chunks, max_new))
         rid = payload.get("rid") or uuid.uuid4().hex
         input_ids = payload.get("input_ids")
-        prompt_tokens = len(input_ids) if isinstance(input_ids, list) else len(str(payload.get("text", "")).split())
+        prompt_tokens = (
+            len(input_ids)
+            if isinstance(input_ids, list)
+            else len(str(payload.get("text", "")).split())
+        )
         self._meta: dict[str, Any] = {"id": rid, "prompt_tokens": prompt_tokens, "cached_tokens": 0}
         tenant = headers.get(b"x-isolation-tenant")
         generation = headers.get(b"x-isolation-generation")
@@ -230,22 +260,37 @@ class SGLangAnswer:
             self._meta["isolation_generation"] = generation.decode()
 
     def _body(self, tokens: int) -> bytes:
-        meta = dict(self._meta, completion_tokens=tokens,
-                    finish_reason={"type": "length", "length": tokens} if tokens == self._completion else None)
-        return orjson.dumps({"text": TOKEN_TEXT * tokens, "output_ids": [OUTPUT_TOKEN_ID] * tokens, "meta_info": meta})
+        meta = dict(
+            self._meta,
+            completion_tokens=tokens,
+            finish_reason={"type": "length", "length": tokens}
+            if tokens == self._completion
+            else None,
+        )
+        return orjson.dumps(
+            {
+                "text": TOKEN_TEXT * tokens,
+                "output_ids": [OUTPUT_TOKEN_ID] * tokens,
+                "meta_info": meta,
+            }
+        )
 
     def whole(self) -> bytes:
         return self._body(self._completion)
 
     def events(self) -> list[bytes]:
-        return [b"data: " + self._body(n) + b"\n\n" for n in range(1, self._completion + 1)] + [b"data: [DONE]\n\n"]
+        return [b"data: " + self._body(n) + b"\n\n" for n in range(1, self._completion + 1)] + [
+            b"data: [DONE]\n\n"
+        ]
 
 
 class OpenAIAnswer:
     """``/v1/completions`` and ``/v1/chat/completions``: the OpenAI shape a worker's own API returns."""
 
     def __init__(self, config: BackendConfig, payload: dict[str, Any], *, chat: bool) -> None:
-        max_tokens = int(payload.get("max_tokens") or payload.get("max_completion_tokens") or config.chunks)
+        max_tokens = int(
+            payload.get("max_tokens") or payload.get("max_completion_tokens") or config.chunks
+        )
         self._completion = 1 if config.role == "prefill" else max(0, min(config.chunks, max_tokens))
         self._chat = chat
         self._id = "cmpl-" + uuid.uuid4().hex
@@ -259,12 +304,20 @@ class OpenAIAnswer:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
-        return orjson.dumps({
-            "id": self._id, "object": "chat.completion" if self._chat else "text_completion",
-            "created": self._created, "model": self._model, "choices": [choice],
-            "usage": {"prompt_tokens": 0, "completion_tokens": self._completion,
-                      "total_tokens": self._completion},
-        })
+        return orjson.dumps(
+            {
+                "id": self._id,
+                "object": "chat.completion" if self._chat else "text_completion",
+                "created": self._created,
+                "model": self._model,
+                "choices": [choice],
+                "usage": {
+                    "prompt_tokens": 0,
+                    "completion_tokens": self._completion,
+                    "total_tokens": self._completion,
+                },
+            }
+        )
 
     def events(self) -> list[bytes]:
         events = []
@@ -275,18 +328,28 @@ class OpenAIAnswer:
                 choice["delta"] = {"content": TOKEN_TEXT}
             else:
                 choice["text"] = TOKEN_TEXT
-            events.append(b"data: " + orjson.dumps({
-                "id": self._id, "object": "chat.completion.chunk" if self._chat else "text_completion",
-                "created": self._created, "model": self._model, "choices": [choice],
-            }) + b"\n\n")
+            events.append(
+                b"data: "
+                + orjson.dumps(
+                    {
+                        "id": self._id,
+                        "object": "chat.completion.chunk" if self._chat else "text_completion",
+                        "created": self._created,
+                        "model": self._model,
+                        "choices": [choice],
+                    }
+                )
+                + b"\n\n"
+            )
         return events + [b"data: [DONE]\n\n"]
 
 
 async def serve(config: BackendConfig, host: str, port: int) -> None:
     loop = asyncio.get_running_loop()
     statics = _static_bodies(config)
-    server = await loop.create_server(lambda: BackendProtocol(config, statics), host, port, backlog=4096,
-                                      reuse_address=True)
+    server = await loop.create_server(
+        lambda: BackendProtocol(config, statics), host, port, backlog=4096, reuse_address=True
+    )
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
@@ -295,18 +358,27 @@ async def serve(config: BackendConfig, host: str, port: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--role", choices=("prefill", "decode"), required=True)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--pool-tokens", type=int, default=8_388_608)
-    parser.add_argument("--chunks", type=int, default=4, help="output tokens per request / stream chunks")
+    parser.add_argument(
+        "--chunks", type=int, default=4, help="output tokens per request / stream chunks"
+    )
     parser.add_argument("--stream-interval-s", type=float, default=0.0)
     args = parser.parse_args(argv)
-    config = BackendConfig(role=args.role, pool_tokens=args.pool_tokens, chunks=args.chunks,
-                           stream_interval_s=args.stream_interval_s)
+    config = BackendConfig(
+        role=args.role,
+        pool_tokens=args.pool_tokens,
+        chunks=args.chunks,
+        stream_interval_s=args.stream_interval_s,
+    )
     try:
         import uvloop
+
         uvloop.install()
     except ImportError:
         pass

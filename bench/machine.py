@@ -46,9 +46,14 @@ def load_average() -> str:
 
 
 def describe_machine() -> dict[str, str]:
-    engine_versions = _run([str(ENGINE_PYTHON), "-c",
-                            "from importlib.metadata import version as v; "
-                            "print(v('sglang-router'), v('sglang'), v('torch'))"]).split()
+    engine_versions = _run(
+        [
+            str(ENGINE_PYTHON),
+            "-c",
+            "from importlib.metadata import version as v; "
+            "print(v('sglang-router'), v('sglang'), v('torch'))",
+        ]
+    ).split()
     wrk = _run(["wrk", "-v"]).splitlines()
     return {
         "cpu": _cpu_model(),
@@ -56,10 +61,22 @@ def describe_machine() -> dict[str, str]:
         "memory": f"{_mem_total_gib():.1f} GiB",
         "kernel": platform.release(),
         "python": sys.version.split()[0],
-        "gateway stack": ", ".join(f"{p} {_version(p)}" for p in
-                                   ("uvicorn", "starlette", "httpx", "httptools", "uvloop", "tokenizers", "orjson")),
+        "gateway stack": ", ".join(
+            f"{p} {_version(p)}"
+            for p in (
+                "uvicorn",
+                "starlette",
+                "httpx",
+                "httptools",
+                "uvloop",
+                "tokenizers",
+                "orjson",
+            )
+        ),
         "sglang_router": engine_versions[0] if len(engine_versions) == 3 else "unavailable",
-        "sglang / torch (real-engine run)": " / ".join(engine_versions[1:]) if len(engine_versions) == 3 else "unavailable",
+        "sglang / torch (real-engine run)": " / ".join(engine_versions[1:])
+        if len(engine_versions) == 3
+        else "unavailable",
         "wrk": wrk[0] if wrk else "unavailable",
         "git commit": _run(["git", "rev-parse", "--short", "HEAD"]),
         "load average at start": load_average(),

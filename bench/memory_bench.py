@@ -84,7 +84,9 @@ def established_to(port: int) -> int:
 
 async def _hold(rig: Rig, counts: tuple[int, ...], log) -> tuple[list[dict], float]:
     body = orjson.dumps({"model": SLOW_MODEL, "prompt": PROMPT, "max_tokens": 1024, "stream": True})
-    target = Target(rig.gateway_url + "/v1/completions", body, (("Authorization", f"Bearer {rig.gateway_key}"),))
+    target = Target(
+        rig.gateway_url + "/v1/completions", body, (("Authorization", f"Bearer {rig.gateway_key}"),)
+    )
     held: list[HeldStream] = []
     rows = []
     try:
@@ -99,13 +101,22 @@ async def _hold(rig: Rig, counts: tuple[int, ...], log) -> tuple[list[dict], flo
                 if len(batch) % 100 == 0:
                     await asyncio.sleep(0.05)  # open in waves: no SYN flood against the backlog
             results = await asyncio.gather(*(s.first for s in batch), return_exceptions=True)
-            opened = sum(1 for s in held if s.first.done() and not s.first.exception() and s.first.result())
+            opened = sum(
+                1 for s in held if s.first.done() and not s.first.exception() and s.first.result()
+            )
             open_s = time.perf_counter() - started
             await asyncio.sleep(2.0)  # let buffers and the allocator settle
-            row = {"streams": count, "opened": opened, "rss_mb": _mb(rig.gateway_pid), "open_s": open_s,
-                   "failed": sum(1 for r in results if r is not True)}
+            row = {
+                "streams": count,
+                "opened": opened,
+                "rss_mb": _mb(rig.gateway_pid),
+                "open_s": open_s,
+                "failed": sum(1 for r in results if r is not True),
+            }
             rows.append(row)
-            log(f"  {count} streams held ({opened} flowing, opened in {open_s:.1f} s): gateway RSS {row['rss_mb']:.0f} MB")
+            log(
+                f"  {count} streams held ({opened} flowing, opened in {open_s:.1f} s): gateway RSS {row['rss_mb']:.0f} MB"
+            )
     finally:
         for stream in held:
             stream.close()
@@ -115,7 +126,9 @@ async def _hold(rig: Rig, counts: tuple[int, ...], log) -> tuple[list[dict], flo
 
 def run_memory_bench(rig: Rig, idle_fresh_mb: float, log=print) -> MemoryResult:
     idle_before = _mb(rig.gateway_pid)
-    log(f"  idle: {idle_fresh_mb:.0f} MB just after start, {idle_before:.0f} MB after the other sections")
+    log(
+        f"  idle: {idle_fresh_mb:.0f} MB just after start, {idle_before:.0f} MB after the other sections"
+    )
     rows, _ = asyncio.run(_hold(rig, rig.config.streams, log))
     assert rig.slow_decode.port is not None
     closed_at = time.monotonic()
@@ -126,8 +139,10 @@ def run_memory_bench(rig: Rig, idle_fresh_mb: float, log=print) -> MemoryResult:
     release_s = time.monotonic() - closed_at
     time.sleep(max(0.0, 3.0 - release_s))
     idle_after = _mb(rig.gateway_pid)
-    log(f"  after closing them: {idle_after:.0f} MB; engine streams still open {release_s:.1f} s after the "
-        f"clients left: {upstream_open}")
+    log(
+        f"  after closing them: {idle_after:.0f} MB; engine streams still open {release_s:.1f} s after the "
+        f"clients left: {upstream_open}"
+    )
     # Streams the gateway still pulls would load it during the next sections: end them from
     # the engine side (the slow backend is not used again).
     rig.slow_decode.stop()
@@ -138,7 +153,9 @@ def run_memory_bench(rig: Rig, idle_fresh_mb: float, log=print) -> MemoryResult:
         if len(rows) > 1:  # the slope between the two largest counts, free of one-time growth
             a, b = rows[-2], rows[-1]
             per_1000 = (b["rss_mb"] - a["rss_mb"]) / (b["streams"] - a["streams"]) * 1000
-    return MemoryResult(idle_fresh_mb, idle_before, rows, idle_after, per_1000, upstream_open, release_s)
+    return MemoryResult(
+        idle_fresh_mb, idle_before, rows, idle_after, per_1000, upstream_open, release_s
+    )
 
 
 def memory_as_json(result: MemoryResult) -> dict:

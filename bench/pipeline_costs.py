@@ -43,6 +43,7 @@ SLICE = 1600  # requests per A or B slice
 
 # -- variants: each returns the function that undoes it --------------------------------------
 
+
 def no_tokenizer(components: Any) -> Callable[[], None]:
     import gateway.tokenize as tokenize
 
@@ -65,7 +66,9 @@ def unbatched_tokenizer(components: Any) -> Callable[[], None]:
     original = tokenize.ModelTokenizer._encode
 
     async def one_by_one(self, text: str, *, add_special_tokens: bool) -> list[int]:  # type: ignore[no-untyped-def]
-        return self._tokenizer.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
+        return self._tokenizer.encode_batch_fast([text], add_special_tokens=add_special_tokens)[
+            0
+        ].ids
 
     tokenize.ModelTokenizer._encode = one_by_one  # type: ignore[method-assign]
     return lambda: setattr(tokenize.ModelTokenizer, "_encode", original)
@@ -113,12 +116,21 @@ def no_limits(components: Any) -> Callable[[], None]:
 
 
 VARIANTS: dict[str, Callable[[Any], Callable[[], None]]] = {
-    f.__name__: f for f in (no_tokenizer, no_audit, served_line, no_metrics, no_limits,
-                            audit_from_thread, unbatched_tokenizer)
+    f.__name__: f
+    for f in (
+        no_tokenizer,
+        no_audit,
+        served_line,
+        no_metrics,
+        no_limits,
+        audit_from_thread,
+        unbatched_tokenizer,
+    )
 }
 
 
 # -- the harness ---------------------------------------------------------------------------
+
 
 class InProcessGateway:
     """The ASGI app with its lifespan run by hand; requests are direct ASGI calls."""
@@ -140,8 +152,9 @@ class InProcessGateway:
                 self._started.set()
 
         await self._lifespan.put({"type": "lifespan.startup"})
-        self._task = asyncio.create_task(self.app({"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}},
-                                                  receive, send))
+        self._task = asyncio.create_task(
+            self.app({"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}, receive, send)
+        )
         await asyncio.wait_for(self._started.wait(), 60)
         components = self.app.state.components
         for _ in range(100):
@@ -151,8 +164,12 @@ class InProcessGateway:
         components.store.migrate()
         components.store.create_tenant("bench-tenant")
         key, _ = components.store.create_key("bench-tenant")
-        self._headers = [(b"host", b"gateway"), (b"authorization", f"Bearer {key}".encode()),
-                         (b"content-type", b"application/json"), (b"content-length", str(len(self.body)).encode())]
+        self._headers = [
+            (b"host", b"gateway"),
+            (b"authorization", f"Bearer {key}".encode()),
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(self.body)).encode()),
+        ]
 
     async def stop(self) -> None:
         await self._lifespan.put({"type": "lifespan.shutdown"})
@@ -160,9 +177,19 @@ class InProcessGateway:
             await self._task
 
     async def request(self) -> None:
-        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": self._headers,
-                 "query_string": b"", "root_path": "", "scheme": "http", "server": ("gateway", 80),
-                 "client": ("127.0.0.1", 1), "http_version": "1.1", "asgi": {"version": "3.0"}}
+        scope = {
+            "type": "http",
+            "method": "POST",
+            "path": "/v1/completions",
+            "headers": self._headers,
+            "query_string": b"",
+            "root_path": "",
+            "scheme": "http",
+            "server": ("gateway", 80),
+            "client": ("127.0.0.1", 1),
+            "http_version": "1.1",
+            "asgi": {"version": "3.0"},
+        }
         sent_body = False
         never: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
@@ -218,18 +245,33 @@ async def measure(variants: list[str], rounds: int, stream: bool) -> list[dict[s
                 finally:
                     undo()
             a, b = statistics.median(shipped), statistics.median(variant)
-            rows.append({"variant": name, "shipped_us": round(a, 1), "variant_us": round(b, 1),
-                         "difference_us": round(b - a, 1)})
-            print(f"{name:22} shipped {a:6.0f} µs/req   {name} {b:6.0f} µs/req   difference {b - a:+5.0f} µs",
-                  flush=True)
+            rows.append(
+                {
+                    "variant": name,
+                    "shipped_us": round(a, 1),
+                    "variant_us": round(b, 1),
+                    "difference_us": round(b - a, 1),
+                }
+            )
+            print(
+                f"{name:22} shipped {a:6.0f} µs/req   {name} {b:6.0f} µs/req   difference {b - a:+5.0f} µs",
+                flush=True,
+            )
     finally:
         await gateway.stop()
     return rows
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("variants", nargs="*", metavar="VARIANT", help=f"any of {', '.join(VARIANTS)} (default: all)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "variants",
+        nargs="*",
+        metavar="VARIANT",
+        help=f"any of {', '.join(VARIANTS)} (default: all)",
+    )
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--stream", action="store_true")
     parser.add_argument("--out", type=Path, default=None, help="also write the rows here as JSON")
@@ -241,17 +283,29 @@ def main(argv: list[str] | None = None) -> int:
     config = BenchConfig.from_env()
     work = Path(tempfile.mkdtemp(prefix="isogate-pipeline-costs-"))
     ports = config.ports
-    backends = [instant_backend(role, port, work, cpus=config.helper_cpus, pool_tokens=POOL_TOKENS)
-                for role, port in (("prefill", ports.prefill), ("decode", ports.decode))]
+    backends = [
+        instant_backend(role, port, work, cpus=config.helper_cpus, pool_tokens=POOL_TOKENS)
+        for role, port in (("prefill", ports.prefill), ("decode", ports.decode))
+    ]
     try:
-        pool = BenchPool(f"http://127.0.0.1:{backends[0].port}", ports.bootstrap,
-                         f"http://127.0.0.1:{backends[1].port}")
-        policies = write_bench_policies(work / "policies", tokenizer_dir=ensure_tiny_model(),
-                                        models=[BenchModel(MODEL, 65_536, pool)])
+        pool = BenchPool(
+            f"http://127.0.0.1:{backends[0].port}",
+            ports.bootstrap,
+            f"http://127.0.0.1:{backends[1].port}",
+        )
+        policies = write_bench_policies(
+            work / "policies",
+            tokenizer_dir=ensure_tiny_model(),
+            models=[BenchModel(MODEL, 65_536, pool)],
+        )
         if config.router_cpus:
             os.sched_setaffinity(0, config.router_cpus)  # as the suite pins the gateway
-        os.environ.update(ISOGATE_POLICIES_DIR=str(policies), ISOGATE_DATABASE_URL=f"sqlite:///{work}/isogate.db",
-                          ISOGATE_AUDIT_SPOOL_DIR=str(work / "audit-spool"), ISOGATE_ADMIN_KEY="bench-admin-key-0123")
+        os.environ.update(
+            ISOGATE_POLICIES_DIR=str(policies),
+            ISOGATE_DATABASE_URL=f"sqlite:///{work}/isogate.db",
+            ISOGATE_AUDIT_SPOOL_DIR=str(work / "audit-spool"),
+            ISOGATE_ADMIN_KEY="bench-admin-key-0123",
+        )
         import uvloop
 
         rows = uvloop.run(measure(args.variants, args.rounds, args.stream))

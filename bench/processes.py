@@ -12,9 +12,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import httpx
 import yaml
@@ -69,7 +69,7 @@ def boost(pid: int, nice: int) -> None:
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process, all its threads."""
     stat = Path(f"/proc/{pid}/stat").read_text()
-    fields = stat[stat.rindex(")") + 2:].split()
+    fields = stat[stat.rindex(")") + 2 :].split()
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
@@ -80,11 +80,18 @@ def rss_bytes(pid: int) -> int:
     return 0
 
 
-def wait_http(url: str, timeout_s: float, process: subprocess.Popen[bytes] | None = None, log: Path | None = None) -> None:
+def wait_http(
+    url: str,
+    timeout_s: float,
+    process: subprocess.Popen[bytes] | None = None,
+    log: Path | None = None,
+) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process is not None and process.poll() is not None:
-            tail = log.read_bytes()[-3000:].decode("utf-8", "replace") if log and log.exists() else ""
+            tail = (
+                log.read_bytes()[-3000:].decode("utf-8", "replace") if log and log.exists() else ""
+            )
             raise RuntimeError(f"{url}: process exited with {process.returncode}\n{tail}")
         try:
             if httpx.get(url, timeout=2).status_code == 200:
@@ -113,8 +120,13 @@ class Managed:
         with self.log_path.open("ab") as log:
             cpus = self.cpus
             self.process = subprocess.Popen(
-                list(self.command), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                env={**os.environ, **(self.env or {})}, cwd=REPO_ROOT, start_new_session=True,
+                list(self.command),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **(self.env or {})},
+                cwd=REPO_ROOT,
+                start_new_session=True,
                 preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
             )
         boost(self.process.pid, self.priority)
@@ -146,35 +158,84 @@ class Managed:
         self.process = None
 
 
-def instant_backend(role: str, port: int, log_dir: Path, *, cpus: set[int] | None, pool_tokens: int,
-                    chunks: int = 4, stream_interval_s: float = 0.0, priority: int = 0) -> Managed:
+def instant_backend(
+    role: str,
+    port: int,
+    log_dir: Path,
+    *,
+    cpus: set[int] | None,
+    pool_tokens: int,
+    chunks: int = 4,
+    stream_interval_s: float = 0.0,
+    priority: int = 0,
+) -> Managed:
     port = free_ports(port)
-    command = [sys.executable, "-m", "bench.instant_backend", "--role", role, "--port", str(port),
-               "--pool-tokens", str(pool_tokens), "--chunks", str(chunks),
-               "--stream-interval-s", str(stream_interval_s)]
-    backend = Managed(f"instant-{role}", command, log_dir / f"instant-{role}-{port}.log", cpus,
-                      priority=priority).start()
+    command = [
+        sys.executable,
+        "-m",
+        "bench.instant_backend",
+        "--role",
+        role,
+        "--port",
+        str(port),
+        "--pool-tokens",
+        str(pool_tokens),
+        "--chunks",
+        str(chunks),
+        "--stream-interval-s",
+        str(stream_interval_s),
+    ]
+    backend = Managed(
+        f"instant-{role}", command, log_dir / f"instant-{role}-{port}.log", cpus, priority=priority
+    ).start()
     wait_http(f"http://127.0.0.1:{port}/health", 20, backend.process, backend.log_path)
     backend.port = port
     return backend
 
 
 def _router_command(prefill_url: str, bootstrap_port: int, decode_url: str, port: int) -> list[str]:
-    return [str(ENGINE_PYTHON), "-m", "sglang_router.launch_router", "--pd-disaggregation",
-            "--prefill", prefill_url, str(bootstrap_port), "--decode", decode_url,
-            "--host", "127.0.0.1", "--port", str(port),
-            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(port + 1),
-            "--log-level", "warn", "--worker-startup-check-interval", "1"]
+    return [
+        str(ENGINE_PYTHON),
+        "-m",
+        "sglang_router.launch_router",
+        "--pd-disaggregation",
+        "--prefill",
+        prefill_url,
+        str(bootstrap_port),
+        "--decode",
+        decode_url,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--prometheus-host",
+        "127.0.0.1",
+        "--prometheus-port",
+        str(port + 1),
+        "--log-level",
+        "warn",
+        "--worker-startup-check-interval",
+        "1",
+    ]
 
 
-def sglang_router(prefill_url: str, bootstrap_port: int, decode_url: str, port: int, log_dir: Path, *,
-                  cpus: set[int] | None, priority: int = 0) -> Managed:
+def sglang_router(
+    prefill_url: str,
+    bootstrap_port: int,
+    decode_url: str,
+    port: int,
+    log_dir: Path,
+    *,
+    cpus: set[int] | None,
+    priority: int = 0,
+) -> Managed:
     """SGLang's Rust PD router (``sglang_router`` 0.3.2 from the engine venv), ready on /readiness."""
     for attempt in range(3):
         port = free_ports(port, count=2)  # the router's port and its Prometheus port
         command = _router_command(prefill_url, bootstrap_port, decode_url, port)
-        router = Managed("sglang-router", command, log_dir / f"sglang-router-{port}.log", cpus,
-                         priority=priority).start()
+        router = Managed(
+            "sglang-router", command, log_dir / f"sglang-router-{port}.log", cpus, priority=priority
+        ).start()
         try:
             wait_http(f"http://127.0.0.1:{port}/readiness", 90, router.process, router.log_path)
             router.port = port
@@ -207,23 +268,45 @@ class BenchModel:
     require_engine_tags: bool = True
 
 
-def write_bench_policies(directory: Path, *, tokenizer_dir: Path, models: Sequence[BenchModel]) -> Path:
+def write_bench_policies(
+    directory: Path, *, tokenizer_dir: Path, models: Sequence[BenchModel]
+) -> Path:
     """Policies for the bench models (one shared pool each) and tenant limits too high to matter."""
     directory.mkdir(parents=True, exist_ok=True)
 
     def pool(spec: BenchPool) -> dict:
-        return {"name": "bench", "prefill": [{"url": spec.prefill_url, "bootstrap_port": spec.bootstrap_port}],
-                "decode": [{"url": spec.decode_url}]}
+        return {
+            "name": "bench",
+            "prefill": [{"url": spec.prefill_url, "bootstrap_port": spec.bootstrap_port}],
+            "decode": [{"url": spec.decode_url}],
+        }
 
-    (directory / "models.yaml").write_text(yaml.safe_dump({"models": [
-        {"name": m.name, "tokenizer": str(tokenizer_dir), "max_context_tokens": m.max_context_tokens,
-         "default_max_tokens": 16, "max_output_tokens": 1024, "require_engine_tags": m.require_engine_tags,
-         "pools": [pool(m.pool)]}
-        for m in models
-    ]}))
-    limits = {"requests_per_minute": 100_000_000, "tokens_per_minute": 2_000_000_000_000, "max_concurrent": 1_000_000}
-    (directory / "tenants.yaml").write_text(yaml.safe_dump({"defaults": {"isolation": "shared", "limits": limits},
-                                                            "tenants": {}}))
+    (directory / "models.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "models": [
+                    {
+                        "name": m.name,
+                        "tokenizer": str(tokenizer_dir),
+                        "max_context_tokens": m.max_context_tokens,
+                        "default_max_tokens": 16,
+                        "max_output_tokens": 1024,
+                        "require_engine_tags": m.require_engine_tags,
+                        "pools": [pool(m.pool)],
+                    }
+                    for m in models
+                ]
+            }
+        )
+    )
+    limits = {
+        "requests_per_minute": 100_000_000,
+        "tokens_per_minute": 2_000_000_000_000,
+        "max_concurrent": 1_000_000,
+    }
+    (directory / "tenants.yaml").write_text(
+        yaml.safe_dump({"defaults": {"isolation": "shared", "limits": limits}, "tenants": {}})
+    )
     return directory
 
 
@@ -248,24 +331,46 @@ class PatchedGatewayProcess(GatewayProcess):
     def start(self, *, wait_ready: bool = True, timeout_s: float = 60.0) -> GatewayProcess:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         env = dict(self.environment(), PYTHONPATH=str(self.root))
-        subprocess.run([sys.executable, "-m", "gateway", "migrate"], env=env, check=True, cwd=self.root,
-                       stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [sys.executable, "-m", "gateway", "migrate"],
+            env=env,
+            check=True,
+            cwd=self.root,
+            stdout=subprocess.DEVNULL,
+        )
         with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen([sys.executable, "-m", "gateway", "serve"], env=env, cwd=self.root,
-                                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "gateway", "serve"],
+                env=env,
+                cwd=self.root,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         self._wait("/readyz" if wait_ready else "/healthz", timeout_s)
         return self
 
 
-def start_gateway(policies_dir: Path, work_dir: Path, port: int, *, cpus: set[int] | None,
-                  env: dict[str, str] | None = None, priority: int = 0,
-                  root: Path | None = None) -> tuple[GatewayProcess, str]:
+def start_gateway(
+    policies_dir: Path,
+    work_dir: Path,
+    port: int,
+    *,
+    cpus: set[int] | None,
+    env: dict[str, str] | None = None,
+    priority: int = 0,
+    root: Path | None = None,
+) -> tuple[GatewayProcess, str]:
     """``python -m gateway serve`` (the harness's GatewayProcess), pinned; returns it and a tenant key.
 
     ``root``: run the ``gateway`` package of that directory instead of this checkout's.
     """
-    kwargs = dict(policies_dir=policies_dir, work_dir=work_dir, port=free_ports(port),
-                  env={"ISOGATE_CAPACITY_POLL_INTERVAL_S": "1.0", **(env or {})})
+    kwargs = dict(
+        policies_dir=policies_dir,
+        work_dir=work_dir,
+        port=free_ports(port),
+        env={"ISOGATE_CAPACITY_POLL_INTERVAL_S": "1.0", **(env or {})},
+    )
     gateway = PatchedGatewayProcess(root, **kwargs) if root else GatewayProcess(**kwargs)
     try:
         gateway.start(timeout_s=60)

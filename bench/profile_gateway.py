@@ -21,7 +21,13 @@ import threading
 from pathlib import Path
 
 from bench.config import BenchConfig
-from bench.processes import BenchModel, BenchPool, instant_backend, start_gateway, write_bench_policies
+from bench.processes import (
+    BenchModel,
+    BenchPool,
+    instant_backend,
+    start_gateway,
+    write_bench_policies,
+)
 from bench.rig import MODEL, POOL_TOKENS
 from bench.routing_bench import request_body
 from bench.wrk import run_wrk
@@ -59,7 +65,9 @@ def summarise(collapsed: Path, top: int = 25) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--seconds", type=int, default=10)
     parser.add_argument("--stream", action="store_true")
@@ -75,12 +83,34 @@ def main(argv: list[str] | None = None) -> int:
     try:
         ports = config.ports
         for role, port in (("prefill", ports.prefill), ("decode", ports.decode)):
-            started.append(instant_backend(role, port, work, cpus=config.helper_cpus, pool_tokens=POOL_TOKENS, priority=config.priority))
-        pool = BenchPool(f"http://127.0.0.1:{started[0].port}", ports.bootstrap, f"http://127.0.0.1:{started[1].port}")
-        policies = write_bench_policies(work / "policies", tokenizer_dir=ensure_tiny_model(),
-                                        models=[BenchModel(MODEL, 65_536, pool)])
-        gateway, key = start_gateway(policies, work / "gateway", ports.gateway, cpus=config.router_cpus, priority=config.priority,
-                                     root=config.gateway_root)
+            started.append(
+                instant_backend(
+                    role,
+                    port,
+                    work,
+                    cpus=config.helper_cpus,
+                    pool_tokens=POOL_TOKENS,
+                    priority=config.priority,
+                )
+            )
+        pool = BenchPool(
+            f"http://127.0.0.1:{started[0].port}",
+            ports.bootstrap,
+            f"http://127.0.0.1:{started[1].port}",
+        )
+        policies = write_bench_policies(
+            work / "policies",
+            tokenizer_dir=ensure_tiny_model(),
+            models=[BenchModel(MODEL, 65_536, pool)],
+        )
+        gateway, key = start_gateway(
+            policies,
+            work / "gateway",
+            ports.gateway,
+            cpus=config.router_cpus,
+            priority=config.priority,
+            root=config.gateway_root,
+        )
         url = gateway.url + "/v1/completions"
         body = request_body(args.stream)
         run_wrk(url, body, connections=4, duration_s=1, auth=key, cpus=config.helper_cpus)  # warm
@@ -88,15 +118,56 @@ def main(argv: list[str] | None = None) -> int:
         collapsed, svg = RESULTS / f"{name}.collapsed.txt", RESULTS / f"{name}.svg"
         assert gateway.process is not None
         pid = str(gateway.process.pid)
-        record = subprocess.Popen([py_spy(), "record", "--pid", pid, "--rate", str(args.rate), "--duration",
-                                   str(args.seconds), "--format", "raw", "--output", str(collapsed), "--nonblocking"],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        flame = subprocess.Popen([py_spy(), "record", "--pid", pid, "--rate", "50", "--duration",
-                                  str(args.seconds), "--output", str(svg), "--nonblocking"],
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        record = subprocess.Popen(
+            [
+                py_spy(),
+                "record",
+                "--pid",
+                pid,
+                "--rate",
+                str(args.rate),
+                "--duration",
+                str(args.seconds),
+                "--format",
+                "raw",
+                "--output",
+                str(collapsed),
+                "--nonblocking",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        flame = subprocess.Popen(
+            [
+                py_spy(),
+                "record",
+                "--pid",
+                pid,
+                "--rate",
+                "50",
+                "--duration",
+                str(args.seconds),
+                "--output",
+                str(svg),
+                "--nonblocking",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         result: dict = {}
-        load = threading.Thread(target=lambda: result.setdefault("wrk", run_wrk(
-            url, body, connections=args.concurrency, duration_s=args.seconds, auth=key, cpus=config.helper_cpus)))
+        load = threading.Thread(
+            target=lambda: result.setdefault(
+                "wrk",
+                run_wrk(
+                    url,
+                    body,
+                    connections=args.concurrency,
+                    duration_s=args.seconds,
+                    auth=key,
+                    cpus=config.helper_cpus,
+                ),
+            )
+        )
         load.start()
         load.join()
         record.wait(timeout=60)

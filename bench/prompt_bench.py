@@ -32,13 +32,17 @@ from bench.stream_client import Target, percentile, run_load
 from gateway.dev.model import ensure_tiny_model
 from gateway.tokenize import ModelTokenizer
 
-PARAGRAPH = ("The quick brown fox jumps over the lazy dog while the gateway counts every token exactly; "
-             "prefill and decode pools hold what admission lets through, and nothing more. ")
+PARAGRAPH = (
+    "The quick brown fox jumps over the lazy dog while the gateway counts every token exactly; "
+    "prefill and decode pools hold what admission lets through, and nothing more. "
+)
 
 
 def text_of_tokens(tokenizer: ModelTokenizer, tokens: int) -> str:
     """Text that encodes to about ``tokens`` tokens (calibrated on the paragraph)."""
-    per_paragraph = len(tokenizer._tokenizer.encode(PARAGRAPH * 8, add_special_tokens=False).ids) / 8
+    per_paragraph = (
+        len(tokenizer._tokenizer.encode(PARAGRAPH * 8, add_special_tokens=False).ids) / 8
+    )
     return PARAGRAPH * max(1, round(tokens / per_paragraph))
 
 
@@ -65,7 +69,9 @@ class RefusalRow:
     p50_ms: float
     min_ms: float
     max_ms: float
-    floor_p50_ms: float | None  # the same body POSTed to the instant backend: loopback upload + JSON parse
+    floor_p50_ms: (
+        float | None
+    )  # the same body POSTed to the instant backend: loopback upload + JSON parse
 
 
 @dataclass
@@ -90,12 +96,17 @@ def _client(timeout_s: float) -> httpx.Client:
 
 def _post(client: httpx.Client, rig: Rig, body: bytes) -> tuple[float, httpx.Response]:
     started = time.perf_counter()
-    response = client.post(rig.gateway_url + "/v1/completions", content=body,
-                           headers={"Authorization": f"Bearer {rig.gateway_key}", "Content-Type": "application/json"})
+    response = client.post(
+        rig.gateway_url + "/v1/completions",
+        content=body,
+        headers={"Authorization": f"Bearer {rig.gateway_key}", "Content-Type": "application/json"},
+    )
     return (time.perf_counter() - started) * 1000, response
 
 
-def raw_post(url: str, body: bytes, headers: dict[str, str], timeout_s: float = 120.0) -> tuple[float, int, bytes]:
+def raw_post(
+    url: str, body: bytes, headers: dict[str, str], timeout_s: float = 120.0
+) -> tuple[float, int, bytes]:
     """POST ``body`` over a plain socket: milliseconds from the first byte sent to the whole
     answer, the status and the answer's body.
 
@@ -108,8 +119,10 @@ def raw_post(url: str, body: bytes, headers: dict[str, str], timeout_s: float = 
     """
     parts = urlsplit(url)
     head = "".join(f"{name}: {value}\r\n" for name, value in headers.items())
-    request_head = (f"POST {parts.path} HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Length: {len(body)}\r\n"
-                    f"{head}\r\n").encode("latin-1")
+    request_head = (
+        f"POST {parts.path} HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Length: {len(body)}\r\n"
+        f"{head}\r\n"
+    ).encode("latin-1")
     with socket.create_connection((parts.hostname, parts.port), timeout=timeout_s) as sock:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         started = time.perf_counter()
@@ -122,8 +135,14 @@ def raw_post(url: str, body: bytes, headers: dict[str, str], timeout_s: float = 
                 raise ConnectionError("the server closed the connection before answering")
             answer += data
         answer_head, _, answer_body = answer.partition(b"\r\n\r\n")
-        length = next((int(line.split(b":", 1)[1]) for line in answer_head.split(b"\r\n")
-                       if line.lower().startswith(b"content-length:")), None)
+        length = next(
+            (
+                int(line.split(b":", 1)[1])
+                for line in answer_head.split(b"\r\n")
+                if line.lower().startswith(b"content-length:")
+            ),
+            None,
+        )
         while length is not None and len(answer_body) < length:
             data = sock.recv(65536)
             if not data:
@@ -153,11 +172,20 @@ def tokenize_rows(rig: Rig, log=print) -> list[TokenizeRow]:
             admission_us = (time.perf_counter() - started) * 1000  # per call, in µs (1000 calls)
             body = orjson.dumps({"model": LONG_MODEL, "prompt": text, "max_tokens": 4})
             http = [_post(client, rig, body) for _ in range(repeats)]
-            row = TokenizeRow(target, len(ids), len(text) / 1e6, min(encode_ms), admission_us,
-                              statistics.median(ms for ms, _ in http), http[-1][1].status_code)
+            row = TokenizeRow(
+                target,
+                len(ids),
+                len(text) / 1e6,
+                min(encode_ms),
+                admission_us,
+                statistics.median(ms for ms, _ in http),
+                http[-1][1].status_code,
+            )
             rows.append(row)
-            log(f"  {row.tokens:>9,} tokens ({row.megabytes:6.2f} MB): encode {row.encode_ms:8.1f} ms  "
-                f"admission {row.admission_us:6.1f} us  via gateway {row.http_ms:8.1f} ms (HTTP {row.http_status})")
+            log(
+                f"  {row.tokens:>9,} tokens ({row.megabytes:6.2f} MB): encode {row.encode_ms:8.1f} ms  "
+                f"admission {row.admission_us:6.1f} us  via gateway {row.http_ms:8.1f} ms (HTTP {row.http_status})"
+            )
     return rows
 
 
@@ -167,19 +195,29 @@ def refusal_rows(rig: Rig, log=print) -> list[RefusalRow]:
     rows = []
     for megabytes in rig.config.refusal_megabytes:
         body = _over_limit_body(megabytes)
-        row = _refused(rig.gateway_url, rig.gateway_key, megabytes, body, rig.config.refusal_repeats)
-        floor = [raw_post(rig.direct_url + "/v1/completions", body, {"Content-Type": "application/json"})[0]
-                 for _ in range(rig.config.refusal_repeats)]
+        row = _refused(
+            rig.gateway_url, rig.gateway_key, megabytes, body, rig.config.refusal_repeats
+        )
+        floor = [
+            raw_post(
+                rig.direct_url + "/v1/completions", body, {"Content-Type": "application/json"}
+            )[0]
+            for _ in range(rig.config.refusal_repeats)
+        ]
         row.floor_p50_ms = statistics.median(floor)
         rows.append(row)
-        log(f"  refuse {megabytes:>3} MB: HTTP {row.status} {row.code}  p50 {row.p50_ms:7.1f} ms  "
+        log(
+            f"  refuse {megabytes:>3} MB: HTTP {row.status} {row.code}  p50 {row.p50_ms:7.1f} ms  "
             f"min {row.min_ms:7.1f} ms  max {row.max_ms:7.1f} ms  (floor: upload + parse at the instant "
-            f"backend {row.floor_p50_ms:.1f} ms)")
+            f"backend {row.floor_p50_ms:.1f} ms)"
+        )
     return rows
 
 
 def _over_limit_body(megabytes: int) -> bytes:
-    return orjson.dumps({"model": MODEL, "prompt": text_of_bytes(megabytes * 1_000_000), "max_tokens": 4})
+    return orjson.dumps(
+        {"model": MODEL, "prompt": text_of_bytes(megabytes * 1_000_000), "max_tokens": 4}
+    )
 
 
 def _refused(gateway_url: str, key: str, megabytes: int, body: bytes, repeats: int) -> RefusalRow:
@@ -193,7 +231,9 @@ def _refused(gateway_url: str, key: str, megabytes: int, body: bytes, repeats: i
         code = orjson.loads(answer).get("error", {}).get("code")
     except (orjson.JSONDecodeError, AttributeError):
         code = None
-    return RefusalRow(megabytes, status, code, statistics.median(times), min(times), max(times), None)
+    return RefusalRow(
+        megabytes, status, code, statistics.median(times), min(times), max(times), None
+    )
 
 
 # The body cap of the second gateway in ``capped_refusal``: a size a platform team might set
@@ -208,26 +248,43 @@ def capped_refusal(rig: Rig, megabytes: int = 50, log=print) -> RefusalRow:
     below 64 MiB, because a cap refuses bodies padded with anything, not only long prompts."""
     port = free_ports(rig.config.ports.gateway + 20)
     # Its own policies, the model alone: the rig's also name the slow backend, stopped by now.
-    policies = write_bench_policies(rig.work_dir / "policies-capped", tokenizer_dir=ensure_tiny_model(),
-                                    models=[BenchModel(MODEL, 65_536, rig.pool)])
-    gateway, key = start_gateway(policies, rig.work_dir / "gateway-capped", port,
-                                 cpus=rig.config.router_cpus, priority=rig.config.priority,
-                                 root=rig.config.gateway_root,
-                                 env={"ISOGATE_MAX_BODY_BYTES": str(CAPPED_BODY_BYTES)})
+    policies = write_bench_policies(
+        rig.work_dir / "policies-capped",
+        tokenizer_dir=ensure_tiny_model(),
+        models=[BenchModel(MODEL, 65_536, rig.pool)],
+    )
+    gateway, key = start_gateway(
+        policies,
+        rig.work_dir / "gateway-capped",
+        port,
+        cpus=rig.config.router_cpus,
+        priority=rig.config.priority,
+        root=rig.config.gateway_root,
+        env={"ISOGATE_MAX_BODY_BYTES": str(CAPPED_BODY_BYTES)},
+    )
     try:
-        row = _refused(gateway.url, key, megabytes, _over_limit_body(megabytes), rig.config.refusal_repeats)
+        row = _refused(
+            gateway.url, key, megabytes, _over_limit_body(megabytes), rig.config.refusal_repeats
+        )
     finally:
         gateway.stop()
-    log(f"  refuse {megabytes:>3} MB with a {CAPPED_BODY_BYTES / 2**20:.0f} MiB body cap: HTTP {row.status} {row.code}  "
-        f"p50 {row.p50_ms:7.1f} ms  min {row.min_ms:7.1f} ms  max {row.max_ms:7.1f} ms")
+    log(
+        f"  refuse {megabytes:>3} MB with a {CAPPED_BODY_BYTES / 2**20:.0f} MiB body cap: HTTP {row.status} {row.code}  "
+        f"p50 {row.p50_ms:7.1f} ms  min {row.min_ms:7.1f} ms  max {row.max_ms:7.1f} ms"
+    )
     return row
 
 
 def blocking(rig: Rig, big_tokens: int = 1_000_000, log=print) -> BlockingResult:
     tokenizer = ModelTokenizer(ensure_tiny_model())
-    big_body = orjson.dumps({"model": LONG_MODEL, "prompt": text_of_tokens(tokenizer, big_tokens), "max_tokens": 4})
-    small = Target(rig.gateway_url + "/v1/completions", request_body(False),
-                   (("Authorization", f"Bearer {rig.gateway_key}"),))
+    big_body = orjson.dumps(
+        {"model": LONG_MODEL, "prompt": text_of_tokens(tokenizer, big_tokens), "max_tokens": 4}
+    )
+    small = Target(
+        rig.gateway_url + "/v1/completions",
+        request_body(False),
+        (("Authorization", f"Bearer {rig.gateway_key}"),),
+    )
     baseline = asyncio.run(run_load(small, concurrency=1, duration_s=1.5, warmup_requests=3)).ok()
     big: dict = {}
 
@@ -248,12 +305,23 @@ def blocking(rig: Rig, big_tokens: int = 1_000_000, log=print) -> BlockingResult
 
     during = sorted(asyncio.run(small_while_big()))
     base = sorted(s.total_s * 1000 for s in baseline)
-    result = BlockingResult(big_tokens, big["ms"], big["status"], percentile(base, 0.5), percentile(base, 0.99),
-                            len(during), percentile(during, 0.5), percentile(during, 0.99), max(during, default=0.0))
-    log(f"  1M-token prompt in flight {result.big_ms:.0f} ms (HTTP {result.big_status}); small requests: "
+    result = BlockingResult(
+        big_tokens,
+        big["ms"],
+        big["status"],
+        percentile(base, 0.5),
+        percentile(base, 0.99),
+        len(during),
+        percentile(during, 0.5),
+        percentile(during, 0.99),
+        max(during, default=0.0),
+    )
+    log(
+        f"  1M-token prompt in flight {result.big_ms:.0f} ms (HTTP {result.big_status}); small requests: "
         f"baseline p50 {result.baseline_p50_ms:.2f} ms p99 {result.baseline_p99_ms:.2f} ms; during "
         f"n={result.during_requests} p50 {result.during_p50_ms:.2f} ms p99 {result.during_p99_ms:.2f} ms "
-        f"max {result.during_max_ms:.1f} ms")
+        f"max {result.during_max_ms:.1f} ms"
+    )
     return result
 
 
@@ -270,6 +338,10 @@ def run_prompt_bench(rig: Rig, log=print) -> dict:
         block = blocking(rig, log=log)
     finally:
         pin(rig.gateway_pid, rig.config.router_cpus)
-    return {"tokenize": [asdict(r) for r in tokenize], "refusal": [asdict(r) for r in refusals],
-            "refusal_capped": asdict(capped), "capped_body_bytes": CAPPED_BODY_BYTES,
-            "blocking": asdict(block)}
+    return {
+        "tokenize": [asdict(r) for r in tokenize],
+        "refusal": [asdict(r) for r in refusals],
+        "refusal_capped": asdict(capped),
+        "capped_body_bytes": CAPPED_BODY_BYTES,
+        "blocking": asdict(block),
+    }

@@ -22,7 +22,14 @@ import httpx
 import orjson
 
 from bench.config import BenchConfig
-from bench.processes import BenchModel, BenchPool, free_ports, sglang_router, start_gateway, write_bench_policies
+from bench.processes import (
+    BenchModel,
+    BenchPool,
+    free_ports,
+    sglang_router,
+    start_gateway,
+    write_bench_policies,
+)
 from bench.routing_bench import PROMPT
 from bench.stream_client import RunResult, Target, run_load, run_pd_direct
 from gateway.capacity import ENGINE_PATCH_MARKER
@@ -55,8 +62,17 @@ def available_gib() -> float:
 
 def _cell(name: str, mode: str, concurrency: int, result: RunResult) -> RealCell:
     s = result.summary()
-    return RealCell(name, mode, concurrency, int(s["requests"]), int(s["non_200"]), s["total_p50_ms"],
-                    s["total_p99_ms"], s["ttft_p50_ms"] if mode == "stream" else None, s["rps"])
+    return RealCell(
+        name,
+        mode,
+        concurrency,
+        int(s["requests"]),
+        int(s["non_200"]),
+        s["total_p50_ms"],
+        s["total_p99_ms"],
+        s["ttft_p50_ms"] if mode == "stream" else None,
+        s["rps"],
+    )
 
 
 def run_real_engine_bench(config: BenchConfig, work_dir: Path, log=print) -> dict:
@@ -64,10 +80,16 @@ def run_real_engine_bench(config: BenchConfig, work_dir: Path, log=print) -> dic
         return {"skipped": "BENCH_REAL_ENGINE=0"}
     free = available_gib()
     if free < MIN_AVAILABLE_GIB:
-        return {"skipped": f"only {free:.1f} GiB available (< {MIN_AVAILABLE_GIB} GiB needed for a PD pair)"}
+        return {
+            "skipped": f"only {free:.1f} GiB available (< {MIN_AVAILABLE_GIB} GiB needed for a PD pair)"
+        }
     ports = config.ports
-    spec = default_cluster_spec(prefill_port=free_ports(ports.real_prefill), decode_port=free_ports(ports.real_decode),
-                                bootstrap_port=free_ports(ports.real_bootstrap), log_dir=work_dir / "sglang")
+    spec = default_cluster_spec(
+        prefill_port=free_ports(ports.real_prefill),
+        decode_port=free_ports(ports.real_decode),
+        bootstrap_port=free_ports(ports.real_bootstrap),
+        log_dir=work_dir / "sglang",
+    )
     cluster = PDCluster(spec)
     router = gateway = None
     started = time.monotonic()
@@ -84,12 +106,23 @@ def run_real_engine_bench(config: BenchConfig, work_dir: Path, log=print) -> dic
         log(f"  PD pair ready in {time.monotonic() - started:.0f} s")
         info = httpx.get(f"{cluster.decode_url}/server_info", timeout=10).json()
         tags = bool(info.get(ENGINE_PATCH_MARKER))
-        router = sglang_router(cluster.prefill_url, cluster.bootstrap_port, cluster.decode_url, ports.real_router,
-                               work_dir, cpus=None)
+        router = sglang_router(
+            cluster.prefill_url,
+            cluster.bootstrap_port,
+            cluster.decode_url,
+            ports.real_router,
+            work_dir,
+            cpus=None,
+        )
         pool = BenchPool(cluster.prefill_url, cluster.bootstrap_port, cluster.decode_url)
-        policies = write_bench_policies(work_dir / "real-policies", tokenizer_dir=spec.model_dir,
-                                        models=[BenchModel(MODEL, spec.prefill.max_total_tokens, pool, tags)])
-        gateway, key = start_gateway(policies, work_dir / "real-gateway", ports.real_gateway, cpus=None)
+        policies = write_bench_policies(
+            work_dir / "real-policies",
+            tokenizer_dir=spec.model_dir,
+            models=[BenchModel(MODEL, spec.prefill.max_total_tokens, pool, tags)],
+        )
+        gateway, key = start_gateway(
+            policies, work_dir / "real-gateway", ports.real_gateway, cpus=None
+        )
         cells = []
         for stream in (False, True):
             mode = "stream" if stream else "plain"
@@ -98,22 +131,43 @@ def run_real_engine_bench(config: BenchConfig, work_dir: Path, log=print) -> dic
             auth = (("Authorization", f"Bearer {key}"),)
             for concurrency, total in ((1, config.real_requests), (4, config.real_requests * 2)):
                 runs = {
-                    "direct": run_pd_direct(cluster.prefill_url, cluster.decode_url, cluster.bootstrap_port, body,
-                                            concurrency=concurrency, total_requests=total),
-                    "sglang_router": run_load(Target(f"http://127.0.0.1:{router.port}/v1/completions", raw,
-                                                     fresh_rid=True),
-                                              concurrency=concurrency, total_requests=total, warmup_requests=1),
-                    "gateway": run_load(Target(gateway.url + "/v1/completions", raw, auth),
-                                        concurrency=concurrency, total_requests=total, warmup_requests=1),
+                    "direct": run_pd_direct(
+                        cluster.prefill_url,
+                        cluster.decode_url,
+                        cluster.bootstrap_port,
+                        body,
+                        concurrency=concurrency,
+                        total_requests=total,
+                    ),
+                    "sglang_router": run_load(
+                        Target(
+                            f"http://127.0.0.1:{router.port}/v1/completions", raw, fresh_rid=True
+                        ),
+                        concurrency=concurrency,
+                        total_requests=total,
+                        warmup_requests=1,
+                    ),
+                    "gateway": run_load(
+                        Target(gateway.url + "/v1/completions", raw, auth),
+                        concurrency=concurrency,
+                        total_requests=total,
+                        warmup_requests=1,
+                    ),
                 }
                 for name, run in runs.items():
                     cell = _cell(name, mode, concurrency, asyncio.run(run))
                     cells.append(cell)
-                    log(f"  real {mode:6} c={concurrency} {name:14} n={cell.requests:<3} p50 {cell.p50_ms:7.1f} ms  "
-                        f"p99 {cell.p99_ms:7.1f} ms" + (f"  ttft p50 {cell.ttft_p50_ms:7.1f} ms" if stream else "")
-                        + f"  errors {cell.errors}")
-        return {"engine_tags": tags, "cells": [asdict(c) for c in cells],
-                "startup_s": time.monotonic() - started}
+                    log(
+                        f"  real {mode:6} c={concurrency} {name:14} n={cell.requests:<3} p50 {cell.p50_ms:7.1f} ms  "
+                        f"p99 {cell.p99_ms:7.1f} ms"
+                        + (f"  ttft p50 {cell.ttft_p50_ms:7.1f} ms" if stream else "")
+                        + f"  errors {cell.errors}"
+                    )
+        return {
+            "engine_tags": tags,
+            "cells": [asdict(c) for c in cells],
+            "startup_s": time.monotonic() - started,
+        }
     except Exception as exc:  # report, never leave the pair running
         log(f"  real-engine run failed: {type(exc).__name__}: {exc}")
         return {"failed": f"{type(exc).__name__}: {str(exc)[:2000]}"}
@@ -123,4 +177,3 @@ def run_real_engine_bench(config: BenchConfig, work_dir: Path, log=print) -> dic
         if router is not None:
             router.stop()
         cluster.stop()
-

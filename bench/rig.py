@@ -4,13 +4,20 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 from bench.config import BenchConfig
-from bench.processes import (BenchModel, BenchPool, Managed, instant_backend, sglang_router, start_gateway,
-                             write_bench_policies)
+from bench.processes import (
+    BenchModel,
+    BenchPool,
+    Managed,
+    instant_backend,
+    sglang_router,
+    start_gateway,
+    write_bench_policies,
+)
 from gateway.dev.model import ensure_tiny_model
 from tests.harness import GatewayProcess
 
@@ -52,28 +59,69 @@ def instant_rig(config: BenchConfig, work_dir: Path) -> Iterator[Rig]:
     try:
         backends = {}
         for name, role, port, kwargs in (
-                ("prefill", "prefill", ports.prefill, {}), ("decode", "decode", ports.decode, {}),
-                ("slow", "decode", ports.slow_decode, {"chunks": SLOW_STREAM_CHUNKS,
-                                                       "stream_interval_s": SLOW_STREAM_INTERVAL_S})):
-            backends[name] = instant_backend(role, port, work_dir, cpus=config.helper_cpus, pool_tokens=POOL_TOKENS,
-                                             priority=config.priority, **kwargs)
+            ("prefill", "prefill", ports.prefill, {}),
+            ("decode", "decode", ports.decode, {}),
+            (
+                "slow",
+                "decode",
+                ports.slow_decode,
+                {"chunks": SLOW_STREAM_CHUNKS, "stream_interval_s": SLOW_STREAM_INTERVAL_S},
+            ),
+        ):
+            backends[name] = instant_backend(
+                role,
+                port,
+                work_dir,
+                cpus=config.helper_cpus,
+                pool_tokens=POOL_TOKENS,
+                priority=config.priority,
+                **kwargs,
+            )
             started.append(backends[name])
-        prefill_url, decode_url = (f"http://127.0.0.1:{backends[n].port}" for n in ("prefill", "decode"))
+        prefill_url, decode_url = (
+            f"http://127.0.0.1:{backends[n].port}" for n in ("prefill", "decode")
+        )
         slow_url = f"http://127.0.0.1:{backends['slow'].port}"
-        router = sglang_router(prefill_url, ports.bootstrap, decode_url, ports.router, work_dir,
-                               cpus=config.router_cpus, priority=config.priority)
+        router = sglang_router(
+            prefill_url,
+            ports.bootstrap,
+            decode_url,
+            ports.router,
+            work_dir,
+            cpus=config.router_cpus,
+            priority=config.priority,
+        )
         started.append(router)
         pool = BenchPool(prefill_url, ports.bootstrap, decode_url)
         slow_pool = BenchPool(prefill_url, ports.bootstrap, slow_url)
-        policies = write_bench_policies(work_dir / "policies", tokenizer_dir=ensure_tiny_model(), models=[
-            BenchModel(MODEL, 65_536, pool),
-            BenchModel(LONG_MODEL, 4_194_304, pool),
-            BenchModel(SLOW_MODEL, 65_536, slow_pool),
-        ])
-        gateway, key = start_gateway(policies, work_dir / "gateway", ports.gateway, cpus=config.router_cpus,
-                                     priority=config.priority, root=config.gateway_root)
-        yield Rig(config, work_dir, decode_url, f"http://127.0.0.1:{router.port}", router, gateway, key,
-                  backends["slow"], pool)
+        policies = write_bench_policies(
+            work_dir / "policies",
+            tokenizer_dir=ensure_tiny_model(),
+            models=[
+                BenchModel(MODEL, 65_536, pool),
+                BenchModel(LONG_MODEL, 4_194_304, pool),
+                BenchModel(SLOW_MODEL, 65_536, slow_pool),
+            ],
+        )
+        gateway, key = start_gateway(
+            policies,
+            work_dir / "gateway",
+            ports.gateway,
+            cpus=config.router_cpus,
+            priority=config.priority,
+            root=config.gateway_root,
+        )
+        yield Rig(
+            config,
+            work_dir,
+            decode_url,
+            f"http://127.0.0.1:{router.port}",
+            router,
+            gateway,
+            key,
+            backends["slow"],
+            pool,
+        )
     finally:
         if gateway is not None:
             gateway.stop()

@@ -67,8 +67,14 @@ def run_routing_bench(rig: Rig, log=print) -> list[Cell]:
     # Warm every path (connection pools, tokenizer, auth cache).
     for _, url, _ in _targets(rig):
         for stream in (False, True):
-            run_wrk(url + "/v1/completions", request_body(stream), connections=4, duration_s=1, auth=rig.gateway_key,
-                    cpus=config.helper_cpus)
+            run_wrk(
+                url + "/v1/completions",
+                request_body(stream),
+                connections=4,
+                duration_s=1,
+                auth=rig.gateway_key,
+                cpus=config.helper_cpus,
+            )
     for stream in (False, True):
         mode = "stream" if stream else "plain"
         for concurrency in config.concurrencies:
@@ -76,53 +82,110 @@ def run_routing_bench(rig: Rig, log=print) -> list[Cell]:
             for _ in range(config.routing_rounds):
                 for name, url, pgid in _targets(rig):
                     cpu_before, wall_before = _cpu(pgid), time.perf_counter()
-                    result = run_wrk(url + "/v1/completions", request_body(stream), connections=concurrency,
-                                     duration_s=config.wrk_duration_s, auth=rig.gateway_key, cpus=config.helper_cpus)
+                    result = run_wrk(
+                        url + "/v1/completions",
+                        request_body(stream),
+                        connections=concurrency,
+                        duration_s=config.wrk_duration_s,
+                        auth=rig.gateway_key,
+                        cpus=config.helper_cpus,
+                    )
                     cpu, wall = _cpu(pgid) - cpu_before, time.perf_counter() - wall_before
-                    runs[name].append(_logged(log, Cell(
-                        name, mode, concurrency, result.requests, result.errors, result.rps, result.p50_ms,
-                        result.p99_ms, cpu / result.requests * 1e6 if pgid and result.requests else None,
-                        cpu / wall if pgid else None)))
+                    runs[name].append(
+                        _logged(
+                            log,
+                            Cell(
+                                name,
+                                mode,
+                                concurrency,
+                                result.requests,
+                                result.errors,
+                                result.rps,
+                                result.p50_ms,
+                                result.p99_ms,
+                                cpu / result.requests * 1e6 if pgid and result.requests else None,
+                                cpu / wall if pgid else None,
+                            ),
+                        )
+                    )
             cells += [_median(runs[name]) for name in runs]
     for concurrency in config.concurrencies:
         runs = {name: [] for name, _, _ in _targets(rig)}
         for _ in range(config.routing_rounds):
             for name, url, pgid in _targets(rig):
-                target = Target(url + "/v1/completions", request_body(True),
-                                (("Authorization", f"Bearer {rig.gateway_key}"),))
+                target = Target(
+                    url + "/v1/completions",
+                    request_body(True),
+                    (("Authorization", f"Bearer {rig.gateway_key}"),),
+                )
                 cpu_before, wall_before = _cpu(pgid), time.perf_counter()
-                result = asyncio.run(run_load(target, concurrency=concurrency, duration_s=config.ttft_duration_s,
-                                              warmup_requests=1))
+                result = asyncio.run(
+                    run_load(
+                        target,
+                        concurrency=concurrency,
+                        duration_s=config.ttft_duration_s,
+                        warmup_requests=1,
+                    )
+                )
                 cpu, wall = _cpu(pgid) - cpu_before, time.perf_counter() - wall_before
                 summary = result.summary()
-                runs[name].append(_logged(log, Cell(
-                    name, "ttft", concurrency, int(summary["requests"]), int(summary["non_200"]), summary["rps"],
-                    summary["ttft_p50_ms"], summary["ttft_p99_ms"],
-                    cpu / summary["requests"] * 1e6 if pgid and summary["requests"] else None,
-                    cpu / wall if pgid else None)))
+                runs[name].append(
+                    _logged(
+                        log,
+                        Cell(
+                            name,
+                            "ttft",
+                            concurrency,
+                            int(summary["requests"]),
+                            int(summary["non_200"]),
+                            summary["rps"],
+                            summary["ttft_p50_ms"],
+                            summary["ttft_p99_ms"],
+                            cpu / summary["requests"] * 1e6
+                            if pgid and summary["requests"]
+                            else None,
+                            cpu / wall if pgid else None,
+                        ),
+                    )
+                )
         cells += [_median(runs[name]) for name in runs]
     return cells
 
 
 def _logged(log, cell: Cell) -> Cell:  # type: ignore[no-untyped-def]
-    log(f"  {cell.mode:6} c={cell.concurrency:<3} {cell.target:14} {cell.rps:8.0f} req/s  p50 {cell.p50_ms:7.3f} ms  "
+    log(
+        f"  {cell.mode:6} c={cell.concurrency:<3} {cell.target:14} {cell.rps:8.0f} req/s  p50 {cell.p50_ms:7.3f} ms  "
         f"p99 {cell.p99_ms:7.3f} ms  errors {cell.errors}"
-        + (f"  cpu {cell.cpu_us_per_request:.0f} us/req ({cell.cpu_utilisation:.0%} of a core)"
-           if cell.cpu_us_per_request is not None and cell.cpu_utilisation is not None else ""))
+        + (
+            f"  cpu {cell.cpu_us_per_request:.0f} us/req ({cell.cpu_utilisation:.0%} of a core)"
+            if cell.cpu_us_per_request is not None and cell.cpu_utilisation is not None
+            else ""
+        )
+    )
     return cell
 
 
 def _median(runs: list[Cell]) -> Cell:
     """One target's runs of one cell as one cell: medians, with requests and errors summed."""
+
     def median(values: list[float | None]) -> float | None:
         present = [value for value in values if value is not None]
         return statistics.median(present) if present else None
 
     first = runs[0]
-    return Cell(first.target, first.mode, first.concurrency, sum(r.requests for r in runs), sum(r.errors for r in runs),
-                statistics.median(r.rps for r in runs), statistics.median(r.p50_ms for r in runs),
-                statistics.median(r.p99_ms for r in runs), median([r.cpu_us_per_request for r in runs]),
-                median([r.cpu_utilisation for r in runs]), len(runs))
+    return Cell(
+        first.target,
+        first.mode,
+        first.concurrency,
+        sum(r.requests for r in runs),
+        sum(r.errors for r in runs),
+        statistics.median(r.rps for r in runs),
+        statistics.median(r.p50_ms for r in runs),
+        statistics.median(r.p99_ms for r in runs),
+        median([r.cpu_us_per_request for r in runs]),
+        median([r.cpu_utilisation for r in runs]),
+        len(runs),
+    )
 
 
 def cells_as_json(cells: list[Cell]) -> list[dict]:

@@ -42,8 +42,13 @@ class Target:
     def request_bytes(self, body: bytes | None = None) -> bytes:
         parts = urlsplit(self.url)
         payload = self.body if body is None else body
-        lines = [f"POST {parts.path or '/'} HTTP/1.1", f"Host: {parts.netloc}", "Content-Type: application/json",
-                 f"Content-Length: {len(payload)}", *(f"{k}: {v}" for k, v in self.headers)]
+        lines = [
+            f"POST {parts.path or '/'} HTTP/1.1",
+            f"Host: {parts.netloc}",
+            "Content-Type: application/json",
+            f"Content-Length: {len(payload)}",
+            *(f"{k}: {v}" for k, v in self.headers),
+        ]
         return ("\r\n".join(lines) + "\r\n\r\n").encode() + payload
 
 
@@ -125,7 +130,9 @@ class Connection:
         self.writer: asyncio.StreamWriter | None = None
 
     async def open(self) -> None:
-        self.reader, self.writer = await asyncio.open_connection(self.host, self.port, limit=1 << 20)
+        self.reader, self.writer = await asyncio.open_connection(
+            self.host, self.port, limit=1 << 20
+        )
 
     async def exchange(self, raw: bytes) -> Sample:
         """Send one request; return when the whole response has arrived."""
@@ -146,7 +153,9 @@ class Connection:
         if not state.parser.should_keep_alive():
             await self.close()
         status = state.parser.get_status_code()
-        return Sample(first - started, ended - started, status, status == 200 and not state.error_in_body)
+        return Sample(
+            first - started, ended - started, status, status == 200 and not state.error_in_body
+        )
 
     async def close(self) -> None:
         if self.writer is not None:
@@ -158,8 +167,14 @@ class Connection:
         self.reader = self.writer = None
 
 
-async def run_load(target: Target, *, concurrency: int, duration_s: float | None = None,
-                   total_requests: int | None = None, warmup_requests: int = 0) -> RunResult:
+async def run_load(
+    target: Target,
+    *,
+    concurrency: int,
+    duration_s: float | None = None,
+    total_requests: int | None = None,
+    warmup_requests: int = 0,
+) -> RunResult:
     """``concurrency`` connections in closed loop, for a duration or a number of requests."""
     result = RunResult()
     connections = [Connection(target.url) for _ in range(concurrency)]
@@ -186,8 +201,16 @@ async def run_load(target: Target, *, concurrency: int, duration_s: float | None
     return result
 
 
-async def run_pd_direct(prefill_url: str, decode_url: str, bootstrap_port: int, body: dict, *, concurrency: int,
-                        total_requests: int, path: str = "/v1/completions") -> RunResult:
+async def run_pd_direct(
+    prefill_url: str,
+    decode_url: str,
+    bootstrap_port: int,
+    body: dict,
+    *,
+    concurrency: int,
+    total_requests: int,
+    path: str = "/v1/completions",
+) -> RunResult:
     """Send each request to a prefill and a decode worker at once (what a PD router does), no router."""
     result = RunResult()
     remaining = [total_requests]
@@ -197,8 +220,13 @@ async def run_pd_direct(prefill_url: str, decode_url: str, bootstrap_port: int, 
         while remaining[0] > 0:
             remaining[0] -= 1
             # One rid on both sides: engine_patch binds the pair by it (a router would have to do the same).
-            payload = dict(body, bootstrap_host=urlsplit(prefill_url).hostname, bootstrap_port=bootstrap_port,
-                           bootstrap_room=random.getrandbits(63), rid=uuid.uuid4().hex)
+            payload = dict(
+                body,
+                bootstrap_host=urlsplit(prefill_url).hostname,
+                bootstrap_port=bootstrap_port,
+                bootstrap_room=random.getrandbits(63),
+                rid=uuid.uuid4().hex,
+            )
             raw_body = orjson.dumps(payload)
             pre_raw = Target(prefill_url + path, raw_body).request_bytes()
             dec_raw = Target(decode_url + path, raw_body).request_bytes()

@@ -17,7 +17,7 @@ import sys
 import tempfile
 import time
 import traceback
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
@@ -52,7 +52,10 @@ def _section(name: str, results: dict, errors: list[str], run) -> None:
 
 def main() -> int:
     if not wrk_available():
-        print("bench: wrk is missing (scripts/bench installs it: apt-get install -y wrk)", file=sys.stderr)
+        print(
+            "bench: wrk is missing (scripts/bench installs it: apt-get install -y wrk)",
+            file=sys.stderr,
+        )
         return 2
     config = BenchConfig.from_env()
     machine = describe_machine()  # before pinning this process, so it sees every CPU
@@ -60,17 +63,26 @@ def main() -> int:
         os.sched_setaffinity(0, config.helper_cpus)
     boost(os.getpid(), config.priority)
     started = time.monotonic()
-    pinning = (f"sglang_router and the gateway each on CPU {sorted(config.router_cpus)} (one core, one at a time "
-               f"under load); instant backends, wrk (1 thread) and the runner on CPUs {sorted(config.helper_cpus)}"
-               if config.router_cpus else "none (fewer than 2 CPUs, or BENCH_PIN=0)")
+    pinning = (
+        f"sglang_router and the gateway each on CPU {sorted(config.router_cpus)} (one core, one at a time "
+        f"under load); instant backends, wrk (1 thread) and the runner on CPUs {sorted(config.helper_cpus)}"
+        if config.router_cpus
+        else "none (fewer than 2 CPUs, or BENCH_PIN=0)"
+    )
     if config.priority:
         pinning += f"; bench processes at autogroup nice {config.priority}"
     if config.gateway_root:
         pinning += f"; GATEWAY RUN FROM A PATCHED COPY at {config.gateway_root}"
     results: dict = {
-        "started_at": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "config": {"quick": config.quick, "pinning": pinning, "wrk_duration_s": config.wrk_duration_s,
-                   "routing_rounds": config.routing_rounds, "priority": config.priority, "sections": sorted(config.sections)},
+        "started_at": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "config": {
+            "quick": config.quick,
+            "pinning": pinning,
+            "wrk_duration_s": config.wrk_duration_s,
+            "routing_rounds": config.routing_rounds,
+            "priority": config.priority,
+            "sections": sorted(config.sections),
+        },
         "machine": machine,
     }
     errors: list[str] = []
@@ -81,28 +93,59 @@ def main() -> int:
     try:
         if config.sections & {"routing", "memory", "prompt"}:
             with instant_rig(config, work) as rig:
-                httpx.post(rig.gateway_url + "/v1/completions", content=request_body(False), timeout=30,
-                           headers={"Authorization": f"Bearer {rig.gateway_key}", "Content-Type": "application/json"})
+                httpx.post(
+                    rig.gateway_url + "/v1/completions",
+                    content=request_body(False),
+                    timeout=30,
+                    headers={
+                        "Authorization": f"Bearer {rig.gateway_key}",
+                        "Content-Type": "application/json",
+                    },
+                )
                 idle_fresh_mb = rss_bytes(rig.gateway_pid) / 1e6
                 if config.runs("routing"):
-                    _section("1. routing cost on an instant backend", results, errors,
-                             lambda: results.__setitem__("routing", cells_as_json(run_routing_bench(rig, log))))
+                    _section(
+                        "1. routing cost on an instant backend",
+                        results,
+                        errors,
+                        lambda: results.__setitem__(
+                            "routing", cells_as_json(run_routing_bench(rig, log))
+                        ),
+                    )
                 # Memory before the prompt section: a 1M-token prompt grows the heap for good.
                 if config.runs("memory"):
-                    _section("4. gateway memory", results, errors, lambda: results.__setitem__(
-                        "memory", memory_as_json(run_memory_bench(rig, idle_fresh_mb, log))))
+                    _section(
+                        "4. gateway memory",
+                        results,
+                        errors,
+                        lambda: results.__setitem__(
+                            "memory", memory_as_json(run_memory_bench(rig, idle_fresh_mb, log))
+                        ),
+                    )
                 if config.runs("prompt"):
-                    _section("2. tokenization, admission, refusal, blocking", results, errors,
-                             lambda: results.__setitem__("prompt", run_prompt_bench(rig, log)))
+                    _section(
+                        "2. tokenization, admission, refusal, blocking",
+                        results,
+                        errors,
+                        lambda: results.__setitem__("prompt", run_prompt_bench(rig, log)),
+                    )
     except Exception as exc:
         errors.append(f"instant-backend rig: {type(exc).__name__}: {exc}")
         log(traceback.format_exc())
     if config.peer_benches and config.runs("peers"):
-        _section("3. other benches", results, errors,
-                 lambda: results.__setitem__("peers", run_peer_benches(config, log)))
+        _section(
+            "3. other benches",
+            results,
+            errors,
+            lambda: results.__setitem__("peers", run_peer_benches(config, log)),
+        )
     if config.runs("real"):
-        _section("real SGLang PD pair", results, errors,
-                 lambda: results.__setitem__("real_engine", run_real_engine_bench(config, work, log)))
+        _section(
+            "real SGLang PD pair",
+            results,
+            errors,
+            lambda: results.__setitem__("real_engine", run_real_engine_bench(config, work, log)),
+        )
     results["machine"]["load average at end"] = load_average()
     results["seconds"] = time.monotonic() - started
     results["errors"] = errors

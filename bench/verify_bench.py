@@ -60,8 +60,13 @@ def text_of(kind: str, chars: int) -> str:
 
 def recorded_meta(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
     meta = json.loads((DATA / "generate_decode.json").read_text())["meta_info"]
-    meta.update(id=GENERATION_ID, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                isolation_generation=GENERATION_ID, isolation_tenant=TENANT)
+    meta.update(
+        id=GENERATION_ID,
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        isolation_generation=GENERATION_ID,
+        isolation_tenant=TENANT,
+    )
     return meta
 
 
@@ -114,7 +119,9 @@ def stream_chunks(kind: str, chars: int) -> list[tuple[str, dict[str, Any], byte
     return chunks
 
 
-def bench_stream(scanner: CanaryScanner, kind: str, chars: int, budget_s: float) -> dict[str, float]:
+def bench_stream(
+    scanner: CanaryScanner, kind: str, chars: int, budget_s: float
+) -> dict[str, float]:
     chunks = stream_chunks(kind, chars)
     expected = Expectation(GENERATION_ID, TENANT, 11, len(chunks), True)
 
@@ -132,8 +139,14 @@ def bench_stream(scanner: CanaryScanner, kind: str, chars: int, budget_s: float)
     verify_ns = best_ns(verify_stream, budget_s)
     parse_ns = best_ns(parse_stream, budget_s)
     kb = len(chunks[-1][0].encode()) / 1024
-    return {"chunks": len(chunks), "kb": kb, "verify_us": verify_ns / 1000, "verify_us_per_kb": verify_ns / 1000 / kb,
-            "verify_us_per_chunk": verify_ns / 1000 / len(chunks), "parse_us_per_kb": parse_ns / 1000 / kb}
+    return {
+        "chunks": len(chunks),
+        "kb": kb,
+        "verify_us": verify_ns / 1000,
+        "verify_us_per_kb": verify_ns / 1000 / kb,
+        "verify_us_per_chunk": verify_ns / 1000 / len(chunks),
+        "parse_us_per_kb": parse_ns / 1000 / kb,
+    }
 
 
 def run(quick: bool) -> dict[str, Any]:
@@ -141,12 +154,14 @@ def run(quick: bool) -> dict[str, Any]:
     results: dict[str, Any] = {"check_meta_ns": bench_check_meta(budget_s)}
     results["check_text_1kb_ns"] = {
         f"{kind}/{markers}": bench_check_text(scanner_with(markers), kind, 1024, budget_s)
-        for markers in (0, 100, 10_000) for kind in TEXTS
+        for markers in (0, 100, 10_000)
+        for kind in TEXTS
     }
     scanner = scanner_with(100)
     results["stream"] = {
         f"{kind}/{chars // 1024}KB": bench_stream(scanner, kind, chars, budget_s)
-        for kind in TEXTS for chars in (1024, 16 * 1024, 64 * 1024)
+        for kind in TEXTS
+        for chars in (1024, 16 * 1024, 64 * 1024)
     }
     return results
 
@@ -158,10 +173,14 @@ def print_table(results: dict[str, Any]) -> None:
         row = "".join(f"{results['check_text_1kb_ns'][f'{k}/{markers}']:>13.0f}" for k in TEXTS)
         print(f"  {markers:>6} live markers            {row}")
     print("\nstream (1 chunk per 4-char token, 100 live markers)")
-    print(f"  {'text/length':<22}{'chunks':>8}{'verify µs':>12}{'µs/KB':>10}{'µs/chunk':>10}{'parse µs/KB':>13}")
+    print(
+        f"  {'text/length':<22}{'chunks':>8}{'verify µs':>12}{'µs/KB':>10}{'µs/chunk':>10}{'parse µs/KB':>13}"
+    )
     for name, row in results["stream"].items():
-        print(f"  {name:<22}{row['chunks']:>8}{row['verify_us']:>12.1f}{row['verify_us_per_kb']:>10.1f}"
-              f"{row['verify_us_per_chunk']:>10.2f}{row['parse_us_per_kb']:>13.1f}")
+        print(
+            f"  {name:<22}{row['chunks']:>8}{row['verify_us']:>12.1f}{row['verify_us_per_kb']:>10.1f}"
+            f"{row['verify_us_per_chunk']:>10.2f}{row['parse_us_per_kb']:>13.1f}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

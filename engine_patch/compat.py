@@ -48,7 +48,9 @@ INIT_INFO = HookTarget(f"{SCHEDULER}.get_init_info", ("self",))
 BUILD_EXTRA_INFO = HookTarget(f"{STREAMER}.build_additional_customized_info", ("self", "reqs"))
 EXTRA_INFO_SWITCH = HookTarget(f"{STREAMER}.has_additional_customized_info", is_callable=False)
 SET_BUF = HookTarget("sglang.srt.disaggregation.utils.MetadataBuffers.set_buf", ("self", "req"))
-CLEAR_SLOT = HookTarget("sglang.srt.disaggregation.utils.MetadataBuffers.clear_slot", ("self", "idx"))
+CLEAR_SLOT = HookTarget(
+    "sglang.srt.disaggregation.utils.MetadataBuffers.clear_slot", ("self", "idx")
+)
 COMMIT = HookTarget(
     "sglang.srt.disaggregation.decode.DecodeTransferQueue._commit_transfer_to_req",
     ("self", "decode_req"),

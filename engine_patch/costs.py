@@ -34,7 +34,9 @@ def _median_us(run: Callable[[], Any], repeats: int) -> float:
     return statistics.median(samples)
 
 
-def measure_costs(prompt_tokens: int = 2048, decode_batch: int = 32, repeats: int = 200) -> dict[str, float]:
+def measure_costs(
+    prompt_tokens: int = 2048, decode_batch: int = 32, repeats: int = 200
+) -> dict[str, float]:
     """Microseconds of plugin work, per request and per decode step."""
     from sglang.srt.runtime_context import get_parallel
 
@@ -55,7 +57,10 @@ def measure_costs(prompt_tokens: int = 2048, decode_batch: int = 32, repeats: in
     settings = EngineSettings()
     pool_tokens = prompt_tokens * (decode_batch + 4)
     req_to_token_pool = ReqToTokenPool(
-        size=decode_batch + 4, max_context_len=prompt_tokens + 64, device="cpu", enable_memory_saver=False
+        size=decode_batch + 4,
+        max_context_len=prompt_tokens + 64,
+        device="cpu",
+        enable_memory_saver=False,
     )
     allocator = TokenToKVPoolAllocator(pool_tokens, torch.float16, "cpu", None, False)
 
@@ -83,16 +88,31 @@ def measure_costs(prompt_tokens: int = 2048, decode_batch: int = 32, repeats: in
         return req
 
     # Tokenizer side: headers -> tagged IPC message.
+    from sglang.srt.managers.io_struct import GenerateReqInput
     from starlette.datastructures import Headers
 
-    from sglang.srt.managers.io_struct import GenerateReqInput
-
-    headers_request = type("_Req", (), {"headers": Headers({
-        tags.TENANT_HEADER: "tenant-bench", tags.GENERATION_HEADER: "gen_bench"})})()
+    headers_request = type(
+        "_Req",
+        (),
+        {
+            "headers": Headers(
+                {tags.TENANT_HEADER: "tenant-bench", tags.GENERATION_HEADER: "gen_bench"}
+            )
+        },
+    )()
     message = TokenizedGenerateReqInput(
-        input_text="", input_ids=array("q", range(prompt_tokens)), input_embeds=None, mm_inputs=None,
-        token_type_ids=None, sampling_params=SamplingParams(), return_logprob=False, logprob_start_len=-1,
-        top_logprobs_num=0, token_ids_logprob=None, stream=False, rid="gen_bench",
+        input_text="",
+        input_ids=array("q", range(prompt_tokens)),
+        input_embeds=None,
+        mm_inputs=None,
+        token_type_ids=None,
+        sampling_params=SamplingParams(),
+        return_logprob=False,
+        logprob_start_len=-1,
+        top_logprobs_num=0,
+        token_ids_logprob=None,
+        stream=False,
+        rid="gen_bench",
     )
 
     def tokenizer_side() -> None:
@@ -102,7 +122,9 @@ def measure_costs(prompt_tokens: int = 2048, decode_batch: int = 32, repeats: in
         tags.carry_tags_to_scheduler(message, None, obj)
 
     # Prefill attestation after set_buf.
-    buffers = MetadataBuffers(size=4, hidden_size=8, hidden_states_dtype=torch.float32, max_sampling_mask_tokens=4)
+    buffers = MetadataBuffers(
+        size=4, hidden_size=8, hidden_states_dtype=torch.float32, max_sampling_mask_tokens=4
+    )
     prefill_req = new_req("gen_prefill")
     prefill_req.metadata_buffer_index, prefill_req.extend_end = 1, prompt_tokens
     prefill_req.output_ids.append(5)
@@ -125,9 +147,13 @@ def measure_costs(prompt_tokens: int = 2048, decode_batch: int = 32, repeats: in
 
     def commit(hooked: bool) -> None:
         decode_req_obj.output_ids = array("q")
-        decode_req = DecodeRequest(req=decode_req_obj, kv_receiver=_Receiver(), metadata_buffer_index=1)
+        decode_req = DecodeRequest(
+            req=decode_req_obj, kv_receiver=_Receiver(), metadata_buffer_index=1
+        )
         if hooked:
-            coverage.verify_before_commit(settings, DecodeTransferQueue._commit_transfer_to_req, queue, decode_req)
+            coverage.verify_before_commit(
+                settings, DecodeTransferQueue._commit_transfer_to_req, queue, decode_req
+            )
         else:
             DecodeTransferQueue._commit_transfer_to_req(queue, decode_req)
 
@@ -153,7 +179,9 @@ def measure_costs(prompt_tokens: int = 2048, decode_batch: int = 32, repeats: in
         "decode_commit_sglang_us": sglang_commit,
         "decode_commit_plugin_extra_us": hooked_commit - sglang_commit,
         "first_decode_page_check_us": _median_us(page_check, repeats),
-        "decode_step_page_tagging_us": _median_us(lambda: page_tags.mark_decode_writes(None, batch), repeats),
+        "decode_step_page_tagging_us": _median_us(
+            lambda: page_tags.mark_decode_writes(None, batch), repeats
+        ),
     }
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import Any, Optional
+from typing import Any
 
 from sglang.srt.disaggregation.utils import _is_fake_transfer, prepare_abort
 from sglang.srt.managers.schedule_batch import FINISH_ABORT
@@ -65,7 +65,7 @@ def write_attestation(metadata_buffers: Any, index: int, attestation: Attestatio
     row[SLOT_MAGIC] = ATTESTATION_MAGIC
 
 
-def read_attestation(metadata_buffers: Any, index: int) -> Optional[Attestation]:
+def read_attestation(metadata_buffers: Any, index: int) -> Attestation | None:
     values = [int(v) for v in metadata_buffers.bootstrap_room[index].tolist()]
     if values[SLOT_MAGIC] != ATTESTATION_MAGIC:
         return None
@@ -78,12 +78,12 @@ def read_attestation(metadata_buffers: Any, index: int) -> Optional[Attestation]
 
 
 def coverage_problem(
-    attestation: Optional[Attestation],
+    attestation: Attestation | None,
     *,
     reserved_end: int,
     decode_prefix_len: int,
     generation: int,
-) -> Optional[tuple[str, str]]:
+) -> tuple[str, str] | None:
     """(reason, detail) when decode must not read what it received, else None."""
     if attestation is None:
         return (
@@ -127,7 +127,9 @@ def verify_before_commit(
     req = decode_req.req
     if _is_fake_transfer(req):
         return original(transfer_queue, decode_req)
-    attestation = read_attestation(transfer_queue.metadata_buffers, decode_req.metadata_buffer_index)
+    attestation = read_attestation(
+        transfer_queue.metadata_buffers, decode_req.metadata_buffer_index
+    )
     if settings.coverage_check:
         problem = coverage_problem(
             attestation,
@@ -147,7 +149,9 @@ def verify_before_commit(
     if isinstance(req.finished_reason, FINISH_ABORT):
         return None
     if settings.page_check and attestation is not None:
-        page_tags.mark_transferred(transfer_queue.scheduler, req, attestation.sent_from, attestation.sent_end)
+        page_tags.mark_transferred(
+            transfer_queue.scheduler, req, attestation.sent_from, attestation.sent_end
+        )
     req.isogate_pages_checked = False
     if settings.coverage_check:
         req.isolation_verified = True

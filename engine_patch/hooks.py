@@ -26,11 +26,17 @@ def install_hooks(settings: EngineSettings) -> None:
     register(compat.COMMIT.path, partial(coverage.verify_before_commit, settings), HookType.AROUND)
     # Written-by page tags.
     if settings.page_check:
-        register(compat.VERIFY_CHECKSUMS.path, page_tags.check_pages_before_first_decode, HookType.AROUND)
+        register(
+            compat.VERIFY_CHECKSUMS.path, page_tags.check_pages_before_first_decode, HookType.AROUND
+        )
         register(compat.PREPARE_DECODE.path, page_tags.mark_decode_writes, HookType.AFTER)
     # Pool against context length.
     if settings.startup_gate:
-        register(compat.WORKER_INFO.path, partial(capacity.gate_after_worker_info, settings), HookType.AFTER)
+        register(
+            compat.WORKER_INFO.path,
+            partial(capacity.gate_after_worker_info, settings),
+            HookType.AFTER,
+        )
     register(compat.INIT_INFO.path, capacity.report_in_init_info, HookType.AFTER)
     register(compat.SET_STARTUP_TIME.path, capacity.apply_clamp_in_tokenizer, HookType.AFTER)
     if settings.prompt_guard:

@@ -11,10 +11,9 @@ a page never written for it, or overwritten since -- fails the request.
 from __future__ import annotations
 
 from http import HTTPStatus
-from typing import Any, Optional
+from typing import Any
 
 import torch
-
 from sglang.srt.disaggregation.utils import _is_fake_transfer, prepare_abort
 from sglang.srt.mem_cache.common import release_kv_cache
 
@@ -45,7 +44,9 @@ class PageOwnerTable:
         self.generation[pages] = generation
         self.tenant[pages] = tenant
 
-    def mark_each(self, pages: torch.Tensor, generations: torch.Tensor, tenants: torch.Tensor) -> None:
+    def mark_each(
+        self, pages: torch.Tensor, generations: torch.Tensor, tenants: torch.Tensor
+    ) -> None:
         if pages.numel() == 0:
             return
         self._fit(pages)
@@ -65,7 +66,7 @@ class PageOwnerTable:
         return int((self.tenant[pages] != tenant).sum().item())
 
 
-def table_for(allocator: Any, *, create: bool) -> Optional[PageOwnerTable]:
+def table_for(allocator: Any, *, create: bool) -> PageOwnerTable | None:
     """The table of one KV pool, kept on its allocator; created by decode only."""
     table = getattr(allocator, _TABLE_ATTRIBUTE, None)
     if table is None and create:
@@ -100,13 +101,19 @@ def mark_decode_writes(result: Any, batch: Any) -> Any:
         # No table: not a decode worker. Other shapes: speculative steps, not tagged.
         return result
     fingerprints = [req_fingerprints(req) for req in batch.reqs]
-    generations = torch.tensor([f[0] for f in fingerprints], dtype=torch.int64, device=table.generation.device)
-    tenants = torch.tensor([f[1] for f in fingerprints], dtype=torch.int64, device=table.tenant.device)
+    generations = torch.tensor(
+        [f[0] for f in fingerprints], dtype=torch.int64, device=table.generation.device
+    )
+    tenants = torch.tensor(
+        [f[1] for f in fingerprints], dtype=torch.int64, device=table.tenant.device
+    )
     table.mark_each(out_cache_loc.to(torch.int64) // int(allocator.page_size), generations, tenants)
     return result
 
 
-def foreign_page_problem(scheduler: Any, req: Any, table: Optional[PageOwnerTable]) -> Optional[str]:
+def foreign_page_problem(
+    scheduler: Any, req: Any, table: PageOwnerTable | None
+) -> str | None:
     """Why ``req`` must not read its pages, or None when every page is its own."""
     seq_len = int(req.kv.kv_committed_len)
     prefix_len = min(int(req.kv.cache_protected_len), seq_len)

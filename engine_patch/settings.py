@@ -46,9 +46,7 @@ def _flag(value: str | None) -> bool:
 
 def load_settings(environ: Mapping[str, str] = os.environ) -> EngineSettings:
     disabled = {
-        name.strip()
-        for name in environ.get(DISABLE_CHECKS_ENV, "").split(",")
-        if name.strip()
+        name.strip() for name in environ.get(DISABLE_CHECKS_ENV, "").split(",") if name.strip()
     }
     unknown = disabled - _KNOWN_CHECKS
     if unknown:

@@ -11,7 +11,7 @@ that produced the output (decode, in PD mode).
 from __future__ import annotations
 
 import re
-from typing import Any, Optional
+from typing import Any
 
 from sglang.srt.managers.io_struct import (
     GenerateReqInput,
@@ -40,8 +40,8 @@ class TaggedGenerateReqInput(TokenizedGenerateReqInput, kw_only=True):
     A tail-appended msgspec subclass: registered with SGLang's IPC decoder in
     every process that loads the plugin."""
 
-    isolation_tenant: Optional[str] = None
-    isolation_generation: Optional[str] = None
+    isolation_tenant: str | None = None
+    isolation_generation: str | None = None
 
 
 hook_custom_types(TaggedGenerateReqInput)
@@ -53,7 +53,7 @@ class TagError(ValueError):
     status_code = 400
 
 
-def tags_from_headers(headers: Any) -> tuple[Optional[str], Optional[str]]:
+def tags_from_headers(headers: Any) -> tuple[str | None, str | None]:
     """(tenant, generation) from request headers, validated; (None, None) if untagged."""
     tenant = headers.get(TENANT_HEADER) if headers is not None else None
     generation = headers.get(GENERATION_HEADER) if headers is not None else None
@@ -103,11 +103,13 @@ def _is_internal(obj: Any) -> bool:
     return rid.startswith("HEALTH_CHECK")
 
 
-def _rid_text(obj: Any) -> Optional[str]:
+def _rid_text(obj: Any) -> str | None:
     return obj.rid if isinstance(obj.rid, str) else None
 
 
-def carry_tags_to_scheduler(result: Any, tokenizer_manager: Any, obj: Any, *args: Any, **kwargs: Any) -> Any:
+def carry_tags_to_scheduler(
+    result: Any, tokenizer_manager: Any, obj: Any, *args: Any, **kwargs: Any
+) -> Any:
     """AFTER TokenizerManager._create_tokenized_object: re-type a tagged request.
 
     Only tagged requests change type, so untagged and batched traffic keeps

@@ -98,7 +98,9 @@ async def create_key(request: Request) -> Response:
     components = await _admin(request)
     body = await _json_object(request, allowed={"name"})
     name = _optional_name(body)
-    raw_key, record = await _call(components.store.create_key, request.path_params["tenant_id"], name)
+    raw_key, record = await _call(
+        components.store.create_key, request.path_params["tenant_id"], name
+    )
     # The only time the raw key leaves the gateway; only its hash is stored.
     return _json({**record.to_json(), "key": raw_key}, 201)
 
@@ -115,7 +117,9 @@ async def list_keys(request: Request) -> Response:
     components = await _admin(request)
     unknown = set(request.query_params) - {"tenant"}
     if unknown:
-        raise bad_request(f"Unknown query parameter {sorted(unknown)[0]!r}.", param=sorted(unknown)[0])
+        raise bad_request(
+            f"Unknown query parameter {sorted(unknown)[0]!r}.", param=sorted(unknown)[0]
+        )
     keys = await _call(components.store.list_keys, request.query_params.get("tenant"))
     return _json({"object": "list", "data": [k.to_json() for k in keys]})
 
@@ -146,7 +150,9 @@ async def _call(function: Any, *args: Any) -> Any:
     except StoreNotFound as exc:
         raise not_found(str(exc)) from exc
     except SQLAlchemyError as exc:
-        raise unavailable("The tenant store is unavailable; try again.", code="store_unavailable") from exc
+        raise unavailable(
+            "The tenant store is unavailable; try again.", code="store_unavailable"
+        ) from exc
 
 
 async def _json_object(request: Request, *, allowed: set[str]) -> dict[str, Any]:
@@ -171,7 +177,9 @@ def _optional_name(body: dict[str, Any]) -> str | None:
     if name is None:
         return None
     if not isinstance(name, str) or len(name) > _MAX_NAME_CHARS:
-        raise bad_request(f"'name' must be a string of at most {_MAX_NAME_CHARS} characters.", param="name")
+        raise bad_request(
+            f"'name' must be a string of at most {_MAX_NAME_CHARS} characters.", param="name"
+        )
     return name
 
 

@@ -15,8 +15,8 @@ exit path (it is a context manager), so claimed tokens never leak.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 from .capacity import WorkerCapacity
 from .errors import APIError, bad_request
@@ -30,8 +30,13 @@ class PromptLimit:
     bound: str
 
 
-def prompt_limit(policy_max_context: int, prefill: WorkerCapacity, decode: WorkerCapacity,
-                 max_tokens: int, margin: int) -> PromptLimit:
+def prompt_limit(
+    policy_max_context: int,
+    prefill: WorkerCapacity,
+    decode: WorkerCapacity,
+    max_tokens: int,
+    margin: int,
+) -> PromptLimit:
     reserve = max_tokens + margin
     candidates: list[tuple[int, str]] = [
         (policy_max_context - max_tokens, "policy max_context_tokens"),
@@ -47,12 +52,15 @@ def prompt_limit(policy_max_context: int, prefill: WorkerCapacity, decode: Worke
     return PromptLimit(max(0, tokens), bound)
 
 
-def context_length_exceeded(prompt_tokens: int | str, limit: PromptLimit, max_tokens: int) -> APIError:
+def context_length_exceeded(
+    prompt_tokens: int | str, limit: PromptLimit, max_tokens: int
+) -> APIError:
     return bad_request(
         f"This model's maximum prompt length on the workers available now is {limit.tokens} tokens "
         f"(set by the {limit.bound}, with max_tokens={max_tokens} reserved); "
         f"your prompt has {prompt_tokens} tokens.",
-        code="context_length_exceeded", param="messages",
+        code="context_length_exceeded",
+        param="messages",
     )
 
 

@@ -29,7 +29,10 @@ def _json(payload: object, status: int = 200) -> Response:
 
 # The generation routes (POST). ``gateway.app.Gateway`` sends these paths straight to the
 # pipeline; the Starlette routes below serve the same handlers for anything it passes on.
-GENERATION_PATHS: dict[str, Kind] = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+GENERATION_PATHS: dict[str, Kind] = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completion",
+}
 
 
 async def chat_completions(request: Request) -> Response:
@@ -67,14 +70,16 @@ async def workers(request: Request) -> Response:
     data = []
     for url, role in components.workers():
         state = components.capacity.get(url)
-        data.append({
-            "url": url,
-            "role": role,
-            "fresh": state is not None,
-            "capacity": state.as_dict() if state else None,
-            "claimed_tokens": components.ledger.claimed.get(url, 0),
-            "error": components.capacity.error(url),
-        })
+        data.append(
+            {
+                "url": url,
+                "role": role,
+                "fresh": state is not None,
+                "capacity": state.as_dict() if state else None,
+                "claimed_tokens": components.ledger.claimed.get(url, 0),
+                "error": components.capacity.error(url),
+            }
+        )
     return _json({"object": "list", "data": data})
 
 
@@ -87,8 +92,10 @@ async def readyz(request: Request) -> Response:
     components = _components(request)
     problems: dict[str, list[str]] = {}
     for model in components.policies.models.values():
-        for role, urls in (("prefill", [w.url for p in model.pools for w in p.prefill]),
-                           ("decode", [w.url for p in model.pools for w in p.decode])):
+        for role, urls in (
+            ("prefill", [w.url for p in model.pools for w in p.prefill]),
+            ("decode", [w.url for p in model.pools for w in p.decode]),
+        ):
             if not any(components.capacity.get(url) for url in urls):
                 problems.setdefault(model.name, []).append(f"no {role} worker answering")
     if problems:
@@ -100,7 +107,9 @@ async def metrics(request: Request) -> Response:
     """Prometheus metrics, admin key only: the series name tenants and their traffic."""
     components = _components(request)
     await components.authenticator.require_admin(request.headers.get("authorization"))
-    body = await asyncio.to_thread(components.metrics.export, components.capacity, components.workers())
+    body = await asyncio.to_thread(
+        components.metrics.export, components.capacity, components.workers()
+    )
     return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 

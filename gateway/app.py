@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -41,15 +41,17 @@ def create_app(settings: Settings | None = None) -> Gateway:
             await reloader.stop()
             await close_components(app.state.components)
 
-    return Gateway(Starlette(
-        routes=[*openai_routes(), *audit_routes(), *admin_routes()],
-        exception_handlers={
-            APIError: _api_error,
-            HTTPException: _http_error,
-            Exception: _unexpected_error,
-        },
-        lifespan=lifespan,
-    ))
+    return Gateway(
+        Starlette(
+            routes=[*openai_routes(), *audit_routes(), *admin_routes()],
+            exception_handlers={
+                APIError: _api_error,
+                HTTPException: _http_error,
+                Exception: _unexpected_error,
+            },
+            lifespan=lifespan,
+        )
+    )
 
 
 class Gateway:
@@ -70,7 +72,9 @@ class Gateway:
         if scope["type"] == "http" and scope["method"] == "POST":
             kind = GENERATION_PATHS.get(scope["path"])
             if kind is not None:
-                response = await handle_generation(self.state.components, Request(scope, receive), kind)
+                response = await handle_generation(
+                    self.state.components, Request(scope, receive), kind
+                )
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -91,7 +95,13 @@ async def _api_error(request: Request, exc: Exception) -> Response:
 
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
-    kind = "not_found" if exc.status_code == 404 else "method_not_allowed" if exc.status_code == 405 else "http_error"
+    kind = (
+        "not_found"
+        if exc.status_code == 404
+        else "method_not_allowed"
+        if exc.status_code == 405
+        else "http_error"
+    )
     return APIError(exc.status_code, str(exc.detail), "invalid_request_error", kind).response()
 
 

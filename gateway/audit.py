@@ -110,7 +110,9 @@ class AuditSpool:
             self.directory = own
         else:
             orphans = [
-                sub for sub in sorted(self.directory.glob("pid-*")) if sub.is_dir() and _unlocked(sub)
+                sub
+                for sub in sorted(self.directory.glob("pid-*"))
+                if sub.is_dir() and _unlocked(sub)
             ]
         existing = self.files()
         self._next_number = int(existing[-1].stem) + 1 if existing else 0
@@ -310,7 +312,7 @@ class AuditLog:
             if start:
                 await asyncio.sleep(0)  # let requests run between slices
             try:
-                self._sqlite.insert(rows[start:start + _SQLITE_SLICE_ROWS])
+                self._sqlite.insert(rows[start : start + _SQLITE_SLICE_ROWS])
             except AuditRowsRefused:
                 raise
             except Exception:
@@ -324,7 +326,10 @@ class AuditLog:
     async def _checkpoint_if_due(self) -> None:
         if self._sqlite is None or not self._rows_since_checkpoint:
             return
-        if self._rows_since_checkpoint < _CHECKPOINT_EVERY_ROWS and time.monotonic() < self._checkpoint_at:
+        if (
+            self._rows_since_checkpoint < _CHECKPOINT_EVERY_ROWS
+            and time.monotonic() < self._checkpoint_at
+        ):
             return
         self._rows_since_checkpoint = 0
         self._checkpoint_at = time.monotonic() + _CHECKPOINT_EVERY_S
@@ -351,7 +356,9 @@ class AuditLog:
 
     def _note_outage(self, exc: Exception) -> None:
         if self.database_ok:
-            log.error("audit: database write failed (%s); spooling to %s", exc, self._spool.directory)
+            log.error(
+                "audit: database write failed (%s); spooling to %s", exc, self._spool.directory
+            )
         self.database_ok = False
         self._retry_at = time.monotonic() + self._retry_delay_s
         self._retry_delay_s = min(self._retry_delay_s * 2, _RETRY_MAX_S)
@@ -362,8 +369,12 @@ class AuditLog:
                 await self._insert_rows([row])
             except AuditRowsRefused as exc:
                 self.refused += 1
-                log.error("audit: event %r refused by the database (%s); kept in %s",
-                          row.get("generation_id"), exc, self.quarantine_dir)
+                log.error(
+                    "audit: event %r refused by the database (%s); kept in %s",
+                    row.get("generation_id"),
+                    exc,
+                    self.quarantine_dir,
+                )
                 await asyncio.to_thread(_quarantine, self.quarantine_dir, row, str(exc))
             except Exception as exc:
                 # An outage in the middle: the caller spools the whole batch; the rows

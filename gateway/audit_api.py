@@ -76,7 +76,9 @@ async def list_events(request: Request) -> Response:
     if query.since is not None and query.until is not None and query.since >= query.until:
         raise bad_request("'since' must be earlier than 'until'.", param="since")
     rows, next_cursor = await _query(components, query)
-    return _json({"object": "list", "data": [audit_row_json(r) for r in rows], "next_cursor": next_cursor})
+    return _json(
+        {"object": "list", "data": [audit_row_json(r) for r in rows], "next_cursor": next_cursor}
+    )
 
 
 async def get_event(request: Request) -> Response:
@@ -100,7 +102,9 @@ def parse_time(value: str | None, name: str) -> datetime | None:
     try:
         moment = datetime.fromisoformat(value)
     except ValueError as exc:
-        raise bad_request(f"'{name}' must be an RFC 3339 time, e.g. 2026-11-29T16:00:00Z.", param=name) from exc
+        raise bad_request(
+            f"'{name}' must be an RFC 3339 time, e.g. 2026-11-29T16:00:00Z.", param=name
+        ) from exc
     if moment.tzinfo is None:
         raise bad_request(f"'{name}' needs a UTC offset (e.g. 'Z' or '+00:00').", param=name)
     return moment
@@ -142,7 +146,9 @@ async def _query(components: Any, query: AuditQuery) -> tuple[list[dict[str, Any
     try:
         return await asyncio.to_thread(components.store.query_audit, query)
     except SQLAlchemyError as exc:
-        raise unavailable("The audit store is unavailable; try again.", code="audit_store_unavailable") from exc
+        raise unavailable(
+            "The audit store is unavailable; try again.", code="audit_store_unavailable"
+        ) from exc
 
 
 def _json(payload: object) -> Response:

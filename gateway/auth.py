@@ -139,13 +139,17 @@ class Authenticator:
     def _may_serve_stale(self, lookup: KeyLookup | None, expires_at: float, now: float) -> bool:
         # Only keys that were valid: an unknown or revoked key is never let in on stale data.
         return (
-            lookup is not None and not lookup.revoked and not lookup.tenant_disabled
+            lookup is not None
+            and not lookup.revoked
+            and not lookup.tenant_disabled
             and now - expires_at < self._stale_if_error_s
         )
 
     def _note_store_down(self, exc: Exception) -> None:
         if not self._store_down_until:
-            log.error("auth: key store unreachable (%s); serving recently valid keys from cache", exc)
+            log.error(
+                "auth: key store unreachable (%s); serving recently valid keys from cache", exc
+            )
         self._store_down_until = time.monotonic() + _STORE_RETRY_S
 
     def _forget(self, matches: Callable[[KeyLookup], bool]) -> None:
@@ -160,8 +164,11 @@ class Authenticator:
 
 def _store_unavailable() -> APIError:
     return APIError(
-        503, "The key store is unavailable; try again.", "service_unavailable_error",
-        "auth_store_unavailable", headers={"Retry-After": "1"},
+        503,
+        "The key store is unavailable; try again.",
+        "service_unavailable_error",
+        "auth_store_unavailable",
+        headers={"Retry-After": "1"},
     )
 
 

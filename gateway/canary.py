@@ -25,7 +25,7 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -64,8 +64,12 @@ def new_marker() -> str:
 
 
 def is_marker(text: str) -> bool:
-    return (len(text) == MARKER_LENGTH and text.startswith(MARKER_PREFIX) and text.endswith(MARKER_SUFFIX)
-            and all(c in _BODY_ALPHABET for c in text[len(MARKER_PREFIX):-len(MARKER_SUFFIX)]))
+    return (
+        len(text) == MARKER_LENGTH
+        and text.startswith(MARKER_PREFIX)
+        and text.endswith(MARKER_SUFFIX)
+        and all(c in _BODY_ALPHABET for c in text[len(MARKER_PREFIX) : -len(MARKER_SUFFIX)])
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,13 +93,19 @@ class CanaryScanner:
     holdback_chars = MARKER_LENGTH - 1
     marker_start = MARKER_PREFIX[0]
 
-    def __init__(self, redis: Any | None = None, redis_key: str = "isogate:canary:markers",
-                 on_hit: Callable[[CanaryHit], None] | None = None) -> None:
+    def __init__(
+        self,
+        redis: Any | None = None,
+        redis_key: str = "isogate:canary:markers",
+        on_hit: Callable[[CanaryHit], None] | None = None,
+    ) -> None:
         self._redis = redis
         self._redis_key = redis_key
         self._on_hit = on_hit
         self._own: dict[str, LiveMarker] = {}  # registered here; kept even when Redis is away
-        self._live: dict[str, LiveMarker] = {}  # own ∪ the last Redis snapshot; replaced, never mutated in place
+        self._live: dict[
+            str, LiveMarker
+        ] = {}  # own ∪ the last Redis snapshot; replaced, never mutated in place
 
     @property
     def live_count(self) -> int:
@@ -111,9 +121,9 @@ class CanaryScanner:
         find = text.find
         index = find(MARKER_PREFIX)
         while index != -1:
-            found = live.get(text[index:index + MARKER_LENGTH])
+            found = live.get(text[index : index + MARKER_LENGTH])
             if found is not None and found.owner != tenant_id and found.expires_at > time.time():
-                marker = text[index:index + MARKER_LENGTH]
+                marker = text[index : index + MARKER_LENGTH]
                 if self._on_hit is not None:
                     self._on_hit(CanaryHit(marker, found.owner, found.origin, tenant_id))
                 return marker
@@ -125,15 +135,17 @@ class CanaryScanner:
         live, now, found = self._live, time.time(), []
         index = text.find(MARKER_PREFIX)
         while index != -1:
-            entry = live.get(text[index:index + MARKER_LENGTH])
+            entry = live.get(text[index : index + MARKER_LENGTH])
             if entry is not None and entry.expires_at > now:
-                found.append(text[index:index + MARKER_LENGTH])
+                found.append(text[index : index + MARKER_LENGTH])
             index = text.find(MARKER_PREFIX, index + 1)
         return found
 
     # -- registration and sharing ----------------------------------------------------------
 
-    async def register_marker(self, marker: str, tenant_id: str, ttl_s: float, origin: str = "") -> None:
+    async def register_marker(
+        self, marker: str, tenant_id: str, ttl_s: float, origin: str = ""
+    ) -> None:
         """Make ``marker`` live for ``ttl_s`` as ``tenant_id``'s, here at once and, with Redis,
         on every replica at its next refresh."""
         if not is_marker(marker):
@@ -143,7 +155,9 @@ class CanaryScanner:
         self._live = {**self._live, marker: entry}
         if self._redis is None:
             return
-        value = orjson.dumps({"owner": entry.owner, "expires_at": entry.expires_at, "origin": origin})
+        value = orjson.dumps(
+            {"owner": entry.owner, "expires_at": entry.expires_at, "origin": origin}
+        )
         try:
             async with self._redis.pipeline(transaction=False) as pipe:
                 pipe.hset(self._redis_key, marker, value)
@@ -173,7 +187,11 @@ class CanaryScanner:
                     marker = raw_marker.decode() if isinstance(raw_marker, bytes) else raw_marker
                     try:
                         value = orjson.loads(raw_value)
-                        entry = LiveMarker(str(value["owner"]), float(value["expires_at"]), str(value.get("origin", "")))
+                        entry = LiveMarker(
+                            str(value["owner"]),
+                            float(value["expires_at"]),
+                            str(value.get("origin", "")),
+                        )
                     except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
                         continue
                     if entry.expires_at <= now:
@@ -209,10 +227,17 @@ class CanaryMetrics:
     """The canary's own series, on the gateway's registry."""
 
     def __init__(self, registry: Any, scanner: CanaryScanner) -> None:
-        self.probes = Counter("isogate_canary_probes", "Canary probes sent, by outcome.", ["outcome"],
-                              registry=registry)
-        self.live_markers = Gauge("isogate_canary_live_markers", "Canary markers this replica scans for.",
-                                  registry=registry)
+        self.probes = Counter(
+            "isogate_canary_probes",
+            "Canary probes sent, by outcome.",
+            ["outcome"],
+            registry=registry,
+        )
+        self.live_markers = Gauge(
+            "isogate_canary_live_markers",
+            "Canary markers this replica scans for.",
+            registry=registry,
+        )
         self.live_markers.set_function(lambda: scanner.live_count)
 
 
@@ -224,8 +249,15 @@ class CanaryProber:
     that carries a marker other than its own is a leak between requests.
     """
 
-    def __init__(self, components: Components, scanner: CanaryScanner, *, ttl_s: float, max_tokens: int,
-                 metrics: CanaryMetrics | None = None) -> None:
+    def __init__(
+        self,
+        components: Components,
+        scanner: CanaryScanner,
+        *,
+        ttl_s: float,
+        max_tokens: int,
+        metrics: CanaryMetrics | None = None,
+    ) -> None:
         self._components = components
         self._scanner = scanner
         self._ttl_s = ttl_s
@@ -242,7 +274,11 @@ class CanaryProber:
 
     async def probe_all(self) -> list[ProbeResult]:
         components = self._components
-        pairs = [(model, pair) for model in components.policies.models.values() for pair in self.pairs(model)]
+        pairs = [
+            (model, pair)
+            for model in components.policies.models.values()
+            for pair in self.pairs(model)
+        ]
         results = await asyncio.gather(*(self.probe(model, pair) for model, pair in pairs))
         return list(results)
 
@@ -253,12 +289,19 @@ class CanaryProber:
         for pool in model.pools:
             for prefill in pool.prefill:
                 for decode in pool.decode:
-                    prefill_state, decode_state = registry.get(prefill.url), registry.get(decode.url)
+                    prefill_state, decode_state = (
+                        registry.get(prefill.url),
+                        registry.get(decode.url),
+                    )
                     if prefill_state is None or decode_state is None:
                         continue
-                    if model.require_engine_tags and not (prefill_state.engine_patch and decode_state.engine_patch):
+                    if model.require_engine_tags and not (
+                        prefill_state.engine_patch and decode_state.engine_patch
+                    ):
                         continue
-                    pairs.append(WorkerPair(pool.name, prefill, decode, prefill_state, decode_state))
+                    pairs.append(
+                        WorkerPair(pool.name, prefill, decode, prefill_state, decode_state)
+                    )
         return pairs
 
     async def probe(self, model: ModelPolicy, pair: WorkerPair) -> ProbeResult:
@@ -271,10 +314,19 @@ class CanaryProber:
             origin = f"{generation_id} {pair.prefill.url} -> {pair.decode.url}"
             prompt = f"Canary {marker}. Repeat the canary exactly: {marker}"
             input_ids = await components.tokenizers[model.name].encode_text(prompt)
-            need = len(input_ids) + self._max_tokens + components.settings.admission_safety_margin_tokens
+            need = (
+                len(input_ids)
+                + self._max_tokens
+                + components.settings.admission_safety_margin_tokens
+            )
             ledger = components.ledger
-            if ledger.free_now(pair.prefill_state) < need or ledger.free_now(pair.decode_state) < need:
-                return self._count(ProbeResult(pair.urls, generation_id, marker, "skipped", "pair is full"))
+            if (
+                ledger.free_now(pair.prefill_state) < need
+                or ledger.free_now(pair.decode_state) < need
+            ):
+                return self._count(
+                    ProbeResult(pair.urls, generation_id, marker, "skipped", "pair is full")
+                )
             # Live before it is sent: its pages may be read by someone else from the first step on.
             await self._scanner.register_marker(marker, CANARY_TENANT_ID, self._ttl_s, origin)
             request = EngineRequest(
@@ -282,23 +334,43 @@ class CanaryProber:
                 tenant_id=CANARY_TENANT_ID,
                 input_ids=input_ids,
                 sampling_params={"max_new_tokens": self._max_tokens, "temperature": 0.0},
-                cache_salt=tenant_cache_salt(components.settings.cache_salt_secret, CANARY_TENANT_ID),
+                cache_salt=tenant_cache_salt(
+                    components.settings.cache_salt_secret, CANARY_TENANT_ID
+                ),
             )
-            expected = Expectation(generation_id, CANARY_TENANT_ID, len(input_ids), self._max_tokens,
-                                   model.require_engine_tags)
+            expected = Expectation(
+                generation_id,
+                CANARY_TENANT_ID,
+                len(input_ids),
+                self._max_tokens,
+                model.require_engine_tags,
+            )
             with ledger.claim(pair.urls, need):
                 try:
                     output = await components.dispatcher.generate(pair, request)
                     check_meta(output.get("meta_info"), expected)
                     self._check_own_output(output, marker)
                 except IsolationFailure as failure:
-                    self._failed(model, pair, generation_id, len(input_ids), failure.reason, started)
-                    return self._count(ProbeResult(pair.urls, generation_id, marker, "verification_failed",
-                                                   failure.reason))
+                    self._failed(
+                        model, pair, generation_id, len(input_ids), failure.reason, started
+                    )
+                    return self._count(
+                        ProbeResult(
+                            pair.urls, generation_id, marker, "verification_failed", failure.reason
+                        )
+                    )
                 except APIError as error:
-                    log.warning("canary probe got no answer", extra={"pair": list(pair.urls), "code": error.code,
-                                                                      "reason": error.message[:200]})
-                    return self._count(ProbeResult(pair.urls, generation_id, marker, "error", error.message[:200]))
+                    log.warning(
+                        "canary probe got no answer",
+                        extra={
+                            "pair": list(pair.urls),
+                            "code": error.code,
+                            "reason": error.message[:200],
+                        },
+                    )
+                    return self._count(
+                        ProbeResult(pair.urls, generation_id, marker, "error", error.message[:200])
+                    )
             return self._count(ProbeResult(pair.urls, generation_id, marker, "passed"))
         finally:
             current_generation_id.reset(token)
@@ -307,24 +379,47 @@ class CanaryProber:
         meta = output.get("meta_info") or {}
         reason = meta.get("finish_reason")
         if isinstance(reason, dict) and reason.get("type") == "abort":
-            raise IsolationFailure(f"engine aborted the canary: {reason.get('message') or 'no reason given'}")
+            raise IsolationFailure(
+                f"engine aborted the canary: {reason.get('message') or 'no reason given'}"
+            )
         others = [m for m in self._scanner.markers_in(output.get("text") or "") if m != marker]
         if others:
             raise IsolationFailure("canary output carries another canary's marker")
 
-    def _failed(self, model: ModelPolicy, pair: WorkerPair, generation_id: str, prompt_tokens: int,
-                reason: str, started: float) -> None:
+    def _failed(
+        self,
+        model: ModelPolicy,
+        pair: WorkerPair,
+        generation_id: str,
+        prompt_tokens: int,
+        reason: str,
+        started: float,
+    ) -> None:
         components = self._components
-        log.error("canary probe failed an isolation check",
-                  extra={"alert": "canary_probe_failed", "reason": reason, "pair": list(pair.urls)})
+        log.error(
+            "canary probe failed an isolation check",
+            extra={"alert": "canary_probe_failed", "reason": reason, "pair": list(pair.urls)},
+        )
         components.metrics.verification_failed(model.name, "canary probe: " + reason)
-        components.audit.record(AuditEvent(
-            generation_id=generation_id, tenant_id=CANARY_TENANT_ID, key_id=CANARY_PRINCIPAL.key_id,
-            model=model.name, outcome="verification_failed", status=502, code="isolation_check_failed",
-            prefill_worker=pair.prefill.url, decode_worker=pair.decode.url, prompt_tokens=prompt_tokens,
-            completion_tokens=None, stream=False, latency_ms=(time.perf_counter() - started) * 1000.0,
-            created_at=datetime.now(timezone.utc), detail=reason[:300],
-        ))
+        components.audit.record(
+            AuditEvent(
+                generation_id=generation_id,
+                tenant_id=CANARY_TENANT_ID,
+                key_id=CANARY_PRINCIPAL.key_id,
+                model=model.name,
+                outcome="verification_failed",
+                status=502,
+                code="isolation_check_failed",
+                prefill_worker=pair.prefill.url,
+                decode_worker=pair.decode.url,
+                prompt_tokens=prompt_tokens,
+                completion_tokens=None,
+                stream=False,
+                latency_ms=(time.perf_counter() - started) * 1000.0,
+                created_at=datetime.now(UTC),
+                detail=reason[:300],
+            )
+        )
 
     def _count(self, result: ProbeResult) -> ProbeResult:
         if self._metrics is not None:
@@ -337,8 +432,15 @@ def alert_on_hit(metrics: Any) -> Callable[[CanaryHit], None]:
 
     def on_hit(hit: CanaryHit) -> None:
         metrics.canary_hits.labels(hit.tenant_id).inc()
-        log.critical("CANARY HIT: another tenant's canary marker appeared in an output; response withheld",
-                     extra={"alert": "canary_hit", "tenant_id": hit.tenant_id, "marker_owner": hit.owner,
-                            "marker": hit.marker, "marker_origin": hit.origin})
+        log.critical(
+            "CANARY HIT: another tenant's canary marker appeared in an output; response withheld",
+            extra={
+                "alert": "canary_hit",
+                "tenant_id": hit.tenant_id,
+                "marker_owner": hit.owner,
+                "marker": hit.marker,
+                "marker_origin": hit.origin,
+            },
+        )
 
     return on_hit

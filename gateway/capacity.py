@@ -18,8 +18,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
-from typing import Any, Iterable, Literal
+from typing import Any, Literal
 
 import httpx
 import orjson
@@ -58,8 +59,14 @@ class WorkerCapacity:
         return cls(**orjson.loads(raw))
 
 
-def parse_worker_state(url: str, role: Role, server_info: dict[str, Any], loads: dict[str, Any],
-                       observed_at: float, models: dict[str, Any] | None = None) -> WorkerCapacity:
+def parse_worker_state(
+    url: str,
+    role: Role,
+    server_info: dict[str, Any],
+    loads: dict[str, Any],
+    observed_at: float,
+    models: dict[str, Any] | None = None,
+) -> WorkerCapacity:
     """Build a capacity record from SGLang's ``/server_info`` and ``/v1/loads`` bodies.
 
     With several DP ranks a request lands on one of them: the pool is the smallest rank's
@@ -77,16 +84,28 @@ def parse_worker_state(url: str, role: Role, server_info: dict[str, Any], loads:
     # The advertised context length: the flag when set, else what /v1/models reports.
     context_length = _first_int(server_info, internal, "context_length")
     if context_length is None and models:
-        context_length = next((int(card["max_model_len"]) for card in models.get("data", [])
-                               if isinstance(card.get("max_model_len"), int)), None)
+        context_length = next(
+            (
+                int(card["max_model_len"])
+                for card in models.get("data", [])
+                if isinstance(card.get("max_model_len"), int)
+            ),
+            None,
+        )
     page_size = _first_int(server_info, internal, "page_size") or 1
     marker = server_info.get(ENGINE_PATCH_MARKER) or next(
         (s.get(ENGINE_PATCH_MARKER) for s in internal if s.get(ENGINE_PATCH_MARKER)), None
     )
     return WorkerCapacity(
-        url=url, role=role, observed_at=observed_at, max_total_num_tokens=min(pools),
-        max_req_input_len=max_req_input_len, context_length=context_length, page_size=page_size,
-        used_tokens=used, engine_patch=str(marker) if marker else None,
+        url=url,
+        role=role,
+        observed_at=observed_at,
+        max_total_num_tokens=min(pools),
+        max_req_input_len=max_req_input_len,
+        context_length=context_length,
+        page_size=page_size,
+        used_tokens=used,
+        engine_patch=str(marker) if marker else None,
     )
 
 
@@ -108,14 +127,17 @@ class WorkerConfig:
 
 
 async def fetch_config(client: httpx.AsyncClient, url: str) -> WorkerConfig:
-    info, models = await asyncio.gather(client.get(f"{url}/server_info"), client.get(f"{url}/v1/models"))
+    info, models = await asyncio.gather(
+        client.get(f"{url}/server_info"), client.get(f"{url}/v1/models")
+    )
     info.raise_for_status()
     models.raise_for_status()
     return WorkerConfig(info.json(), models.json(), time.monotonic())
 
 
-async def poll_worker(client: httpx.AsyncClient, url: str, role: Role,
-                      config: WorkerConfig | None = None) -> tuple[WorkerCapacity, WorkerConfig]:
+async def poll_worker(
+    client: httpx.AsyncClient, url: str, role: Role, config: WorkerConfig | None = None
+) -> tuple[WorkerCapacity, WorkerConfig]:
     """One observation: ``/v1/loads`` always (cheap, live), the configuration when not given.
 
     Stamped when the answer arrives: the age of a record is how long ago the worker spoke,
@@ -129,15 +151,24 @@ async def poll_worker(client: httpx.AsyncClient, url: str, role: Role,
         loads = await client.get(f"{url}/v1/loads", params={"include": "core"})
     loads.raise_for_status()
     observed_at = time.time()
-    state = parse_worker_state(url, role, config.server_info, loads.json(), observed_at, config.models)
+    state = parse_worker_state(
+        url, role, config.server_info, loads.json(), observed_at, config.models
+    )
     return state, config
 
 
 class CapacityRegistry:
     """The newest fresh observation of each worker; ``run`` keeps it current."""
 
-    def __init__(self, *, poll_interval_s: float, stale_after_s: float, redis: Any | None = None,
-                 key_prefix: str = "isogate", config_refresh_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        *,
+        poll_interval_s: float,
+        stale_after_s: float,
+        redis: Any | None = None,
+        key_prefix: str = "isogate",
+        config_refresh_s: float = 10.0,
+    ) -> None:
         self._poll_interval_s = poll_interval_s
         self._stale_after_s = stale_after_s
         self._redis = redis
@@ -212,7 +243,9 @@ class CapacityRegistry:
         self.adopt(state)
         if self._redis is not None:
             try:
-                await self._redis.set(self._key(url), state.to_json(), px=max(1, int(self._stale_after_s * 1000)))
+                await self._redis.set(
+                    self._key(url), state.to_json(), px=max(1, int(self._stale_after_s * 1000))
+                )
             except Exception as exc:  # Redis down: our own observations are still real ones.
                 log.warning("capacity: redis unavailable, deciding on local observations: %s", exc)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import httpx
 
@@ -26,10 +26,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     serve.add_argument("--workers", type=int, default=1, help="uvicorn worker processes")
     serve.set_defaults(func=_serve)
 
-    check = commands.add_parser("check-pools", help="deployment gate: advertised context vs live KV pools")
+    check = commands.add_parser(
+        "check-pools", help="deployment gate: advertised context vs live KV pools"
+    )
     check.add_argument("--policies-dir", type=Path)
-    check.add_argument("--worker", action="append", default=[], metavar="ROLE=URL",
-                       help="check this worker instead of the policies' (repeatable), e.g. prefill=http://h:30000")
+    check.add_argument(
+        "--worker",
+        action="append",
+        default=[],
+        metavar="ROLE=URL",
+        help="check this worker instead of the policies' (repeatable), e.g. prefill=http://h:30000",
+    )
     check.set_defaults(func=_check_pools)
 
     from . import cli_admin
@@ -77,7 +84,9 @@ def _check_pools(args: argparse.Namespace) -> int:
         for item in args.worker:
             role, _, url = item.partition("=")
             if role not in ("prefill", "decode") or not url:
-                print(f"isogate check-pools: --worker wants ROLE=URL, got {item!r}", file=sys.stderr)
+                print(
+                    f"isogate check-pools: --worker wants ROLE=URL, got {item!r}", file=sys.stderr
+                )
                 return 2
             workers.append((url.rstrip("/"), role))
     else:
@@ -93,12 +102,14 @@ def _check_pools(args: argparse.Namespace) -> int:
 
 async def _poll_all(workers: list[tuple[str, str]]) -> list[tuple[str, str, WorkerCapacity | str]]:
     async with httpx.AsyncClient(timeout=5.0) as client:
+
         async def one(url: str, role: str) -> tuple[str, str, WorkerCapacity | str]:
             try:
                 state, _ = await poll_worker(client, url, role)  # type: ignore[arg-type]
                 return url, role, state
             except Exception as exc:  # report, don't crash: an unreachable worker fails the gate
                 return url, role, f"unreachable: {type(exc).__name__}"
+
         return list(await asyncio.gather(*(one(url, role) for url, role in workers)))
 
 
@@ -114,7 +125,15 @@ def pool_verdict(state: WorkerCapacity) -> str | None:
 
 
 def print_pool_table(results: list[tuple[str, str, WorkerCapacity | str]]) -> int:
-    header = ("worker", "role", "context_length", "kv_pool_tokens", "max_req_input_len", "engine_patch", "verdict")
+    header = (
+        "worker",
+        "role",
+        "context_length",
+        "kv_pool_tokens",
+        "max_req_input_len",
+        "engine_patch",
+        "verdict",
+    )
     rows = [header]
     failed = 0
     for url, role, state in results:
@@ -124,15 +143,26 @@ def print_pool_table(results: list[tuple[str, str, WorkerCapacity | str]]) -> in
             continue
         problem = pool_verdict(state)
         failed += problem is not None
-        rows.append((url, role, str(state.context_length), str(state.max_total_num_tokens),
-                     str(state.max_req_input_len), state.engine_patch or "no",
-                     f"FAIL {problem}" if problem else "ok"))
+        rows.append(
+            (
+                url,
+                role,
+                str(state.context_length),
+                str(state.max_total_num_tokens),
+                str(state.max_req_input_len),
+                state.engine_patch or "no",
+                f"FAIL {problem}" if problem else "ok",
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     for row in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
     if failed:
-        print(f"\n{failed} worker(s) fail the pool gate: a prompt under the advertised context length "
-              "could exceed a KV pool (or the worker is unreachable).", file=sys.stderr)
+        print(
+            f"\n{failed} worker(s) fail the pool gate: a prompt under the advertised context length "
+            "could exceed a KV pool (or the worker is unreachable).",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

@@ -18,6 +18,7 @@ from typing import Any, TextIO
 
 import orjson
 
+from gateway.admin_api import TENANT_ID_PATTERN
 from gateway.audit_api import MAX_LIMIT, parse_cursor, parse_limit, parse_outcome, parse_time
 from gateway.errors import APIError
 from gateway.settings import Settings
@@ -30,31 +31,42 @@ from gateway.store import (
     audit_row_json,
     create_store,
 )
-from gateway.admin_api import TENANT_ID_PATTERN
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--database-url", help="SQLAlchemy URL (default: ISOGATE_DATABASE_URL or the SQLite file)")
+    common.add_argument(
+        "--database-url", help="SQLAlchemy URL (default: ISOGATE_DATABASE_URL or the SQLite file)"
+    )
     common.add_argument("--format", choices=("jsonl", "table"), default="jsonl")
 
-    migrate = subparsers.add_parser("migrate", parents=[common], help="create or upgrade the database schema")
+    migrate = subparsers.add_parser(
+        "migrate", parents=[common], help="create or upgrade the database schema"
+    )
     migrate.add_argument("--revision", default="head", help="target revision (default: head)")
     migrate.set_defaults(func=_command(cmd_migrate))
 
-    tenant = subparsers.add_parser("tenant", help="manage tenants").add_subparsers(dest="tenant_command", required=True)
+    tenant = subparsers.add_parser("tenant", help="manage tenants").add_subparsers(
+        dest="tenant_command", required=True
+    )
     create = tenant.add_parser("create", parents=[common], help="create a tenant")
     create.add_argument("tenant_id")
     create.add_argument("--name")
     create.set_defaults(func=_command(cmd_tenant_create))
-    tenant.add_parser("list", parents=[common], help="list tenants").set_defaults(func=_command(cmd_tenant_list))
+    tenant.add_parser("list", parents=[common], help="list tenants").set_defaults(
+        func=_command(cmd_tenant_list)
+    )
     for verb, disabled in (("disable", True), ("enable", False)):
         sub = tenant.add_parser(verb, parents=[common], help=f"{verb} a tenant (all its keys)")
         sub.add_argument("tenant_id")
         sub.set_defaults(func=_command(_tenant_toggle(disabled)))
 
-    key = subparsers.add_parser("key", help="manage API keys").add_subparsers(dest="key_command", required=True)
-    create = key.add_parser("create", parents=[common], help="create a key for a tenant (printed once)")
+    key = subparsers.add_parser("key", help="manage API keys").add_subparsers(
+        dest="key_command", required=True
+    )
+    create = key.add_parser(
+        "create", parents=[common], help="create a key for a tenant (printed once)"
+    )
     create.add_argument("tenant_id")
     create.add_argument("--name")
     create.set_defaults(func=_command(cmd_key_create))
@@ -65,7 +77,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     revoke.add_argument("key_id")
     revoke.set_defaults(func=_command(cmd_key_revoke))
 
-    audit = subparsers.add_parser("audit", parents=[common], help="read the audit log, newest first")
+    audit = subparsers.add_parser(
+        "audit", parents=[common], help="read the audit log, newest first"
+    )
     audit.add_argument("--tenant", help="only this tenant's events")
     audit.add_argument("--since", help="RFC 3339, inclusive")
     audit.add_argument("--until", help="RFC 3339, exclusive")
@@ -83,7 +97,9 @@ Handler = Callable[[Store, argparse.Namespace, TextIO, TextIO], int]
 def _command(handler: Handler) -> Callable[..., int]:
     """What ``args.func`` holds: ``args.func(args)`` runs the command, returns the exit status."""
 
-    def command(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    def command(
+        args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None
+    ) -> int:
         out = out or sys.stdout
         err = err or sys.stderr
         store = create_store(args.database_url or Settings().database_url)

@@ -18,7 +18,6 @@ from .auth import Authenticator
 from .canary import CanaryMetrics, CanaryProber, CanaryScanner, alert_on_hit
 from .capacity import CapacityRegistry, Role
 from .dispatch import PDDispatcher
-from .upstream import UpstreamClient
 from .limits import TenantLimiter
 from .metrics import Metrics
 from .policies import Policies, load_policies
@@ -26,6 +25,7 @@ from .routing import RoutingCache
 from .settings import Settings
 from .store import Store, create_store
 from .tokenize import ModelTokenizer
+from .upstream import UpstreamClient
 from .verify import ContentScanner, NoScanner
 
 log = logging.getLogger(__name__)
@@ -70,15 +70,21 @@ def workers_of(policies: Policies) -> list[tuple[str, Role]]:
     return list(seen.items())
 
 
-def load_tokenizers(policies: Policies, settings: Settings, previous: dict[str, ModelTokenizer] | None = None,
-                    previous_policies: Policies | None = None) -> dict[str, ModelTokenizer]:
+def load_tokenizers(
+    policies: Policies,
+    settings: Settings,
+    previous: dict[str, ModelTokenizer] | None = None,
+    previous_policies: Policies | None = None,
+) -> dict[str, ModelTokenizer]:
     tokenizers: dict[str, ModelTokenizer] = {}
     for name, model in policies.models.items():
         old = previous_policies.models.get(name) if previous_policies else None
         if previous and old is not None and old.tokenizer == model.tokenizer and name in previous:
             tokenizers[name] = previous[name]
         else:
-            tokenizers[name] = ModelTokenizer(model.tokenizer, thread_min_chars=settings.tokenize_in_thread_min_chars)
+            tokenizers[name] = ModelTokenizer(
+                model.tokenizer, thread_min_chars=settings.tokenize_in_thread_min_chars
+            )
     return tokenizers
 
 
@@ -105,8 +111,12 @@ async def build_components(settings: Settings) -> Components:
         capacity=capacity,
         routes=RoutingCache(capacity),
         ledger=ClaimLedger(),
-        dispatcher=PDDispatcher(UpstreamClient(connect_timeout_s=settings.upstream_connect_timeout_s,
-                                               timeout_s=settings.upstream_timeout_s)),
+        dispatcher=PDDispatcher(
+            UpstreamClient(
+                connect_timeout_s=settings.upstream_connect_timeout_s,
+                timeout_s=settings.upstream_timeout_s,
+            )
+        ),
         store=store,
         authenticator=Authenticator(store, settings),
         audit=AuditLog(store, settings),
@@ -125,16 +135,26 @@ def start_canaries(components: Components) -> None:
     settings = components.settings
     if not settings.canary_scan:
         return
-    scanner = CanaryScanner(components.redis, settings.canary_redis_key, alert_on_hit(components.metrics))
+    scanner = CanaryScanner(
+        components.redis, settings.canary_redis_key, alert_on_hit(components.metrics)
+    )
     components.scanner = scanner
     canary_metrics = CanaryMetrics(components.metrics.registry, scanner)
     # Drops expired markers and, with Redis, adopts the other replicas'.
-    components.tasks.append(asyncio.create_task(scanner.run_refresh(settings.canary_refresh_s),
-                                                name="canary-refresh"))
+    components.tasks.append(
+        asyncio.create_task(scanner.run_refresh(settings.canary_refresh_s), name="canary-refresh")
+    )
     if settings.canary_interval_s > 0:
-        prober = CanaryProber(components, scanner, ttl_s=settings.canary_marker_ttl_s,
-                              max_tokens=settings.canary_max_tokens, metrics=canary_metrics)
-        components.tasks.append(asyncio.create_task(prober.run(settings.canary_interval_s), name="canary-prober"))
+        prober = CanaryProber(
+            components,
+            scanner,
+            ttl_s=settings.canary_marker_ttl_s,
+            max_tokens=settings.canary_max_tokens,
+            metrics=canary_metrics,
+        )
+        components.tasks.append(
+            asyncio.create_task(prober.run(settings.canary_interval_s), name="canary-prober")
+        )
 
 
 async def close_components(components: Components) -> None:

@@ -14,8 +14,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any
 from urllib.parse import urlsplit
 
 import orjson
@@ -79,7 +80,10 @@ class PDDispatcher:
         failed prefill leaves decode waiting for a transfer that never comes, so the first
         failure ends the wait and the other exchange is abandoned (its connection closed).
         """
-        log.debug("dispatch", extra={"prefill": pair.prefill.url, "decode": pair.decode.url, "stream": False})
+        log.debug(
+            "dispatch",
+            extra={"prefill": pair.prefill.url, "decode": pair.decode.url, "stream": False},
+        )
         headers = isolation_headers(request)
         body = generate_body(pair, request, stream=False)  # the same for both roles
         client = self._client
@@ -97,7 +101,9 @@ class PDDispatcher:
             for _, connection in exchanges:
                 client.finish(connection)
 
-    async def stream(self, pair: WorkerPair, request: EngineRequest) -> AsyncIterator[list[dict[str, Any]]]:
+    async def stream(
+        self, pair: WorkerPair, request: EngineRequest
+    ) -> AsyncIterator[list[dict[str, Any]]]:
         """Decode's chunks, parsed, in batches of those that arrived together; raises APIError
         before the first batch, UpstreamStreamError after.
 
@@ -106,10 +112,15 @@ class PDDispatcher:
         default), so the first chunk races prefill's answer (awaited on its connection, like
         ``generate``). Once decode has produced a token, the transfer is complete.
         """
-        log.debug("dispatch", extra={"prefill": pair.prefill.url, "decode": pair.decode.url, "stream": True})
+        log.debug(
+            "dispatch",
+            extra={"prefill": pair.prefill.url, "decode": pair.decode.url, "stream": True},
+        )
         client = self._client
         headers = isolation_headers(request)
-        prefill = await self._send("prefill", pair.prefill.url, generate_body(pair, request, stream=False), headers)
+        prefill = await self._send(
+            "prefill", pair.prefill.url, generate_body(pair, request, stream=False), headers
+        )
         chunks = self._decode_chunks(pair, request, headers)
         first = None
         try:
@@ -134,14 +145,20 @@ class PDDispatcher:
             client.finish(prefill)
             await chunks.aclose()
 
-    async def _decode_chunks(self, pair: WorkerPair, request: EngineRequest,
-                             headers: dict[str, str]) -> AsyncIterator[list[dict[str, Any]]]:
-        lines = self._client.stream(f"{pair.decode.url}/generate",
-                                    generate_body(pair, request, stream=True), headers)
+    async def _decode_chunks(
+        self, pair: WorkerPair, request: EngineRequest, headers: dict[str, str]
+    ) -> AsyncIterator[list[dict[str, Any]]]:
+        lines = self._client.stream(
+            f"{pair.decode.url}/generate", generate_body(pair, request, stream=True), headers
+        )
         try:
             status, _ = await lines.__anext__()
             if status != 200:
-                raise _engine_error("decode", status, b"\n".join([line async for _, batch in lines for line in batch]))
+                raise _engine_error(
+                    "decode",
+                    status,
+                    b"\n".join([line async for _, batch in lines for line in batch]),
+                )
             async for _, batch in lines:
                 chunks = []
                 for line in batch:
@@ -195,9 +212,16 @@ def _engine_error(role: str, status: int, body: bytes) -> APIError:
     except orjson.JSONDecodeError:
         message = body[:200].decode("utf-8", "replace")
     if 400 <= status < 500 and status not in (408, 429):
-        return APIError(400, f"The {role} worker refused the request: {message}", "invalid_request_error", "engine_rejected")
+        return APIError(
+            400,
+            f"The {role} worker refused the request: {message}",
+            "invalid_request_error",
+            "engine_rejected",
+        )
     if status == 503:
-        return unavailable(f"The {role} worker is unavailable: {message}", code="worker_unavailable")
+        return unavailable(
+            f"The {role} worker is unavailable: {message}", code="worker_unavailable"
+        )
     return upstream_failed(f"The {role} worker failed (HTTP {status}): {message}")
 
 

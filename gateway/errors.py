@@ -41,7 +41,9 @@ class APIError(Exception):
         )
 
 
-def bad_request(message: str, *, code: str = "invalid_request", param: str | None = None) -> APIError:
+def bad_request(
+    message: str, *, code: str = "invalid_request", param: str | None = None
+) -> APIError:
     return APIError(400, message, "invalid_request_error", code, param)
 
 
@@ -59,14 +61,22 @@ def not_found(message: str, *, code: str = "not_found", param: str | None = None
 
 def rate_limited(message: str, retry_after_s: float) -> APIError:
     return APIError(
-        429, message, "rate_limit_error", "rate_limit_exceeded",
+        429,
+        message,
+        "rate_limit_error",
+        "rate_limit_exceeded",
         headers={"Retry-After": str(max(1, int(retry_after_s + 0.999)))},
     )
 
 
-def unavailable(message: str, *, retry_after_s: float = 1.0, code: str = "no_worker_available") -> APIError:
+def unavailable(
+    message: str, *, retry_after_s: float = 1.0, code: str = "no_worker_available"
+) -> APIError:
     return APIError(
-        503, message, "service_unavailable_error", code,
+        503,
+        message,
+        "service_unavailable_error",
+        code,
         headers={"Retry-After": str(max(1, int(retry_after_s + 0.999)))},
     )
 

@@ -32,13 +32,15 @@ def new_generation_id() -> str:
 
 
 def is_generation_id(text: str) -> bool:
-    body = text[len(PREFIX):]
-    return text.startswith(PREFIX) and len(body) == _ULID_CHARS and all(c in _CROCKFORD for c in body)
+    body = text[len(PREFIX) :]
+    return (
+        text.startswith(PREFIX) and len(body) == _ULID_CHARS and all(c in _CROCKFORD for c in body)
+    )
 
 
 def bootstrap_room(generation_id: str) -> int:
     """The PD bootstrap room: the ID's low 63 bits, all of them random, so rooms don't collide."""
-    return int(generation_id[len(PREFIX):].translate(_TO_INT_DIGITS), 32) & _ROOM_MASK
+    return int(generation_id[len(PREFIX) :].translate(_TO_INT_DIGITS), 32) & _ROOM_MASK
 
 
 @functools.lru_cache(maxsize=65536)

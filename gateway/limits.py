@@ -113,8 +113,14 @@ class LimitLease:
     """One admitted request's hold on its tenant's limits."""
 
     def __init__(
-        self, limiter: TenantLimiter, tenant_id: str, limits: TenantLimits, reserved: int,
-        lease_id: str, *, in_redis: bool,
+        self,
+        limiter: TenantLimiter,
+        tenant_id: str,
+        limits: TenantLimits,
+        reserved: int,
+        lease_id: str,
+        *,
+        in_redis: bool,
     ):
         self.tenant_id = tenant_id
         self.reserved_tokens = reserved
@@ -150,8 +156,12 @@ class LimitLease:
 
 class TenantLimiter:
     def __init__(
-        self, redis: redis.asyncio.Redis | None, key_prefix: str = "isogate",
-        *, lease_ttl_s: float = 900.0, redis_timeout_s: float = 0.5,
+        self,
+        redis: redis.asyncio.Redis | None,
+        key_prefix: str = "isogate",
+        *,
+        lease_ttl_s: float = 900.0,
+        redis_timeout_s: float = 0.5,
     ):
         self._redis = redis
         self._prefix = key_prefix
@@ -163,7 +173,9 @@ class TenantLimiter:
         self._redis_timeout_s = redis_timeout_s
         self._redis_down_until = 0.0
 
-    async def acquire(self, tenant_id: str, limits: TenantLimits, reserved_tokens: int) -> LimitLease:
+    async def acquire(
+        self, tenant_id: str, limits: TenantLimits, reserved_tokens: int
+    ) -> LimitLease:
         reserved = max(0, reserved_tokens)
         if reserved > limits.tokens_per_minute:
             # Like OpenAI's "Request too large": a 429 that waiting alone will not cure.
@@ -176,13 +188,19 @@ class TenantLimiter:
         lease_id = secrets.token_hex(8)
         if self._redis is not None and time.monotonic() >= self._redis_down_until:
             try:
-                verdict, retry_ms = await self._with_timeout(self._acquire_script(
-                    keys=[self._key(tenant_id, "bucket"), self._key(tenant_id, "inflight")],
-                    args=[
-                        limits.requests_per_minute, limits.tokens_per_minute,
-                        limits.max_concurrent, reserved, lease_id, int(self._lease_ttl_ms),
-                    ],
-                ))
+                verdict, retry_ms = await self._with_timeout(
+                    self._acquire_script(
+                        keys=[self._key(tenant_id, "bucket"), self._key(tenant_id, "inflight")],
+                        args=[
+                            limits.requests_per_minute,
+                            limits.tokens_per_minute,
+                            limits.max_concurrent,
+                            reserved,
+                            lease_id,
+                            int(self._lease_ttl_ms),
+                        ],
+                    )
+                )
             except Exception as exc:
                 if not _redis_unreachable(exc):
                     raise
@@ -196,7 +214,9 @@ class TenantLimiter:
         self._acquire_local(tenant_id, limits, reserved, lease_id)
         return LimitLease(self, tenant_id, limits, reserved, lease_id, in_redis=False)
 
-    def _acquire_local(self, tenant_id: str, limits: TenantLimits, reserved: int, lease_id: str) -> None:
+    def _acquire_local(
+        self, tenant_id: str, limits: TenantLimits, reserved: int, lease_id: str
+    ) -> None:
         now = time.monotonic() * 1000
         bucket = self._buckets.get(tenant_id)
         if bucket is None:
@@ -225,10 +245,12 @@ class TenantLimiter:
         limits = lease._limits
         if lease._in_redis and self._redis is not None:
             try:
-                await self._with_timeout(self._settle_script(
-                    keys=[self._key(lease.tenant_id, "bucket")],
-                    args=[limits.requests_per_minute, limits.tokens_per_minute, delta],
-                ))
+                await self._with_timeout(
+                    self._settle_script(
+                        keys=[self._key(lease.tenant_id, "bucket")],
+                        args=[limits.requests_per_minute, limits.tokens_per_minute, delta],
+                    )
+                )
                 return
             except Exception as exc:
                 if not _redis_unreachable(exc):
@@ -288,6 +310,11 @@ def _redis_unreachable(exc: Exception) -> bool:
     import redis.exceptions
 
     return isinstance(
-        exc, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError, asyncio.TimeoutError)
+        exc,
+        (
+            redis.exceptions.ConnectionError,
+            redis.exceptions.TimeoutError,
+            OSError,
+            asyncio.TimeoutError,
+        ),
     )
-

@@ -17,9 +17,14 @@ import orjson
 
 from .settings import Settings
 
-current_generation_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("generation_id", default=None)
+current_generation_id: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "generation_id", default=None
+)
 
-_STANDARD_ATTRS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
+_STANDARD_ATTRS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {
+    "message",
+    "asctime",
+}
 
 
 class GenerationIdFilter(logging.Filter):
@@ -38,7 +43,10 @@ class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         second = int(record.created)
         if second != self._second:  # one strftime per second, not per line
-            self._second, self._second_text = second, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
+            self._second, self._second_text = (
+                second,
+                time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second)),
+            )
         entry: dict[str, Any] = {
             "ts": f"{self._second_text}.{int(record.msecs):03d}Z",
             "level": record.levelname.lower(),
@@ -108,7 +116,9 @@ def configure_logging(settings: Settings) -> None:
     if settings.log_json:
         handler.setFormatter(JsonFormatter())
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s [%(generation_id)s] %(message)s"))
+        handler.setFormatter(
+            logging.Formatter("%(asctime)s %(levelname)s %(name)s [%(generation_id)s] %(message)s")
+        )
     # Never printed by either format; LogRecord looks them up for every line.
     logging.logThreads = False
     logging.logProcesses = False

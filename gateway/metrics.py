@@ -8,31 +8,84 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from .capacity import CapacityRegistry
 
-_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    30,
+    60,
+    120,
+)
 
 
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.requests = Counter("isogate_requests", "Generation requests by model, tenant and outcome.",
-                                ["model", "tenant", "outcome"], registry=self.registry)
-        self.admission_refusals = Counter("isogate_admission_refusals", "Prompts refused by gate 1, by the bound that set the limit.",
-                                          ["model", "bound"], registry=self.registry)
-        self.refused_untokenized = Counter("isogate_admission_refused_untokenized",
-                                           "Prompts refused on byte length alone, without tokenizing.",
-                                           ["model"], registry=self.registry)
-        self.verification_failures = Counter("isogate_verification_failures", "Responses withheld by an isolation check.",
-                                             ["model", "reason"], registry=self.registry)
-        self.canary_hits = Counter("isogate_canary_hits", "Outputs that carried another tenant's canary marker, by the tenant they were withheld from.",
-                                   ["tenant"], registry=self.registry)
-        self.latency = Histogram("isogate_request_duration_seconds", "Request latency through the gateway.",
-                                 ["model", "outcome"], buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.pool_tokens = Gauge("isogate_worker_kv_pool_tokens", "Live KV pool capacity per worker.",
-                                 ["worker", "role"], registry=self.registry)
-        self.used_tokens = Gauge("isogate_worker_kv_used_tokens", "KV tokens in use per worker.",
-                                 ["worker", "role"], registry=self.registry)
-        self.worker_fresh = Gauge("isogate_worker_capacity_fresh", "1 when the worker's capacity data is fresh.",
-                                  ["worker", "role"], registry=self.registry)
+        self.requests = Counter(
+            "isogate_requests",
+            "Generation requests by model, tenant and outcome.",
+            ["model", "tenant", "outcome"],
+            registry=self.registry,
+        )
+        self.admission_refusals = Counter(
+            "isogate_admission_refusals",
+            "Prompts refused by gate 1, by the bound that set the limit.",
+            ["model", "bound"],
+            registry=self.registry,
+        )
+        self.refused_untokenized = Counter(
+            "isogate_admission_refused_untokenized",
+            "Prompts refused on byte length alone, without tokenizing.",
+            ["model"],
+            registry=self.registry,
+        )
+        self.verification_failures = Counter(
+            "isogate_verification_failures",
+            "Responses withheld by an isolation check.",
+            ["model", "reason"],
+            registry=self.registry,
+        )
+        self.canary_hits = Counter(
+            "isogate_canary_hits",
+            "Outputs that carried another tenant's canary marker, by the tenant they were withheld from.",
+            ["tenant"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "isogate_request_duration_seconds",
+            "Request latency through the gateway.",
+            ["model", "outcome"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.pool_tokens = Gauge(
+            "isogate_worker_kv_pool_tokens",
+            "Live KV pool capacity per worker.",
+            ["worker", "role"],
+            registry=self.registry,
+        )
+        self.used_tokens = Gauge(
+            "isogate_worker_kv_used_tokens",
+            "KV tokens in use per worker.",
+            ["worker", "role"],
+            registry=self.registry,
+        )
+        self.worker_fresh = Gauge(
+            "isogate_worker_capacity_fresh",
+            "1 when the worker's capacity data is fresh.",
+            ["worker", "role"],
+            registry=self.registry,
+        )
         # The children of every request's two series, by labels: ``labels()`` validates and
         # locks on each call. As bounded as the series themselves (models x tenants x outcomes).
         self._request_series: dict[tuple[str, str, str], tuple[Any, Any]] = {}
@@ -48,8 +101,10 @@ class Metrics:
         key = (model, tenant, outcome)
         series = self._request_series.get(key)
         if series is None:
-            series = self._request_series[key] = (self.requests.labels(model, tenant, outcome),
-                                                  self.latency.labels(model, outcome))
+            series = self._request_series[key] = (
+                self.requests.labels(model, tenant, outcome),
+                self.latency.labels(model, outcome),
+            )
         count, latency = series
         count.inc()
         latency.observe(seconds)

@@ -12,9 +12,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
-from typing import Any, AsyncIterator, Literal
+from datetime import UTC, datetime
+from typing import Any, Literal
 
 import orjson
 from starlette.requests import ClientDisconnect, Request
@@ -60,7 +61,9 @@ class Trace:
     completion_tokens: int | None = None
     releases: list[Any] = field(default_factory=list)
 
-    def event(self, outcome: str, status: int, code: str | None = None, detail: str | None = None) -> AuditEvent:
+    def event(
+        self, outcome: str, status: int, code: str | None = None, detail: str | None = None
+    ) -> AuditEvent:
         return AuditEvent(
             generation_id=self.generation_id,
             tenant_id=self.principal.tenant_id if self.principal else "",
@@ -81,26 +84,40 @@ class Trace:
 
 
 async def handle_generation(components: Components, request: Request, kind: Kind) -> Response:
-    trace = Trace(new_generation_id(), datetime.now(timezone.utc), time.perf_counter())
+    trace = Trace(new_generation_id(), datetime.now(UTC), time.perf_counter())
     current_generation_id.set(trace.generation_id)
     try:
         # auth
         headers = ClientHeaders.of(request.scope)
-        trace.principal = principal = await components.authenticator.authenticate(headers.authorization)
+        trace.principal = principal = await components.authenticator.authenticate(
+            headers.authorization
+        )
         if principal.is_admin:
-            raise APIError(403, "The admin key cannot run generations; use a tenant key.",
-                           "permission_error", "admin_key_not_allowed")
+            raise APIError(
+                403,
+                "The admin key cannot run generations; use a tenant key.",
+                "permission_error",
+                "admin_key_not_allowed",
+            )
         if headers.reserved is not None:
-            raise bad_request(f"Header '{headers.reserved}' is set by the gateway and may not be supplied by a client.",
-                              code="reserved_header")
-        body = await read_body(request.receive, headers.content_length, components.settings.max_body_bytes)
-        parsed = protocol.parse_request(body, ChatCompletionRequest if kind == "chat" else CompletionRequest)
+            raise bad_request(
+                f"Header '{headers.reserved}' is set by the gateway and may not be supplied by a client.",
+                code="reserved_header",
+            )
+        body = await read_body(
+            request.receive, headers.content_length, components.settings.max_body_bytes
+        )
+        parsed = protocol.parse_request(
+            body, ChatCompletionRequest if kind == "chat" else CompletionRequest
+        )
         trace.stream = parsed.stream
         trace.model = parsed.model
         policies = components.policies
         model = policies.models.get(parsed.model)
         if model is None:
-            raise not_found(f"The model '{parsed.model}' does not exist.", code="model_not_found", param="model")
+            raise not_found(
+                f"The model '{parsed.model}' does not exist.", code="model_not_found", param="model"
+            )
         max_tokens = _max_tokens(parsed, model)
 
         # tokenize (refusing, before tokenizing, what its byte length alone proves too long)
@@ -114,31 +131,46 @@ async def handle_generation(components: Components, request: Request, kind: Kind
         if prompt_tokens > limit.tokens:
             raise _refuse(components, model, prompt_tokens, limit, max_tokens)
         lease = await components.limiter.acquire(
-            principal.tenant_id, policies.tenant(principal.tenant_id).limits, prompt_tokens + max_tokens
+            principal.tenant_id,
+            policies.tenant(principal.tenant_id).limits,
+            prompt_tokens + max_tokens,
         )
         trace.releases.append(lease)
 
         # route
         pair = candidates.choose(components.ledger, prompt_tokens, max_tokens, margin)
         if pair is None:
-            raise unavailable("Every worker pair that could hold this request is busy; try again shortly.",
-                              code="capacity_busy")
+            raise unavailable(
+                "Every worker pair that could hold this request is busy; try again shortly.",
+                code="capacity_busy",
+            )
         trace.pair = pair
-        trace.releases.append(components.ledger.claim(pair.urls, prompt_tokens + max_tokens + margin))
+        trace.releases.append(
+            components.ledger.claim(pair.urls, prompt_tokens + max_tokens + margin)
+        )
 
         engine_request = EngineRequest(
             generation_id=trace.generation_id,
             tenant_id=principal.tenant_id,
             input_ids=input_ids,
             sampling_params=_sampling_params(parsed, max_tokens),
-            cache_salt=tenant_cache_salt(components.settings.cache_salt_secret, principal.tenant_id),
+            cache_salt=tenant_cache_salt(
+                components.settings.cache_salt_secret, principal.tenant_id
+            ),
         )
-        expected = Expectation(trace.generation_id, principal.tenant_id, prompt_tokens, max_tokens,
-                               model.require_engine_tags)
+        expected = Expectation(
+            trace.generation_id,
+            principal.tenant_id,
+            prompt_tokens,
+            max_tokens,
+            model.require_engine_tags,
+        )
 
         # dispatch → verify → audit
         if parsed.stream:
-            return await _stream(components, trace, pair, engine_request, expected, kind, parsed.include_usage)
+            return await _stream(
+                components, trace, pair, engine_request, expected, kind, parsed.include_usage
+            )
         output = await components.dispatcher.generate(pair, engine_request)
         meta = output.get("meta_info")
         check_meta(meta, expected)
@@ -162,8 +194,12 @@ async def handle_generation(components: Components, request: Request, kind: Kind
         return _with_generation_id(error.response(), trace)
     except ClientDisconnect:
         _finish(components, trace, "client_cancelled", 499, "client_cancelled")
-        return _with_generation_id(APIError(499, "The client went away.", "invalid_request_error",
-                                            "client_cancelled").response(), trace)
+        return _with_generation_id(
+            APIError(
+                499, "The client went away.", "invalid_request_error", "client_cancelled"
+            ).response(),
+            trace,
+        )
     except asyncio.CancelledError:
         # The client went away while we waited on a worker: still exactly one event.
         _finish(components, trace, "client_cancelled", 499, "client_cancelled")
@@ -171,7 +207,9 @@ async def handle_generation(components: Components, request: Request, kind: Kind
     except Exception as exc:
         log.exception("unexpected error serving a generation")
         _finish(components, trace, "upstream_error", 500, "internal_error", f"{type(exc).__name__}")
-        return _with_generation_id(APIError(500, "Internal error.", "server_error", "internal_error").response(), trace)
+        return _with_generation_id(
+            APIError(500, "Internal error.", "server_error", "internal_error").response(), trace
+        )
     finally:
         await _release(trace)
 
@@ -213,7 +251,12 @@ _RESERVED_PREFIXES = tuple(prefix.encode() for prefix in RESERVED_HEADER_PREFIXE
 async def read_body(receive: Receive, declared_length: str | None, limit: int) -> bytes:
     """The whole body, or a 413 as soon as it is known to exceed ``limit`` bytes."""
     if declared_length is not None and declared_length.isdigit() and int(declared_length) > limit:
-        raise APIError(413, f"Request body exceeds {limit} bytes.", "invalid_request_error", "request_too_large")
+        raise APIError(
+            413,
+            f"Request body exceeds {limit} bytes.",
+            "invalid_request_error",
+            "request_too_large",
+        )
     chunks: list[bytes] = []
     size = 0
     while True:
@@ -223,7 +266,12 @@ async def read_body(receive: Receive, declared_length: str | None, limit: int) -
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
-            raise APIError(413, f"Request body exceeds {limit} bytes.", "invalid_request_error", "request_too_large")
+            raise APIError(
+                413,
+                f"Request body exceeds {limit} bytes.",
+                "invalid_request_error",
+                "request_too_large",
+            )
         chunks.append(chunk)
         if not message.get("more_body", False):
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
@@ -252,16 +300,28 @@ def _max_tokens(parsed: ChatCompletionRequest | CompletionRequest, model: ModelP
     if requested is None:
         return model.default_max_tokens
     if requested > model.max_output_tokens:
-        raise bad_request(f"max_tokens is {requested}; this model allows at most {model.max_output_tokens}.",
-                          code="invalid_value", param="max_tokens")
+        raise bad_request(
+            f"max_tokens is {requested}; this model allows at most {model.max_output_tokens}.",
+            code="invalid_value",
+            param="max_tokens",
+        )
     return requested
 
 
-async def _tokenize(components: Components, model: ModelPolicy, parsed: ChatCompletionRequest | CompletionRequest,
-                    limit, max_tokens: int) -> list[int]:
+async def _tokenize(
+    components: Components,
+    model: ModelPolicy,
+    parsed: ChatCompletionRequest | CompletionRequest,
+    limit,
+    max_tokens: int,
+) -> list[int]:
     tokenizer = components.tokenizers[model.name]
-    if isinstance(parsed, CompletionRequest) and isinstance(parsed.prompt, list) and parsed.prompt \
-            and isinstance(parsed.prompt[0], int):
+    if (
+        isinstance(parsed, CompletionRequest)
+        and isinstance(parsed.prompt, list)
+        and parsed.prompt
+        and isinstance(parsed.prompt[0], int)
+    ):
         if len(parsed.prompt) > limit.tokens:
             raise _refuse(components, model, len(parsed.prompt), limit, max_tokens)
         return tokenizer.check_token_ids(parsed.prompt)
@@ -280,7 +340,9 @@ async def _tokenize(components: Components, model: ModelPolicy, parsed: ChatComp
     return await tokenizer.encode_text(text)
 
 
-def _sampling_params(parsed: ChatCompletionRequest | CompletionRequest, max_tokens: int) -> dict[str, Any]:
+def _sampling_params(
+    parsed: ChatCompletionRequest | CompletionRequest, max_tokens: int
+) -> dict[str, Any]:
     params: dict[str, Any] = {
         "max_new_tokens": max_tokens,
         "temperature": parsed.temperature,
@@ -315,21 +377,34 @@ def _outcome(error: APIError) -> str:
 
 
 def _record_failure(components: Components, trace: Trace, failure: IsolationFailure) -> None:
-    log.error("isolation check failed", extra={"generation_id": trace.generation_id, "reason": failure.reason,
-                                               "tenant_id": trace.principal.tenant_id if trace.principal else None})
+    log.error(
+        "isolation check failed",
+        extra={
+            "generation_id": trace.generation_id,
+            "reason": failure.reason,
+            "tenant_id": trace.principal.tenant_id if trace.principal else None,
+        },
+    )
     components.metrics.verification_failed(trace.model or "", failure.reason)
     _finish(components, trace, "verification_failed", 502, "isolation_check_failed", failure.reason)
 
 
-def _refuse(components: Components, model: ModelPolicy, prompt_tokens: int | str, limit,
-            max_tokens: int) -> APIError:
+def _refuse(
+    components: Components, model: ModelPolicy, prompt_tokens: int | str, limit, max_tokens: int
+) -> APIError:
     """Gate 1's refusal, counted by the bound that set the limit."""
     components.metrics.admission_refusals.labels(model.name, limit.bound).inc()
     return context_length_exceeded(prompt_tokens, limit, max_tokens)
 
 
-def _finish(components: Components, trace: Trace, outcome: str, status: int, code: str | None = None,
-            detail: str | None = None) -> None:
+def _finish(
+    components: Components,
+    trace: Trace,
+    outcome: str,
+    status: int,
+    code: str | None = None,
+    detail: str | None = None,
+) -> None:
     """The one place a request's outcome is recorded: its audit event, counters, latency, log line."""
     event = trace.event(outcome, status, code, detail)
     components.audit.record(event)
@@ -337,8 +412,16 @@ def _finish(components: Components, trace: Trace, outcome: str, status: int, cod
     # line cost as much CPU as the audit insert (bench/RESULTS.md). Every other outcome is INFO.
     level = logging.DEBUG if outcome == "served" else logging.INFO
     if log.isEnabledFor(level):
-        log.log(level, "request finished", extra={"outcome": outcome, "status": status, "code": code,
-                                                  "latency_ms": round(event.latency_ms, 3)})
+        log.log(
+            level,
+            "request finished",
+            extra={
+                "outcome": outcome,
+                "status": status,
+                "code": code,
+                "latency_ms": round(event.latency_ms, 3),
+            },
+        )
     tenant = trace.principal.tenant_id if trace.principal else ""
     # A model name the client made up is not a label value: that would let clients grow the series.
     model = trace.model if trace.model in components.policies.models else ""
@@ -347,7 +430,11 @@ def _finish(components: Components, trace: Trace, outcome: str, status: int, cod
 
 async def _settle(trace: Trace) -> None:
     for item in trace.releases:
-        if isinstance(item, LimitLease) and trace.completion_tokens is not None and trace.prompt_tokens is not None:
+        if (
+            isinstance(item, LimitLease)
+            and trace.completion_tokens is not None
+            and trace.prompt_tokens is not None
+        ):
             await item.settle(trace.prompt_tokens + trace.completion_tokens)
 
 
@@ -362,25 +449,43 @@ async def _release(trace: Trace) -> None:
 
 # ---- streaming ---------------------------------------------------------------------------
 
-async def _stream(components: Components, trace: Trace, pair: WorkerPair, engine_request: EngineRequest,
-                  expected: Expectation, kind: Kind, include_usage: bool) -> Response:
+
+async def _stream(
+    components: Components,
+    trace: Trace,
+    pair: WorkerPair,
+    engine_request: EngineRequest,
+    expected: Expectation,
+    kind: Kind,
+    include_usage: bool,
+) -> Response:
     """Pull and check the first engine chunks before answering, so early failures keep their status."""
     batches = components.dispatcher.stream(pair, engine_request).__aiter__()
     guard = StreamGuard(components.scanner, expected.tenant_id)
     try:
         first_delta, first_meta = _checked_delta(await batches.__anext__(), expected, guard)
     except StopAsyncIteration:
-        raise APIError(502, "The decode worker ended the stream without output.", "upstream_error", "upstream_error")
+        raise APIError(
+            502,
+            "The decode worker ended the stream without output.",
+            "upstream_error",
+            "upstream_error",
+        )
     except BaseException:
         await batches.aclose()
         raise
-    stream = GuardedStream(components, trace, _sse_events(trace, batches, first_delta, first_meta, guard, expected,
-                                                          kind, include_usage))
+    stream = GuardedStream(
+        components,
+        trace,
+        _sse_events(trace, batches, first_delta, first_meta, guard, expected, kind, include_usage),
+    )
     trace.releases = []  # the stream owns them now
     return stream
 
 
-def _checked_delta(batch: list[dict[str, Any]], expected: Expectation, guard: StreamGuard) -> tuple[str, dict[str, Any]]:
+def _checked_delta(
+    batch: list[dict[str, Any]], expected: Expectation, guard: StreamGuard
+) -> tuple[str, dict[str, Any]]:
     """The text that engine chunks which arrived together add for the client, once every one of
     them has passed the checks (none of a batch is sent before all of it is checked); and the
     last chunk's ``meta_info``."""
@@ -389,9 +494,16 @@ def _checked_delta(batch: list[dict[str, Any]], expected: Expectation, guard: St
     return guard.feed_all([chunk.get("text", "") for chunk in batch]), batch[-1]["meta_info"]
 
 
-async def _sse_events(trace: Trace, batches: AsyncIterator[list[dict[str, Any]]], first_delta: str,
-                      first_meta: dict[str, Any], guard: StreamGuard, expected: Expectation, kind: Kind,
-                      include_usage: bool) -> AsyncIterator[bytes]:
+async def _sse_events(
+    trace: Trace,
+    batches: AsyncIterator[list[dict[str, Any]]],
+    first_delta: str,
+    first_meta: dict[str, Any],
+    guard: StreamGuard,
+    expected: Expectation,
+    kind: Kind,
+    include_usage: bool,
+) -> AsyncIterator[bytes]:
     """The client's SSE events, written together when they are ready together: what is checked
     goes out before the next wait on decode, the end of the stream with its last text."""
     model, gid, created = trace.model or "", trace.generation_id, protocol.now()
@@ -403,7 +515,11 @@ async def _sse_events(trace: Trace, batches: AsyncIterator[list[dict[str, Any]]]
 
     events: list[bytes] = []
     if kind == "chat":
-        events.append(_sse(protocol.chat_chunk(gid, model, created, {"role": "assistant", "content": ""}, None)))
+        events.append(
+            _sse(
+                protocol.chat_chunk(gid, model, created, {"role": "assistant", "content": ""}, None)
+            )
+        )
     if first_delta:
         events.append(content(first_delta))
     meta = first_meta
@@ -430,7 +546,9 @@ async def _sse_events(trace: Trace, batches: AsyncIterator[list[dict[str, Any]]]
         events.append(_sse(protocol.completion_chunk(gid, model, created, "", finish_reason)))
     trace.completion_tokens = meta.get("completion_tokens", 0)
     if include_usage:
-        usage = protocol.usage(expected.prompt_tokens, trace.completion_tokens, meta.get("cached_tokens", 0))
+        usage = protocol.usage(
+            expected.prompt_tokens, trace.completion_tokens, meta.get("cached_tokens", 0)
+        )
         object_ = "chat.completion.chunk" if kind == "chat" else "text_completion"
         events.append(_sse(protocol.usage_chunk(gid, model, created, object_, usage)))
     events.append(b"data: [DONE]\n\n")
@@ -468,7 +586,8 @@ class GuardedStream(Response):
         trace = self._trace
         trace.releases = self._releases
         outcome: list[tuple[str, int, str | None, str | None]] = [
-            ("client_cancelled", 499, "client_cancelled", None)]
+            ("client_cancelled", 499, "client_cancelled", None)
+        ]
         # uvicorn's send() returns silently once the client has gone: without listening for
         # http.disconnect the engine stream would be pulled to its end, claims held meanwhile.
         pump = asyncio.ensure_future(self._pump(send, outcome))
@@ -486,23 +605,45 @@ class GuardedStream(Response):
         if not pump.cancelled() and pump.exception() is not None:
             raise pump.exception()  # type: ignore[misc]
 
-    async def _pump(self, send: Send, outcome: list[tuple[str, int, str | None, str | None]]) -> None:
+    async def _pump(
+        self, send: Send, outcome: list[tuple[str, int, str | None, str | None]]
+    ) -> None:
         trace, components = self._trace, self._components
-        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        await send(
+            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+        )
         try:
             async for event in self._events:
                 await send({"type": "http.response.body", "body": event, "more_body": True})
             outcome[0] = ("served", 200, None, None)
         except IsolationFailure as failure:
-            await send({"type": "http.response.body", "body": _sse(failure.api_error().body()), "more_body": True})
-            log.error("isolation check failed mid-stream", extra={"generation_id": trace.generation_id,
-                                                                  "reason": failure.reason})
+            await send(
+                {
+                    "type": "http.response.body",
+                    "body": _sse(failure.api_error().body()),
+                    "more_body": True,
+                }
+            )
+            log.error(
+                "isolation check failed mid-stream",
+                extra={"generation_id": trace.generation_id, "reason": failure.reason},
+            )
             components.metrics.verification_failed(trace.model or "", failure.reason)
             outcome[0] = ("verification_failed", 200, "isolation_check_failed", failure.reason)
         except (APIError, UpstreamStreamError) as error:
-            api_error = error if isinstance(error, APIError) else APIError(
-                502, f"The decode worker failed mid-stream: {error}", "upstream_error", "upstream_error")
-            await send({"type": "http.response.body", "body": _sse(api_error.body()), "more_body": True})
+            api_error = (
+                error
+                if isinstance(error, APIError)
+                else APIError(
+                    502,
+                    f"The decode worker failed mid-stream: {error}",
+                    "upstream_error",
+                    "upstream_error",
+                )
+            )
+            await send(
+                {"type": "http.response.body", "body": _sse(api_error.body()), "more_body": True}
+            )
             outcome[0] = ("upstream_error", 200, api_error.code, api_error.message[:300])
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 

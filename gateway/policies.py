@@ -130,7 +130,9 @@ def load_policies(directory: Path) -> Policies:
     tenants_file = _load(directory / "tenants.yaml", TenantsFile, required=False) or TenantsFile()
     models: dict[str, ModelPolicy] = {}
     for model in models_file.models:
-        tokenizer = model.tokenizer if model.tokenizer.is_absolute() else directory / model.tokenizer
+        tokenizer = (
+            model.tokenizer if model.tokenizer.is_absolute() else directory / model.tokenizer
+        )
         models[model.name] = model.model_copy(update={"tokenizer": tokenizer.resolve()})
     for tenant_id, policy in tenants_file.tenants.items():
         if policy.isolation == "dedicated" and not any(
@@ -156,7 +158,8 @@ def _load(path: Path, schema: type[_Strict], *, required: bool):
         return schema.model_validate(raw if raw is not None else {})
     except ValidationError as exc:
         problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or '(top)'}: {err['msg']}" for err in exc.errors()
+            f"{'.'.join(str(p) for p in err['loc']) or '(top)'}: {err['msg']}"
+            for err in exc.errors()
         )
         raise PolicyError(f"{path}: {problems}") from exc
 

@@ -19,9 +19,18 @@ from .errors import APIError, bad_request
 # Fields SGLang would honour if they reached it: the gateway alone sets them.
 RESERVED_FIELDS = frozenset(
     {
-        "rid", "extra_key", "cache_salt", "bootstrap_host", "bootstrap_port", "bootstrap_room",
-        "routed_dp_rank", "input_ids", "sampling_params", "custom_logit_processor",
-        "data_parallel_rank", "lora_path",
+        "rid",
+        "extra_key",
+        "cache_salt",
+        "bootstrap_host",
+        "bootstrap_port",
+        "bootstrap_room",
+        "routed_dp_rank",
+        "input_ids",
+        "sampling_params",
+        "custom_logit_processor",
+        "data_parallel_rank",
+        "lora_path",
     }
 )
 # Headers that steer isolation inside the engine; a client sending one is refused.
@@ -85,7 +94,11 @@ class ChatCompletionRequest(_Request):
 
     @property
     def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else self.max_tokens
+        )
 
 
 class CompletionRequest(_Request):
@@ -146,12 +159,25 @@ def _validation_error(exc: ValidationError) -> APIError:
         return bad_request("Request body must be a JSON object.", code="invalid_json")
     if kind == "extra_forbidden":
         if param in RESERVED_FIELDS:
-            return bad_request(f"'{param}' is set by the gateway and may not be supplied by a client.",
-                               code="reserved_parameter", param=param)
-        return bad_request(f"Unrecognized request argument supplied: {param}", code="unknown_parameter", param=param)
+            return bad_request(
+                f"'{param}' is set by the gateway and may not be supplied by a client.",
+                code="reserved_parameter",
+                param=param,
+            )
+        return bad_request(
+            f"Unrecognized request argument supplied: {param}",
+            code="unknown_parameter",
+            param=param,
+        )
     if kind == "missing":
-        return bad_request(f"Missing required parameter: '{param}'.", code="missing_required_parameter", param=param)
-    return bad_request(f"Invalid value for '{param}': {error['msg']}.", code="invalid_value", param=param)
+        return bad_request(
+            f"Missing required parameter: '{param}'.",
+            code="missing_required_parameter",
+            param=param,
+        )
+    return bad_request(
+        f"Invalid value for '{param}': {error['msg']}.", code="invalid_value", param=param
+    )
 
 
 def utf8_length(text: str) -> int:
@@ -230,15 +256,26 @@ def completion_chunk(
     }
 
 
-def usage_chunk(id: str, model: str, created: int, object_: str, usage_: dict[str, Any]) -> dict[str, Any]:
-    return {"id": id, "object": object_, "created": created, "model": model, "choices": [], "usage": usage_}
+def usage_chunk(
+    id: str, model: str, created: int, object_: str, usage_: dict[str, Any]
+) -> dict[str, Any]:
+    return {
+        "id": id,
+        "object": object_,
+        "created": created,
+        "model": model,
+        "choices": [],
+        "usage": usage_,
+    }
 
 
 def model_list(entries: list[dict[str, Any]]) -> dict[str, Any]:
     return {"object": "list", "data": entries}
 
 
-def model_card(name: str, created: int, max_context: int | None, bound: str | None) -> dict[str, Any]:
+def model_card(
+    name: str, created: int, max_context: int | None, bound: str | None
+) -> dict[str, Any]:
     return {
         "id": name,
         "object": "model",

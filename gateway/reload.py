@@ -67,7 +67,9 @@ class PolicyReloader:
             self._sighup_installed = True
         except (NotImplementedError, RuntimeError, ValueError):
             # Not the main thread (an embedded app) or no signals here: the file watch still runs.
-            log.warning("SIGHUP reload not available in this process; the policy file watch still runs")
+            log.warning(
+                "SIGHUP reload not available in this process; the policy file watch still runs"
+            )
 
     async def stop(self) -> None:
         if self._sighup_installed:
@@ -95,7 +97,9 @@ class PolicyReloader:
     async def reload(self, reason: str, seen: Fingerprint | None = None) -> bool:
         """Load, validate and adopt the policy files; False (and the old policies kept) if refused."""
         async with self._lock:
-            seen = seen if seen is not None else await asyncio.to_thread(fingerprint, self.directory)
+            seen = (
+                seen if seen is not None else await asyncio.to_thread(fingerprint, self.directory)
+            )
             # Recorded before trying: a refused file is reported once, not on every poll.
             self._applied = seen
             old = self.components.policies
@@ -111,17 +115,28 @@ class PolicyReloader:
                 return False
             log.info(
                 "policies reloaded (%s): models %s",
-                reason, ", ".join(sorted(new.models)) or "(none)",
-                extra={"event": "policy_reloaded", "trigger": reason, "models": sorted(new.models),
-                       "previous_models": sorted(old.models),
-                       "duration_ms": round((time.perf_counter() - started) * 1000.0, 1)},
+                reason,
+                ", ".join(sorted(new.models)) or "(none)",
+                extra={
+                    "event": "policy_reloaded",
+                    "trigger": reason,
+                    "models": sorted(new.models),
+                    "previous_models": sorted(old.models),
+                    "duration_ms": round((time.perf_counter() - started) * 1000.0, 1),
+                },
             )
             return True
 
     def _refused(self, reason: str, problem: str, kept: Policies) -> None:
         log.error(
             "policy reload refused (%s): %s; the previous policies stay in force (models %s)",
-            reason, problem, ", ".join(sorted(kept.models)),
-            extra={"event": "policy_reload_refused", "trigger": reason, "problem": problem,
-                   "models": sorted(kept.models)},
+            reason,
+            problem,
+            ", ".join(sorted(kept.models)),
+            extra={
+                "event": "policy_reload_refused",
+                "trigger": reason,
+                "problem": problem,
+                "models": sorted(kept.models),
+            },
         )

@@ -31,13 +31,19 @@ class WorkerPair:
         return (self.prefill.url, self.decode.url)
 
 
-def candidate_pairs(policies: Policies, model: ModelPolicy, tenant_id: str,
-                    registry: CapacityRegistry) -> list[WorkerPair]:
+def candidate_pairs(
+    policies: Policies, model: ModelPolicy, tenant_id: str, registry: CapacityRegistry
+) -> list[WorkerPair]:
     """Pairs this tenant may use right now; 503 when there are none."""
     pools = policies.pools_for(model, tenant_id)
     if not pools:
-        raise APIError(403, f"No worker pool of model '{model.name}' serves this tenant's isolation class.",
-                       "permission_error", "no_pool_for_tenant", "model")
+        raise APIError(
+            403,
+            f"No worker pool of model '{model.name}' serves this tenant's isolation class.",
+            "permission_error",
+            "no_pool_for_tenant",
+            "model",
+        )
     pairs: list[WorkerPair] = []
     for pool in pools:
         prefills = [(w, registry.get(w.url)) for w in pool.prefill]
@@ -46,7 +52,9 @@ def candidate_pairs(policies: Policies, model: ModelPolicy, tenant_id: str,
             for decode, decode_state in decodes:
                 if prefill_state is None or decode_state is None:
                     continue
-                if model.require_engine_tags and not (prefill_state.engine_patch and decode_state.engine_patch):
+                if model.require_engine_tags and not (
+                    prefill_state.engine_patch and decode_state.engine_patch
+                ):
                     continue
                 pairs.append(WorkerPair(pool.name, prefill, decode, prefill_state, decode_state))
     if not pairs:
@@ -76,7 +84,9 @@ class Candidates:
             if len(self._limits) >= _LIMITS_PER_ENTRY:
                 self._limits.clear()  # clients choosing many max_tokens values: bounded memory
             limits = self._limits[key] = [
-                prompt_limit(self.policy_max_context, p.prefill_state, p.decode_state, max_tokens, margin)
+                prompt_limit(
+                    self.policy_max_context, p.prefill_state, p.decode_state, max_tokens, margin
+                )
                 for p in self.pairs
             ]
         return limits
@@ -85,7 +95,9 @@ class Candidates:
         """The largest prompt any candidate pair admits: a prompt over it fits nowhere."""
         return max(self.limits(max_tokens, margin), key=lambda limit: limit.tokens)
 
-    def choose(self, ledger: ClaimLedger, prompt_tokens: int, max_tokens: int, margin: int) -> WorkerPair | None:
+    def choose(
+        self, ledger: ClaimLedger, prompt_tokens: int, max_tokens: int, margin: int
+    ) -> WorkerPair | None:
         """The least loaded pair where the request fits now; None if it fits nowhere now."""
         need = prompt_tokens + max_tokens + margin
         best: tuple[int, WorkerPair] | None = None
@@ -128,7 +140,11 @@ class RoutingCache:
 
     def candidates(self, policies: Policies, model: ModelPolicy, tenant_id: str) -> Candidates:
         registry = self._registry
-        if policies is not self._policies or registry.version != self._version or len(self._entries) >= _MAX_ENTRIES:
+        if (
+            policies is not self._policies
+            or registry.version != self._version
+            or len(self._entries) >= _MAX_ENTRIES
+        ):
             self._entries.clear()
             self._policies, self._version = policies, registry.version
         key = (model.name, tenant_id)
@@ -137,5 +153,7 @@ class RoutingCache:
             return entry
         pairs = candidate_pairs(policies, model, tenant_id, registry)
         oldest = min(min(p.prefill_state.observed_at, p.decode_state.observed_at) for p in pairs)
-        entry = self._entries[key] = Candidates(pairs, model.max_context_tokens, oldest + registry.stale_after_s)
+        entry = self._entries[key] = Candidates(
+            pairs, model.max_context_tokens, oldest + registry.stale_after_s
+        )
         return entry

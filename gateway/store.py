@@ -27,10 +27,11 @@ import functools
 import hashlib
 import itertools
 import secrets
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import orjson
 from sqlalchemy import (
@@ -124,7 +125,9 @@ audit_events = Table(
     "audit_events",
     metadata,
     # Insertion order (spool replay keeps it); not exposed, queries order by time.
-    Column("seq", BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True),
+    Column(
+        "seq", BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True
+    ),
     Column("generation_id", String(100), nullable=False),
     Column("tenant_id", String(64), nullable=False),
     Column("key_id", String(40)),
@@ -147,15 +150,31 @@ audit_events = Table(
 )
 
 AUDIT_COLUMNS = (
-    "generation_id", "tenant_id", "key_id", "model", "outcome", "status", "code",
-    "prefill_worker", "decode_worker", "prompt_tokens", "completion_tokens", "stream",
-    "latency_ms", "created_at", "detail",
+    "generation_id",
+    "tenant_id",
+    "key_id",
+    "model",
+    "outcome",
+    "status",
+    "code",
+    "prefill_worker",
+    "decode_worker",
+    "prompt_tokens",
+    "completion_tokens",
+    "stream",
+    "latency_ms",
+    "created_at",
+    "detail",
 )
 
 
 _PG_ARRAY_TYPES = {
-    "status": "integer", "prompt_tokens": "integer", "completion_tokens": "integer",
-    "stream": "boolean", "latency_ms": "double precision", "created_at": "timestamptz",
+    "status": "integer",
+    "prompt_tokens": "integer",
+    "completion_tokens": "integer",
+    "stream": "boolean",
+    "latency_ms": "double precision",
+    "created_at": "timestamptz",
 }
 _PG_UNNEST_INSERT = (
     f"INSERT INTO audit_events ({', '.join(AUDIT_COLUMNS)}) "
@@ -174,8 +193,10 @@ _SQLITE_ROWS_PER_INSERT = 64  # x 15 columns, well under SQLite's 32,766 variabl
 @functools.lru_cache(maxsize=_SQLITE_ROWS_PER_INSERT)
 def _sqlite_audit_insert(rows: int) -> str:
     values = "(" + ", ".join("?" for _ in AUDIT_COLUMNS) + ")"
-    return (f"INSERT INTO audit_events ({', '.join(AUDIT_COLUMNS)}) VALUES {', '.join([values] * rows)} "
-            "ON CONFLICT (generation_id) DO NOTHING")
+    return (
+        f"INSERT INTO audit_events ({', '.join(AUDIT_COLUMNS)}) VALUES {', '.join([values] * rows)} "
+        "ON CONFLICT (generation_id) DO NOTHING"
+    )
 
 
 _CREATED_AT = AUDIT_COLUMNS.index("created_at")
@@ -207,7 +228,9 @@ def _sqlite_audit_params(row: dict[str, Any]) -> list[Any]:
     """One row as the driver binds it, stored exactly as ``UTCDateTime`` and ``Boolean`` store it
     (naive UTC text, microseconds always written so text order is time order; 0/1)."""
     values = _audit_values(row)
-    values[_CREATED_AT] = values[_CREATED_AT].astimezone(UTC).replace(tzinfo=None).isoformat(" ", "microseconds")
+    values[_CREATED_AT] = (
+        values[_CREATED_AT].astimezone(UTC).replace(tzinfo=None).isoformat(" ", "microseconds")
+    )
     values[_STREAM] = 1 if values[_STREAM] else 0
     return values
 
@@ -215,8 +238,10 @@ def _sqlite_audit_params(row: dict[str, Any]) -> list[Any]:
 def _insert_sqlite_audit_rows(conn: Connection, rows: Sequence[dict[str, Any]]) -> None:
     params = [_sqlite_audit_params(row) for row in rows]
     for start in range(0, len(params), _SQLITE_ROWS_PER_INSERT):
-        chunk = params[start:start + _SQLITE_ROWS_PER_INSERT]
-        conn.exec_driver_sql(_sqlite_audit_insert(len(chunk)), tuple(itertools.chain.from_iterable(chunk)))
+        chunk = params[start : start + _SQLITE_ROWS_PER_INSERT]
+        conn.exec_driver_sql(
+            _sqlite_audit_insert(len(chunk)), tuple(itertools.chain.from_iterable(chunk))
+        )
 
 
 @contextlib.contextmanager
@@ -480,7 +505,9 @@ class Store:
         return raw_key, record
 
     def list_keys(self, tenant_id: str | None = None) -> list[KeyRecord]:
-        query = select(api_keys).order_by(api_keys.c.tenant_id, api_keys.c.created_at, api_keys.c.id)
+        query = select(api_keys).order_by(
+            api_keys.c.tenant_id, api_keys.c.created_at, api_keys.c.id
+        )
         if tenant_id is not None:
             query = query.where(api_keys.c.tenant_id == tenant_id)
         with self.reader.connect() as conn:
@@ -638,14 +665,22 @@ def create_store(database_url: str, *, migrate: bool = False, busy_timeout_s: fl
     elif url.get_backend_name() == "postgresql":
         # Fail fast while the database is down: the audit log spools instead of waiting.
         connect_args = {"connect_timeout": max(1, round(busy_timeout_s))}
-        engine = create_engine(url, pool_size=5, max_overflow=5, pool_pre_ping=True, connect_args=connect_args)
+        engine = create_engine(
+            url, pool_size=5, max_overflow=5, pool_pre_ping=True, connect_args=connect_args
+        )
         # No pre-ping for reads: a read on a connection that died fails once (its caller
         # copes: auth serves recently valid keys, the API answers 503) and the pool is reset.
         reader = create_engine(
-            url, pool_size=5, max_overflow=10, isolation_level="AUTOCOMMIT", connect_args=connect_args
+            url,
+            pool_size=5,
+            max_overflow=10,
+            isolation_level="AUTOCOMMIT",
+            connect_args=connect_args,
         )
     else:
-        raise ValueError(f"unsupported database URL {database_url!r}: use sqlite:// or postgresql://")
+        raise ValueError(
+            f"unsupported database URL {database_url!r}: use sqlite:// or postgresql://"
+        )
     store = Store(engine, reader)
     if migrate:
         store.migrate()
@@ -656,7 +691,7 @@ def normalize_url(database_url: str) -> str:
     """``postgresql://`` and ``postgres://`` mean psycopg 3 here (not psycopg2)."""
     for prefix in ("postgresql://", "postgres://"):
         if database_url.startswith(prefix):
-            return "postgresql+psycopg://" + database_url[len(prefix):]
+            return "postgresql+psycopg://" + database_url[len(prefix) :]
     return database_url
 
 
@@ -687,7 +722,6 @@ def _sqlite_on_connect(dbapi_connection: Any, _record: Any) -> None:
     cursor.execute("PRAGMA synchronous=NORMAL")
     cursor.execute("PRAGMA foreign_keys=ON")
     cursor.close()
-
 
 
 def _now() -> datetime:

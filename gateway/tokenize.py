@@ -14,10 +14,11 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import anyio.to_thread
 from jinja2.exceptions import TemplateError
@@ -42,9 +43,13 @@ class ModelTokenizer:
         tokenizer_file = directory / "tokenizer.json"
         config_file = directory / "tokenizer_config.json"
         if not tokenizer_file.is_file():
-            raise TokenizerLoadError(f"{tokenizer_file}: missing (the model's own tokenizer is required)")
+            raise TokenizerLoadError(
+                f"{tokenizer_file}: missing (the model's own tokenizer is required)"
+            )
         self._tokenizer = Tokenizer.from_file(str(tokenizer_file))
-        config: dict[str, Any] = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        config: dict[str, Any] = (
+            json.loads(config_file.read_text()) if config_file.is_file() else {}
+        )
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
         template = config.get("chat_template")
@@ -65,7 +70,9 @@ class ModelTokenizer:
 
     def render_chat(self, turns: Sequence[ChatTurn]) -> str:
         if self._template is None:
-            raise bad_request("This model has no chat template; use /v1/completions.", code="no_chat_template")
+            raise bad_request(
+                "This model has no chat template; use /v1/completions.", code="no_chat_template"
+            )
         try:
             return self._template.render(
                 messages=[{"role": t.role, "content": t.content} for t in turns],
@@ -74,7 +81,9 @@ class ModelTokenizer:
                 eos_token=self.eos_token,
             )
         except TemplateError as exc:
-            raise bad_request(f"The chat template rejected the messages: {exc}", code="invalid_messages") from exc
+            raise bad_request(
+                f"The chat template rejected the messages: {exc}", code="invalid_messages"
+            ) from exc
 
     async def encode_chat(self, turns: Sequence[ChatTurn]) -> list[int]:
         # The template places BOS/EOS itself; adding special tokens again would double them.
@@ -88,7 +97,8 @@ class ModelTokenizer:
             if not 0 <= token < self.vocab_size:
                 raise bad_request(
                     f"Token id {token} at position {index} is outside the vocabulary (0..{self.vocab_size - 1}).",
-                    code="invalid_value", param="prompt",
+                    code="invalid_value",
+                    param="prompt",
                 )
         return list(ids)
 
@@ -99,7 +109,9 @@ class ModelTokenizer:
         # holds the GIL; ``encode_batch`` releases it, so the loop keeps serving meanwhile.
         # Reading .ids builds a Python list (about 25 ms at 1M tokens): also off the loop.
         return await anyio.to_thread.run_sync(
-            lambda: self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+            lambda: (
+                self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+            )
         )
 
 
@@ -140,7 +152,11 @@ class _TurnBatch:
             # ``encode_batch_fast`` skips the character offsets nobody here reads (18 instead
             # of 28 µs for a short prompt); one item at a time, so no thread pool is involved.
             try:
-                future.set_result(self._tokenizer.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids)
+                future.set_result(
+                    self._tokenizer.encode_batch_fast(
+                        [text], add_special_tokens=add_special_tokens
+                    )[0].ids
+                )
             except Exception as exc:
                 future.set_exception(exc)
         if self._pending:
@@ -156,10 +172,12 @@ def _compile_template(source: str):
         raise TemplateError(message)
 
     def strftime_now(fmt: str) -> str:
-        return datetime.now(timezone.utc).strftime(fmt)
+        return datetime.now(UTC).strftime(fmt)
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
+    env.filters["tojson"] = lambda value, indent=None: json.dumps(
+        value, ensure_ascii=False, indent=indent
+    )
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
     try:

@@ -18,11 +18,11 @@ import asyncio
 import collections
 import logging
 import ssl
-from typing import AsyncIterator, NamedTuple, Sequence
+from collections.abc import AsyncIterator, Sequence
+from typing import NamedTuple
 from urllib.parse import urlsplit
 
 import httptools
-
 
 log = logging.getLogger(__name__)
 
@@ -129,8 +129,12 @@ class _Connection(asyncio.Protocol):
     @property
     def complete(self) -> bool:
         """The whole response has arrived (so the connection may carry the next request)."""
-        return self.done is not None and self.done.done() and not self.done.cancelled() \
+        return (
+            self.done is not None
+            and self.done.done()
+            and not self.done.cancelled()
             and self.done.exception() is None
+        )
 
     def close(self) -> None:
         self.closed = True
@@ -142,11 +146,15 @@ def _target(url: str) -> tuple[Origin, bytes]:
     parts = urlsplit(url)
     tls = parts.scheme == "https"
     origin = Origin(parts.hostname or "127.0.0.1", parts.port or (443 if tls else 80), tls)
-    return origin, f"POST {parts.path or '/'} HTTP/1.1\r\nHost: {parts.netloc}\r\n".encode("latin-1")
+    return origin, f"POST {parts.path or '/'} HTTP/1.1\r\nHost: {parts.netloc}\r\n".encode(
+        "latin-1"
+    )
 
 
 class UpstreamClient:
-    def __init__(self, *, connect_timeout_s: float, timeout_s: float, max_idle_per_origin: int = 512) -> None:
+    def __init__(
+        self, *, connect_timeout_s: float, timeout_s: float, max_idle_per_origin: int = 512
+    ) -> None:
         self._connect_timeout_s = connect_timeout_s
         self._timeout_s = timeout_s
         self._max_idle = max_idle_per_origin
@@ -196,7 +204,12 @@ class UpstreamClient:
             target = self._targets[url] = _target(url)
         origin, request_line = target
         head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
-        return origin, b"%sContent-Length: %d\r\n%s\r\n%s" % (request_line, len(body), head.encode("latin-1"), body)
+        return origin, b"%sContent-Length: %d\r\n%s\r\n%s" % (
+            request_line,
+            len(body),
+            head.encode("latin-1"),
+            body,
+        )
 
     async def send(self, url: str, body: bytes, headers: dict[str, str]) -> _Connection:
         """Send a POST; its answer arrives on the returned connection (``wait_for_answers``).
@@ -233,7 +246,9 @@ class UpstreamClient:
         finally:
             deadline.cancel()
 
-    async def stream(self, url: str, body: bytes, headers: dict[str, str]) -> AsyncIterator[tuple[int, list[bytes]]]:
+    async def stream(
+        self, url: str, body: bytes, headers: dict[str, str]
+    ) -> AsyncIterator[tuple[int, list[bytes]]]:
         """Yields ``(status, [])`` once the head arrives, then ``(status, lines)`` for the body
         lines that arrived together (one batch per read, never empty).
 
@@ -268,10 +283,14 @@ class UpstreamClient:
         finally:
             self.finish(connection)
 
-    async def _wait(self, connection: _Connection, future: asyncio.Future[None] | None, message: str) -> None:
+    async def _wait(
+        self, connection: _Connection, future: asyncio.Future[None] | None, message: str
+    ) -> None:
         # A timer that fails the connection's futures: one handle per wait (once per streamed
         # chunk), where ``asyncio.timeout`` costs a context manager and task bookkeeping too.
-        deadline = asyncio.get_running_loop().call_later(self._timeout_s, connection.time_out, message)
+        deadline = asyncio.get_running_loop().call_later(
+            self._timeout_s, connection.time_out, message
+        )
         try:
             await future  # type: ignore[misc]
         finally:

@@ -19,7 +19,6 @@ from typing import Any, Protocol
 
 from .errors import APIError, isolation_check_failed
 
-
 # The reason of a canary hit; the pipeline can tell it from the other checks' reasons by it.
 FOREIGN_MARKER_REASON = "output carries another tenant's canary marker"
 
@@ -32,7 +31,9 @@ class IsolationFailure(Exception):
         self.reason = reason
 
     def api_error(self) -> APIError:
-        return isolation_check_failed(f"The response failed an isolation check and was withheld ({self.reason}).")
+        return isolation_check_failed(
+            f"The response failed an isolation check and was withheld ({self.reason})."
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,11 +53,17 @@ def check_meta(meta: Any, expected: Expectation) -> None:
         raise IsolationFailure("meta_info.id is not this request's generation ID")
     if expected.require_tags:
         if meta.get("isolation_generation") != expected.generation_id:
-            raise IsolationFailure("engine echoed another generation ID" if "isolation_generation" in meta
-                                   else "engine did not echo the generation ID")
+            raise IsolationFailure(
+                "engine echoed another generation ID"
+                if "isolation_generation" in meta
+                else "engine did not echo the generation ID"
+            )
         if meta.get("isolation_tenant") != expected.tenant_id:
-            raise IsolationFailure("engine echoed another tenant" if "isolation_tenant" in meta
-                                   else "engine did not echo the tenant")
+            raise IsolationFailure(
+                "engine echoed another tenant"
+                if "isolation_tenant" in meta
+                else "engine did not echo the tenant"
+            )
         # engine_patch's decode says whether it verified that prefill's transfer covered every
         # page it reserved (gate 3). An explicit "not verified" is a failure; an engine that
         # does not report it at all is judged by the tags alone.
@@ -69,7 +76,9 @@ def check_meta(meta: Any, expected: Expectation) -> None:
         )
     completion_tokens = meta.get("completion_tokens", 0)
     if not isinstance(completion_tokens, int) or not 0 <= completion_tokens <= expected.max_tokens:
-        raise IsolationFailure(f"completion_tokens {completion_tokens} outside 0..{expected.max_tokens}")
+        raise IsolationFailure(
+            f"completion_tokens {completion_tokens} outside 0..{expected.max_tokens}"
+        )
     cached_tokens = meta.get("cached_tokens", 0)
     if not isinstance(cached_tokens, int) or not 0 <= cached_tokens <= expected.prompt_tokens:
         raise IsolationFailure(f"cached_tokens {cached_tokens} outside 0..{expected.prompt_tokens}")
@@ -128,7 +137,7 @@ class StreamGuard:
             if start != -1:
                 safe_until = start
         safe_until = max(self._sent, safe_until)
-        delta = self._text[self._sent:safe_until]
+        delta = self._text[self._sent : safe_until]
         self._sent = safe_until
         return delta
 
@@ -144,7 +153,7 @@ class StreamGuard:
 
     def finish(self) -> str:
         self._scan()
-        delta = self._text[self._sent:]
+        delta = self._text[self._sent :]
         self._sent = len(self._text)
         return delta
 

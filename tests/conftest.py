@@ -7,8 +7,8 @@ tests that need another shape (the incident's) start their own and stop it.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import pytest
 
@@ -58,13 +58,21 @@ def pd_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDCluster |
 
 
 @pytest.fixture(scope="session")
-def gateway(pd_cluster: PDCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
+def gateway(
+    pd_cluster: PDCluster, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[GatewayProcess]:
     work = tmp_path_factory.mktemp("gateway")
     policies = write_policies(
         work / "policies",
         model_name=MODEL,
         tokenizer_dir=pd_cluster.spec.model_dir,
-        pools=[PoolSpec("shared", ((pd_cluster.prefill_url, pd_cluster.bootstrap_port),), (pd_cluster.decode_url,))],
+        pools=[
+            PoolSpec(
+                "shared",
+                ((pd_cluster.prefill_url, pd_cluster.bootstrap_port),),
+                (pd_cluster.decode_url,),
+            )
+        ],
         require_engine_tags=os.environ.get("ISOGATE_TEST_REQUIRE_ENGINE_TAGS", "1") == "1",
     )
     with GatewayProcess(policies_dir=policies, work_dir=work) as process:

@@ -13,9 +13,10 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import httpx
 import yaml
@@ -49,10 +50,18 @@ class PoolSpec:
     dedicated_to: tuple[str, ...] = ()
 
 
-def write_policies(directory: Path, *, model_name: str, tokenizer_dir: Path, pools: Iterable[PoolSpec],
-                   max_context_tokens: int = 65536, require_engine_tags: bool = True,
-                   max_output_tokens: int = 1024, tenants: dict[str, Any] | None = None,
-                   default_limits: dict[str, int] | None = None) -> Path:
+def write_policies(
+    directory: Path,
+    *,
+    model_name: str,
+    tokenizer_dir: Path,
+    pools: Iterable[PoolSpec],
+    max_context_tokens: int = 65536,
+    require_engine_tags: bool = True,
+    max_output_tokens: int = 1024,
+    tenants: dict[str, Any] | None = None,
+    default_limits: dict[str, int] | None = None,
+) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     models = {
         "models": [
@@ -67,7 +76,9 @@ def write_policies(directory: Path, *, model_name: str, tokenizer_dir: Path, poo
                     {
                         "name": pool.name,
                         "dedicated_to": list(pool.dedicated_to),
-                        "prefill": [{"url": url, "bootstrap_port": port} for url, port in pool.prefill],
+                        "prefill": [
+                            {"url": url, "bootstrap_port": port} for url, port in pool.prefill
+                        ],
                         "decode": [{"url": url} for url in pool.decode],
                     }
                     for pool in pools
@@ -77,8 +88,15 @@ def write_policies(directory: Path, *, model_name: str, tokenizer_dir: Path, poo
     }
     (directory / "models.yaml").write_text(yaml.safe_dump(models))
     tenants_file = {
-        "defaults": {"isolation": "shared", "limits": default_limits or
-                     {"requests_per_minute": 100000, "tokens_per_minute": 100000000, "max_concurrent": 1000}},
+        "defaults": {
+            "isolation": "shared",
+            "limits": default_limits
+            or {
+                "requests_per_minute": 100000,
+                "tokens_per_minute": 100000000,
+                "max_concurrent": 1000,
+            },
+        },
         "tenants": tenants or {},
     }
     (directory / "tenants.yaml").write_text(yaml.safe_dump(tenants_file))
@@ -121,11 +139,22 @@ class GatewayProcess:
     def start(self, *, wait_ready: bool = True, timeout_s: float = 60.0) -> GatewayProcess:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         env = self.environment()
-        subprocess.run([sys.executable, "-m", "gateway", "migrate"], env=env, check=True, cwd=REPO_ROOT,
-                       stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [sys.executable, "-m", "gateway", "migrate"],
+            env=env,
+            check=True,
+            cwd=REPO_ROOT,
+            stdout=subprocess.DEVNULL,
+        )
         log = open(self.log_path, "ab")
-        self.process = subprocess.Popen([sys.executable, "-m", "gateway", "serve"], env=env, cwd=REPO_ROOT,
-                                        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "gateway", "serve"],
+            env=env,
+            cwd=REPO_ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         log.close()
         try:
             self._wait("/readyz" if wait_ready else "/healthz", timeout_s)
@@ -138,7 +167,9 @@ class GatewayProcess:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process is not None and self.process.poll() is not None:
-                raise RuntimeError(f"gateway exited with {self.process.returncode}:\n{self.log_tail()}")
+                raise RuntimeError(
+                    f"gateway exited with {self.process.returncode}:\n{self.log_tail()}"
+                )
             try:
                 if httpx.get(self.url + path, timeout=2).status_code == 200:
                     return
@@ -172,7 +203,9 @@ class GatewayProcess:
     # -- admin helpers ----------------------------------------------------------------------
 
     def admin(self) -> httpx.Client:
-        return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {self.admin_key}"}, timeout=10)
+        return httpx.Client(
+            base_url=self.url, headers={"Authorization": f"Bearer {self.admin_key}"}, timeout=10
+        )
 
     def create_tenant(self, tenant_id: str | None = None) -> tuple[str, str]:
         """A new tenant and one API key for it: ``(tenant_id, raw_key)``."""

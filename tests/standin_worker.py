@@ -53,7 +53,13 @@ class _DroppedConnection(Response):
         super().__init__()
 
     async def __call__(self, scope, receive, send) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"1000")]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-length", b"1000")],
+            }
+        )
         await send({"type": "http.response.body", "body": b"{", "more_body": True})
         raise ConnectionResetError("stand-in drops the connection")
 
@@ -78,7 +84,9 @@ class StandInWorker:
 
         async def server_info(request: Request) -> Response:
             body = dict(info)
-            body["internal_states"] = [dict(info["internal_states"][0], max_total_num_tokens=self.behaviour.pool_tokens)]
+            body["internal_states"] = [
+                dict(info["internal_states"][0], max_total_num_tokens=self.behaviour.pool_tokens)
+            ]
             if self.behaviour.engine_patch:
                 body["isogate_engine_patch"] = self.behaviour.engine_patch
             return JSONResponse(body)
@@ -87,12 +95,19 @@ class StandInWorker:
             # Every poll sees a different use, so two observations are equal only if they are one.
             self.polls += 1
             body = dict(loads)
-            body["loads"] = [dict(loads["loads"][0], max_total_num_tokens=self.behaviour.pool_tokens,
-                                  num_used_tokens=self.polls % 97)]
+            body["loads"] = [
+                dict(
+                    loads["loads"][0],
+                    max_total_num_tokens=self.behaviour.pool_tokens,
+                    num_used_tokens=self.polls % 97,
+                )
+            ]
             return JSONResponse(body)
 
         async def v1_models(request: Request) -> Response:
-            return JSONResponse({"object": "list", "data": [{"id": "standin", "max_model_len": 65536}]})
+            return JSONResponse(
+                {"object": "list", "data": [{"id": "standin", "max_model_len": 65536}]}
+            )
 
         async def generate(request: Request) -> Response:
             body = orjson.loads(await request.body())
@@ -104,18 +119,29 @@ class StandInWorker:
             if b.drop_connection:
                 return _DroppedConnection()
             if b.status != 200:
-                return JSONResponse({"error": {"message": "stand-in failure"}}, status_code=b.status)
+                return JSONResponse(
+                    {"error": {"message": "stand-in failure"}}, status_code=b.status
+                )
             if self.role == "prefill":
                 return JSONResponse({"text": "", "meta_info": self._meta(body, 0, 1, lie=False)})
             if body.get("stream"):
                 return StreamingResponse(self._stream(body), media_type="text/event-stream")
             text = "".join(b.text_chunks)
-            return JSONResponse({"text": text, "meta_info": self._meta(body, len(b.text_chunks), len(b.text_chunks), lie=True)})
+            return JSONResponse(
+                {
+                    "text": text,
+                    "meta_info": self._meta(body, len(b.text_chunks), len(b.text_chunks), lie=True),
+                }
+            )
 
-        return Starlette(routes=[
-            Route("/server_info", server_info), Route("/v1/loads", v1_loads), Route("/v1/models", v1_models),
-            Route("/generate", generate, methods=["POST"]),
-        ])
+        return Starlette(
+            routes=[
+                Route("/server_info", server_info),
+                Route("/v1/loads", v1_loads),
+                Route("/v1/models", v1_models),
+                Route("/generate", generate, methods=["POST"]),
+            ]
+        )
 
     async def _stream(self, body: dict[str, Any]):
         text = ""
@@ -128,7 +154,9 @@ class StandInWorker:
             await asyncio.sleep(0.01)
         yield b"data: [DONE]\n\n"
 
-    def _meta(self, body: dict[str, Any], completion_tokens: int, total: int, *, lie: bool) -> dict[str, Any]:
+    def _meta(
+        self, body: dict[str, Any], completion_tokens: int, total: int, *, lie: bool
+    ) -> dict[str, Any]:
         b = self.behaviour
         headers = body["_headers"]
         generation = headers.get("x-isolation-generation", "")
@@ -138,15 +166,21 @@ class StandInWorker:
             "prompt_tokens": len(body.get("input_ids", [])) + (b.prompt_tokens_delta if lie else 0),
             "completion_tokens": completion_tokens + (b.extra_completion_tokens if lie else 0),
             "cached_tokens": 0,
-            "finish_reason": {"type": "length", "length": total} if completion_tokens == total else None,
+            "finish_reason": {"type": "length", "length": total}
+            if completion_tokens == total
+            else None,
         }
         if b.echo_tags:
-            meta["isolation_generation"] = "gen_01OTHERGENERATION0000000" if (lie and b.wrong_generation) else generation
+            meta["isolation_generation"] = (
+                "gen_01OTHERGENERATION0000000" if (lie and b.wrong_generation) else generation
+            )
             meta["isolation_tenant"] = "some-other-tenant" if (lie and b.wrong_tenant) else tenant
         return meta
 
     def start(self) -> StandInWorker:
-        config = uvicorn.Config(self.app(), host="127.0.0.1", port=self.port, log_level="warning", lifespan="off")
+        config = uvicorn.Config(
+            self.app(), host="127.0.0.1", port=self.port, log_level="warning", lifespan="off"
+        )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, daemon=True)
         self._thread.start()

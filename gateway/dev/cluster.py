@@ -172,7 +172,9 @@ class ManagedProcess:
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = self.log_path.open("ab")  # a restart appends: what happened before it is evidence
+        self._log = self.log_path.open(
+            "ab"
+        )  # a restart appends: what happened before it is evidence
         self._process = subprocess.Popen(
             self.command,
             stdin=subprocess.DEVNULL,
@@ -275,9 +277,12 @@ def _wait_until_ready(
                 return
             if time.monotonic() > deadline:
                 tails = "\n".join(
-                    f"--- {name} ({p.log_path}):\n{p.log_tail()}" for name, (p, _) in pending.items()
+                    f"--- {name} ({p.log_path}):\n{p.log_tail()}"
+                    for name, (p, _) in pending.items()
                 )
-                raise ClusterStartError(f"not ready after {timeout_s:.0f}s: {sorted(pending)}\n{tails}")
+                raise ClusterStartError(
+                    f"not ready after {timeout_s:.0f}s: {sorted(pending)}\n{tails}"
+                )
             time.sleep(0.5)
 
 

@@ -46,7 +46,9 @@ def upgrade() -> None:
     # Idempotent replay of spooled events rests on this.
     op.create_index("uq_audit_generation_id", "audit_events", ["generation_id"], unique=True)
     # A tenant's newest events: an index range scan read backwards, no sort.
-    op.create_index("ix_audit_tenant_time", "audit_events", ["tenant_id", "created_at", "generation_id"])
+    op.create_index(
+        "ix_audit_tenant_time", "audit_events", ["tenant_id", "created_at", "generation_id"]
+    )
     # The admin's newest events across tenants.
     op.create_index("ix_audit_time", "audit_events", ["created_at", "generation_id"])
 

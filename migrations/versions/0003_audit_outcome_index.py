@@ -18,7 +18,9 @@ depends_on = None
 
 def upgrade() -> None:
     op.create_index(
-        "ix_audit_tenant_outcome_time", "audit_events", ["tenant_id", "outcome", "created_at", "generation_id"]
+        "ix_audit_tenant_outcome_time",
+        "audit_events",
+        ["tenant_id", "outcome", "created_at", "generation_id"],
     )
 
 

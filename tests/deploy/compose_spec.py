@@ -11,9 +11,10 @@ from __future__ import annotations
 import fnmatch
 import re
 import shlex
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import yaml
 
@@ -43,7 +44,9 @@ def interpolate(value: Any, env: Mapping[str, str]) -> Any:
             return "$"
         name, operator, argument = match.group(1), match.group(2), match.group(3)
         current = env.get(name)
-        unset = current is None or (current == "" and operator is not None and operator.startswith(":"))
+        unset = current is None or (
+            current == "" and operator is not None and operator.startswith(":")
+        )
         if operator in ("-", ":-"):
             return argument if unset else current
         if operator in ("?", ":?"):
@@ -86,6 +89,7 @@ def depends_on(service: Mapping[str, Any]) -> dict[str, str]:
 
 
 # ---- Dockerfiles ---------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Instruction:
@@ -181,4 +185,6 @@ def _match(parts: list[str], pattern: list[str]) -> bool:
         return not parts
     if pattern[0] == "**":
         return any(_match(parts[skip:], pattern[1:]) for skip in range(len(parts) + 1))
-    return bool(parts) and fnmatch.fnmatchcase(parts[0], pattern[0]) and _match(parts[1:], pattern[1:])
+    return (
+        bool(parts) and fnmatch.fnmatchcase(parts[0], pattern[0]) and _match(parts[1:], pattern[1:])
+    )

@@ -66,15 +66,24 @@ def standin_pair() -> Iterator[StandInPair]:
 
 
 @pytest.fixture
-def start_gateway(tmp_path: Path, tiny_model_dir: Path,
-                  standin_pair: StandInPair) -> Iterator[Callable[..., GatewayProcess]]:
+def start_gateway(
+    tmp_path: Path, tiny_model_dir: Path, standin_pair: StandInPair
+) -> Iterator[Callable[..., GatewayProcess]]:
     started: list[GatewayProcess] = []
 
     def start(**env: str) -> GatewayProcess:
-        policies = write_policies(tmp_path / "policies", model_name=MODEL, tokenizer_dir=tiny_model_dir,
-                                  pools=[standin_pair.pool()])
-        process = GatewayProcess(policies_dir=policies, work_dir=tmp_path / "work", port=port_from(_GATEWAY_PORTS),
-                                 env=env)
+        policies = write_policies(
+            tmp_path / "policies",
+            model_name=MODEL,
+            tokenizer_dir=tiny_model_dir,
+            pools=[standin_pair.pool()],
+        )
+        process = GatewayProcess(
+            policies_dir=policies,
+            work_dir=tmp_path / "work",
+            port=port_from(_GATEWAY_PORTS),
+            env=env,
+        )
         started.append(process)
         return process.start()
 
@@ -104,12 +113,19 @@ def wait_for(condition: Callable[[], Any], timeout_s: float = 15.0, what: str = 
 
 
 def model_ids(gateway: GatewayProcess, key: str) -> list[str]:
-    response = httpx.get(gateway.url + "/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=10)
+    response = httpx.get(
+        gateway.url + "/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=10
+    )
     response.raise_for_status()
     return sorted(card["id"] for card in response.json()["data"])
 
 
-def chat(gateway: GatewayProcess, key: str, content: str = "Say hello.", model: str = MODEL) -> httpx.Response:
-    return httpx.post(gateway.url + "/v1/chat/completions", timeout=30,
-                      headers={"Authorization": f"Bearer {key}"},
-                      json={"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 4})
+def chat(
+    gateway: GatewayProcess, key: str, content: str = "Say hello.", model: str = MODEL
+) -> httpx.Response:
+    return httpx.post(
+        gateway.url + "/v1/chat/completions",
+        timeout=30,
+        headers={"Authorization": f"Bearer {key}"},
+        json={"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 4},
+    )

@@ -14,8 +14,16 @@ import pytest
 from engine_patch.settings import CLAMP_CONTEXT_ENV, DISABLE_CHECKS_ENV, REQUIRE_TAGS_ENV
 from gateway.policies import load_policies
 from gateway.settings import Settings
-from tests.deploy.compose_spec import (COMPOSE_FILE, ENV_EXAMPLE, MissingVariable, depends_on, environment_of,
-                                       interpolate, load_compose, read_env_file)
+from tests.deploy.compose_spec import (
+    COMPOSE_FILE,
+    ENV_EXAMPLE,
+    MissingVariable,
+    depends_on,
+    environment_of,
+    interpolate,
+    load_compose,
+    read_env_file,
+)
 from tests.harness import REPO_ROOT
 
 ENGINE_ENTRYPOINT = REPO_ROOT / "docker" / "engine-entrypoint.sh"
@@ -36,8 +44,11 @@ def _built_from(service: dict, dockerfile: str) -> bool:
 
 
 def _gateway_replicas(services: dict) -> dict:
-    return {name: s for name, s in services.items()
-            if _built_from(s, "docker/gateway.Dockerfile") and s.get("command") in (None, ["serve"])}
+    return {
+        name: s
+        for name, s in services.items()
+        if _built_from(s, "docker/gateway.Dockerfile") and s.get("command") in (None, ["serve"])
+    }
 
 
 def _engines(services: dict) -> dict:
@@ -46,8 +57,9 @@ def _engines(services: dict) -> dict:
 
 def test_the_deployment_has_every_part(services: dict) -> None:
     assert len(_gateway_replicas(services)) == 2
-    assert {environment_of(s)["SGLANG_DISAGGREGATION_MODE"] for s in _engines(services).values()} == \
-        {"prefill", "decode"}
+    assert {
+        environment_of(s)["SGLANG_DISAGGREGATION_MODE"] for s in _engines(services).values()
+    } == {"prefill", "decode"}
     images = {name: s.get("image", "") for name, s in services.items()}
     assert images["postgres"].startswith("postgres:") and images["redis"].startswith("redis:")
     assert services["migrate"]["command"] == ["migrate"] and services["migrate"]["restart"] == "no"
@@ -68,10 +80,14 @@ def test_images_and_build_contexts_exist(services: dict) -> None:
         if build:
             context = REPO_ROOT / build.get("context", ".")
             assert context.is_dir(), name
-            assert (context / build["dockerfile"]).is_file(), f"{name}: {build['dockerfile']} missing"
+            assert (context / build["dockerfile"]).is_file(), (
+                f"{name}: {build['dockerfile']} missing"
+            )
         else:
             image = service["image"]
-            assert re.fullmatch(r"[\w./-]+:\d[\w.-]*", image), f"{name}: image {image!r} is not pinned to a version"
+            assert re.fullmatch(r"[\w./-]+:\d[\w.-]*", image), (
+                f"{name}: image {image!r} is not pinned to a version"
+            )
 
 
 def test_bind_mounts_point_at_files_in_the_repository(services: dict) -> None:
@@ -89,11 +105,16 @@ def test_start_up_order_conditions_can_be_met(compose: dict, services: dict) -> 
             target = services[dependency]
             if condition == "service_healthy":
                 healthcheck = target.get("healthcheck") or {}
-                image_has_one = _built_from(target, "docker/gateway.Dockerfile") or \
-                    _built_from(target, "docker/engine.Dockerfile")
-                assert healthcheck.get("test") or image_has_one, f"{name} waits for {dependency}'s health"
+                image_has_one = _built_from(target, "docker/gateway.Dockerfile") or _built_from(
+                    target, "docker/engine.Dockerfile"
+                )
+                assert healthcheck.get("test") or image_has_one, (
+                    f"{name} waits for {dependency}'s health"
+                )
             elif condition == "service_completed_successfully":
-                assert target.get("restart") == "no", f"{dependency} is one-shot, it must not restart"
+                assert target.get("restart") == "no", (
+                    f"{dependency} is one-shot, it must not restart"
+                )
             else:
                 assert condition == "service_started", condition
     for replica in _gateway_replicas(services).values():
@@ -135,15 +156,21 @@ def test_engines_reserve_nvidia_gpus_and_use_mooncake(services: dict) -> None:
     assert "--disaggregation-transfer-backend mooncake" in entrypoint
     for name, engine in _engines(services).items():
         devices = engine["deploy"]["resources"]["reservations"]["devices"]
-        assert devices and all(d["driver"] == "nvidia" and "gpu" in d["capabilities"] for d in devices), name
+        assert devices and all(
+            d["driver"] == "nvidia" and "gpu" in d["capabilities"] for d in devices
+        ), name
         env = environment_of(engine)
         assert env["MOONCAKE_PROTOCOL"] in ("tcp", "rdma"), name
         # Every SGLANG_* variable set here is one the entry point reads (a typo would be ignored).
         for key in env:
             if key.startswith("SGLANG_"):
-                assert "${" + key in entrypoint, f"{name}: {key} is not read by docker/engine-entrypoint.sh"
+                assert "${" + key in entrypoint, (
+                    f"{name}: {key} is not read by docker/engine-entrypoint.sh"
+                )
             if key.startswith("ISOGATE_ENGINE_"):
-                assert key in (CLAMP_CONTEXT_ENV, REQUIRE_TAGS_ENV, DISABLE_CHECKS_ENV), f"{name}: unknown {key}"
+                assert key in (CLAMP_CONTEXT_ENV, REQUIRE_TAGS_ENV, DISABLE_CHECKS_ENV), (
+                    f"{name}: unknown {key}"
+                )
         assert DISABLE_CHECKS_ENV not in env, "a deployment never switches engine checks off"
     prefill = services["sglang-prefill"]
     assert environment_of(prefill)["SGLANG_BOOTSTRAP_PORT"]
@@ -157,7 +184,9 @@ def test_gateway_environment_names_only_settings_the_gateway_knows(services: dic
             continue
         for key in environment_of(service):
             if key.startswith("ISOGATE_"):
-                assert key in known, f"{name}: {key} is not a gateway setting (typo? it would be ignored)"
+                assert key in known, (
+                    f"{name}: {key} is not a gateway setting (typo? it would be ignored)"
+                )
             elif key.startswith("POLICY_"):
                 assert "${" + key in policy_text, f"{name}: {key} is not used by deploy/policies"
             else:
@@ -184,7 +213,9 @@ def test_compose_policies_resolve_to_the_compose_workers(services: dict, monkeyp
     assert pool.decode[0].url == f"http://sglang-decode:{environment_of(decode)['SGLANG_PORT']}"
     # The model directory the tokenizer is read from is the one the workers serve.
     model_mounts = {v.rsplit(":", 2)[0] for v in replica["volumes"] if ":/models/model" in v}
-    assert model_mounts == {v.rsplit(":", 2)[0] for v in prefill["volumes"] if ":/models/model" in v}
+    assert model_mounts == {
+        v.rsplit(":", 2)[0] for v in prefill["volumes"] if ":/models/model" in v
+    }
 
 
 def test_the_load_balancer_sends_to_both_replicas(services: dict) -> None:
@@ -200,23 +231,43 @@ def test_docker_compose_accepts_the_file(tmp_path: Path) -> None:
     installed, else Debian's ``docker-compose`` 1.29 (apt package docker-compose), which checks
     the same schema but predates the top-level ``name`` key, so it reads a copy without it."""
     docker = shutil.which("docker")
-    if docker and subprocess.run([docker, "compose", "version"], capture_output=True).returncode == 0:
+    if (
+        docker
+        and subprocess.run([docker, "compose", "version"], capture_output=True).returncode == 0
+    ):
         command, compose_file = [docker, "compose"], COMPOSE_FILE
     elif shutil.which("docker-compose"):
         compose_file = tmp_path / "compose.yaml"
         compose_file.write_text(re.sub(r"(?m)^name: .*\n", "", COMPOSE_FILE.read_text()))
         command = ["docker-compose"]
     else:
-        pytest.skip("neither `docker compose` nor `docker-compose` here; the structural tests stand in")
-    result = subprocess.run([*command, "-f", str(compose_file), "--project-directory", str(REPO_ROOT),
-                             "--env-file", str(ENV_EXAMPLE), "config", "--quiet"],
-                            capture_output=True, text=True, cwd=REPO_ROOT)
+        pytest.skip(
+            "neither `docker compose` nor `docker-compose` here; the structural tests stand in"
+        )
+    result = subprocess.run(
+        [
+            *command,
+            "-f",
+            str(compose_file),
+            "--project-directory",
+            str(REPO_ROOT),
+            "--env-file",
+            str(ENV_EXAMPLE),
+            "config",
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_interpolation_follows_compose_rules() -> None:
     env = {"SET": "v", "EMPTY": ""}
-    assert interpolate("${SET:-d} ${UNSET:-d} ${EMPTY:-d} ${EMPTY-d} $${SET}", env) == "v d d  ${SET}"
+    assert (
+        interpolate("${SET:-d} ${UNSET:-d} ${EMPTY:-d} ${EMPTY-d} $${SET}", env) == "v d d  ${SET}"
+    )
     with pytest.raises(MissingVariable):
         interpolate("${EMPTY:?needed}", env)
     assert Path(COMPOSE_FILE).is_file()

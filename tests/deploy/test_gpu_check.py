@@ -25,17 +25,25 @@ def test_without_a_gpu_it_fails_preflight_and_says_so_in_out(tmp_path: Path) -> 
         pytest.skip("this machine has nvidia-smi")
     out = tmp_path / "out"
     env = {**os.environ, "OUT": str(out), "PATH": "/usr/bin:/bin"}
-    result = subprocess.run([sys.executable, str(SCRIPT)], env=env, capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT)], env=env, capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 1
     report = json.loads((out / "results.json").read_text())
     assert report["ok"] is False
-    assert report["stages"][0]["name"] == "preflight" and "nvidia-smi" in report["stages"][0]["detail"]
+    assert (
+        report["stages"][0]["name"] == "preflight" and "nvidia-smi" in report["stages"][0]["detail"]
+    )
     assert "preflight" in (out / "gpu-check.log").read_text()
 
 
 def test_the_gpu_model_shares_the_dev_tokenizer_and_has_gpu_friendly_heads(tmp_path: Path) -> None:
-    result = subprocess.run([sys.executable, str(SCRIPT), "--model-only", str(tmp_path / "m")],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--model-only", str(tmp_path / "m")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     config = json.loads((tmp_path / "m" / "config.json").read_text())
     assert config["hidden_size"] // config["num_attention_heads"] == config["head_dim"] == 64

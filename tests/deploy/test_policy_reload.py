@@ -28,17 +28,23 @@ def test_an_edited_models_file_adds_a_model_without_a_restart(start_gateway) -> 
 
     _add_model(gateway.policies_dir, "tiny-llama-b")
 
-    wait_for(lambda: model_ids(gateway, key) == sorted([MODEL, "tiny-llama-b"]), what="the new model")
+    wait_for(
+        lambda: model_ids(gateway, key) == sorted([MODEL, "tiny-llama-b"]), what="the new model"
+    )
     assert chat(gateway, key, model="tiny-llama-b").status_code == 200
     assert gateway.process.pid == pid and gateway.process.poll() is None
     # Log lines reach the file in batches (within 0.1 s): wait for the line, not just the effect.
-    reloaded = wait_for(lambda: [line for line in log_lines(gateway) if line.get("event") == "policy_reloaded"],
-                        what="the reload's log line")
+    reloaded = wait_for(
+        lambda: [line for line in log_lines(gateway) if line.get("event") == "policy_reloaded"],
+        what="the reload's log line",
+    )
     assert reloaded[-1]["trigger"] == "file change"
     assert reloaded[-1]["models"] == sorted([MODEL, "tiny-llama-b"])
 
 
-def test_a_broken_policy_file_is_refused_and_the_previous_policies_stay_in_force(start_gateway) -> None:
+def test_a_broken_policy_file_is_refused_and_the_previous_policies_stay_in_force(
+    start_gateway,
+) -> None:
     gateway = start_gateway()
     _, key = gateway.create_tenant()
     models_file = gateway.policies_dir / "models.yaml"
@@ -46,8 +52,14 @@ def test_a_broken_policy_file_is_refused_and_the_previous_policies_stay_in_force
 
     models_file.write_text("models:\n  - name: half-written\n    pools: [\n")
 
-    refused = wait_for(lambda: [line for line in log_lines(gateway, offset)
-                                if line.get("event") == "policy_reload_refused"], what="the refusal line")
+    refused = wait_for(
+        lambda: [
+            line
+            for line in log_lines(gateway, offset)
+            if line.get("event") == "policy_reload_refused"
+        ],
+        what="the refusal line",
+    )
     assert len(refused) == 1, "a broken file is reported once, not on every poll"
     line = refused[0]
     assert line["level"] == "error"
@@ -57,10 +69,23 @@ def test_a_broken_policy_file_is_refused_and_the_previous_policies_stay_in_force
     assert chat(gateway, key).status_code == 200
 
     # A file that parses but breaks the schema is refused the same way, naming the field.
-    models_file.write_text(yaml.safe_dump({"models": [{"name": "no-pools", "tokenizer": "x",
-                                                       "max_context_tokens": 0, "pools": []}]}))
-    schema = wait_for(lambda: [line for line in log_lines(gateway, offset)
-                               if line.get("event") == "policy_reload_refused"][1:], what="the schema refusal")
+    models_file.write_text(
+        yaml.safe_dump(
+            {
+                "models": [
+                    {"name": "no-pools", "tokenizer": "x", "max_context_tokens": 0, "pools": []}
+                ]
+            }
+        )
+    )
+    schema = wait_for(
+        lambda: [
+            line
+            for line in log_lines(gateway, offset)
+            if line.get("event") == "policy_reload_refused"
+        ][1:],
+        what="the schema refusal",
+    )
     assert "max_context_tokens" in schema[0]["problem"] and "pools" in schema[0]["problem"]
     assert model_ids(gateway, key) == [MODEL]
 
@@ -69,7 +94,9 @@ def test_sighup_reloads_a_change_the_file_watch_cannot_see(start_gateway) -> Non
     gateway = start_gateway()
     _, key = gateway.create_tenant()
     _add_model(gateway.policies_dir, "tiny-llama-b")
-    wait_for(lambda: model_ids(gateway, key) == sorted([MODEL, "tiny-llama-b"]), what="the first reload")
+    wait_for(
+        lambda: model_ids(gateway, key) == sorted([MODEL, "tiny-llama-b"]), what="the first reload"
+    )
 
     # Same size, same inode, same mtime: invisible to the watch; only SIGHUP can bring it in.
     models_file = gateway.policies_dir / "models.yaml"
@@ -79,15 +106,24 @@ def test_sighup_reloads_a_change_the_file_watch_cannot_see(start_gateway) -> Non
     with open(models_file, "r+") as handle:
         handle.write(text.replace("tiny-llama-b", "tiny-llama-c"))
     os.utime(models_file, ns=(before.st_atime_ns, before.st_mtime_ns))
-    assert models_file.stat().st_ino == before.st_ino and models_file.stat().st_size == before.st_size
+    assert (
+        models_file.stat().st_ino == before.st_ino and models_file.stat().st_size == before.st_size
+    )
     time.sleep(2.5)  # two and a half poll intervals: the watch has looked and seen nothing
     assert model_ids(gateway, key) == sorted([MODEL, "tiny-llama-b"])
 
     os.kill(gateway.process.pid, signal.SIGHUP)
 
-    wait_for(lambda: model_ids(gateway, key) == sorted([MODEL, "tiny-llama-c"]), what="the SIGHUP reload")
+    wait_for(
+        lambda: model_ids(gateway, key) == sorted([MODEL, "tiny-llama-c"]), what="the SIGHUP reload"
+    )
     assert gateway.process.poll() is None
-    triggers = wait_for(lambda: [line["trigger"] for line in log_lines(gateway)
-                                 if line.get("event") == "policy_reloaded" and line["trigger"] == "SIGHUP"],
-                        what="the SIGHUP reload's log line")
+    triggers = wait_for(
+        lambda: [
+            line["trigger"]
+            for line in log_lines(gateway)
+            if line.get("event") == "policy_reloaded" and line["trigger"] == "SIGHUP"
+        ],
+        what="the SIGHUP reload's log line",
+    )
     assert triggers == ["SIGHUP"]

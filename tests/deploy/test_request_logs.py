@@ -11,8 +11,12 @@ from tests.deploy.conftest import chat, log_lines, log_size
 def _quiet_background() -> dict[str, str]:
     # Debug level makes the request path log from several modules; capacity polls and audit
     # flushes are pushed past the test's window so every line in it belongs to the request.
-    return {"ISOGATE_LOG_LEVEL": "debug", "ISOGATE_CAPACITY_POLL_INTERVAL_S": "60",
-            "ISOGATE_CAPACITY_STALE_AFTER_S": "300", "ISOGATE_AUDIT_FLUSH_INTERVAL_S": "60"}
+    return {
+        "ISOGATE_LOG_LEVEL": "debug",
+        "ISOGATE_CAPACITY_POLL_INTERVAL_S": "60",
+        "ISOGATE_CAPACITY_STALE_AFTER_S": "300",
+        "ISOGATE_AUDIT_FLUSH_INTERVAL_S": "60",
+    }
 
 
 def _window(gateway, request) -> tuple[object, list[dict]]:
@@ -32,14 +36,19 @@ def test_every_log_line_of_a_served_request_carries_its_generation_id(start_gate
     assert response.status_code == 200
     generation_id = response.json()["id"]
     assert lines, "debug logging of a served request produced no line: the check would be vacuous"
-    assert {"isogate.request", "gateway.dispatch", "gateway.upstream"} <= {line["logger"] for line in lines}, \
+    assert {"isogate.request", "gateway.dispatch", "gateway.upstream"} <= {
+        line["logger"] for line in lines
+    }, (
         "expected lines from the request path, dispatch, and the HTTP client (which knows nothing of generations)"
+    )
     for line in lines:
         assert line.get("generation_id") == generation_id, line
         assert {"ts", "level", "logger", "message"} <= line.keys()
 
 
-def test_an_isolation_failure_logs_its_generation_id_and_reason(start_gateway, standin_pair) -> None:
+def test_an_isolation_failure_logs_its_generation_id_and_reason(
+    start_gateway, standin_pair
+) -> None:
     gateway = start_gateway(**_quiet_background())
     _, key = gateway.create_tenant()
     standin_pair.decode.behaviour.wrong_tenant = True
@@ -53,7 +62,9 @@ def test_an_isolation_failure_logs_its_generation_id_and_reason(start_gateway, s
     assert len(failures) == 1 and failures[0]["level"] == "error" and failures[0]["reason"]
 
 
-def test_at_info_a_refused_request_logs_its_line_and_a_served_one_only_its_audit_event(start_gateway) -> None:
+def test_at_info_a_refused_request_logs_its_line_and_a_served_one_only_its_audit_event(
+    start_gateway,
+) -> None:
     gateway = start_gateway(**{**_quiet_background(), "ISOGATE_LOG_LEVEL": "info"})
     _, key = gateway.create_tenant()
 
@@ -63,5 +74,7 @@ def test_at_info_a_refused_request_logs_its_line_and_a_served_one_only_its_audit
     assert served.status_code == 200 and refused.status_code == 404
     assert [line for line in served_lines if line["message"] == "request finished"] == []
     finished = [line for line in refused_lines if line["message"] == "request finished"]
-    assert len(finished) == 1 and finished[0]["outcome"] == "rejected" and finished[0]["status"] == 404
+    assert (
+        len(finished) == 1 and finished[0]["outcome"] == "rejected" and finished[0]["status"] == 404
+    )
     assert finished[0]["generation_id"] == refused.headers["X-Generation-Id"]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import secrets
 import time
 
-
 from gateway.dev.model import ensure_tiny_model
 from tests.harness import GatewayProcess, PoolSpec, write_policies
 from tests.standin_worker import StandInWorker
@@ -22,11 +21,20 @@ def capacity_view(gateway: GatewayProcess) -> dict[str, dict]:
 def test_two_gateways_sharing_redis_see_the_same_capacity_numbers(tmp_path) -> None:
     prefill, decode = StandInWorker("prefill").start(), StandInWorker("decode").start()
     try:
-        policies = write_policies(tmp_path / "policies", model_name="m", tokenizer_dir=ensure_tiny_model(),
-                                  pools=[PoolSpec("shared", ((prefill.url, 1),), (decode.url,))])
-        shared = {"ISOGATE_REDIS_URL": REDIS_URL, "ISOGATE_REDIS_KEY_PREFIX": "test-" + secrets.token_hex(4)}
-        with GatewayProcess(policies, tmp_path / "a", env=shared) as first, \
-                GatewayProcess(policies, tmp_path / "b", env=shared) as second:
+        policies = write_policies(
+            tmp_path / "policies",
+            model_name="m",
+            tokenizer_dir=ensure_tiny_model(),
+            pools=[PoolSpec("shared", ((prefill.url, 1),), (decode.url,))],
+        )
+        shared = {
+            "ISOGATE_REDIS_URL": REDIS_URL,
+            "ISOGATE_REDIS_KEY_PREFIX": "test-" + secrets.token_hex(4),
+        }
+        with (
+            GatewayProcess(policies, tmp_path / "a", env=shared) as first,
+            GatewayProcess(policies, tmp_path / "b", env=shared) as second,
+        ):
             matches = 0
             deadline = time.monotonic() + 20
             while matches < 3 and time.monotonic() < deadline:
@@ -39,7 +47,9 @@ def test_two_gateways_sharing_redis_see_the_same_capacity_numbers(tmp_path) -> N
             polls_before, started = decode.polls, time.monotonic()
             time.sleep(3)
             rate = (decode.polls - polls_before) / (time.monotonic() - started)
-            assert rate < 1.5 / 0.5, rate  # poll interval 0.5 s in the harness; two pollers would be ~4/s
+            assert rate < 1.5 / 0.5, (
+                rate
+            )  # poll interval 0.5 s in the harness; two pollers would be ~4/s
     finally:
         prefill.stop()
         decode.stop()
@@ -48,8 +58,12 @@ def test_two_gateways_sharing_redis_see_the_same_capacity_numbers(tmp_path) -> N
 def test_without_redis_each_gateway_polls_for_itself(tmp_path) -> None:
     prefill, decode = StandInWorker("prefill").start(), StandInWorker("decode").start()
     try:
-        policies = write_policies(tmp_path / "policies", model_name="m", tokenizer_dir=ensure_tiny_model(),
-                                  pools=[PoolSpec("shared", ((prefill.url, 1),), (decode.url,))])
+        policies = write_policies(
+            tmp_path / "policies",
+            model_name="m",
+            tokenizer_dir=ensure_tiny_model(),
+            pools=[PoolSpec("shared", ((prefill.url, 1),), (decode.url,))],
+        )
         with GatewayProcess(policies, tmp_path / "a"), GatewayProcess(policies, tmp_path / "b"):
             polls_before, started = decode.polls, time.monotonic()
             time.sleep(3)

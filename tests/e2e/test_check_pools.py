@@ -14,8 +14,13 @@ pytestmark = pytest.mark.engine
 
 def check_pools(*workers: str) -> subprocess.CompletedProcess[str]:
     args = [arg for worker in workers for arg in ("--worker", worker)]
-    return subprocess.run([sys.executable, "-m", "gateway", "check-pools", *args], cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "gateway", "check-pools", *args],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_check_pools_passes_on_a_safe_cluster(pd_cluster) -> None:
@@ -26,6 +31,8 @@ def test_check_pools_passes_on_a_safe_cluster(pd_cluster) -> None:
 
 
 def test_check_pools_fails_on_an_unreachable_worker(pd_cluster) -> None:
-    result = check_pools(f"prefill={pd_cluster.prefill_url}", f"decode=http://127.0.0.1:{free_port()}")
+    result = check_pools(
+        f"prefill={pd_cluster.prefill_url}", f"decode=http://127.0.0.1:{free_port()}"
+    )
     assert result.returncode == 1
     assert "unreachable" in result.stdout

@@ -13,7 +13,10 @@ from tests.harness import GatewayProcess
 
 pytestmark = pytest.mark.engine
 
-MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hello to the world."}]
+MESSAGES = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Say hello to the world."},
+]
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +25,9 @@ def client(gateway: GatewayProcess, tenant: tuple[str, str]) -> openai.OpenAI:
 
 
 def test_chat_completion_returns_text_usage_and_the_generation_id(client: openai.OpenAI) -> None:
-    reply = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0)
+    reply = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0
+    )
     assert reply.id.startswith("gen_")
     assert reply.object == "chat.completion"
     assert isinstance(reply.choices[0].message.content, str) and reply.choices[0].message.content
@@ -33,14 +38,26 @@ def test_chat_completion_returns_text_usage_and_the_generation_id(client: openai
 
 
 def test_streamed_chat_equals_the_non_streamed_greedy_answer(client: openai.OpenAI) -> None:
-    whole = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=10, temperature=0)
-    chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=10, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True}))
+    whole = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=10, temperature=0
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=MESSAGES,
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole.choices[0].message.content
     assert {c.id for c in chunks} == {chunks[0].id} and chunks[0].id.startswith("gen_")
     assert chunks[0].choices[0].delta.role == "assistant"
-    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    finals = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
     assert finals == [whole.choices[0].finish_reason]
     assert chunks[-1].usage is not None and not chunks[-1].choices
     assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
@@ -48,14 +65,21 @@ def test_streamed_chat_equals_the_non_streamed_greedy_answer(client: openai.Open
 
 
 def test_stream_without_include_usage_sends_no_usage_chunk(client: openai.OpenAI) -> None:
-    chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, stream=True))
+    chunks = list(
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, stream=True)
+    )
     assert chunks and all(c.usage is None for c in chunks)
 
 
 def test_raw_stream_ends_with_done(gateway: GatewayProcess, tenant: tuple[str, str]) -> None:
     body = {"model": MODEL, "prompt": "abc", "max_tokens": 3, "stream": True}
-    with httpx.stream("POST", gateway.url + "/v1/completions", json=body,
-                      headers={"Authorization": f"Bearer {tenant[1]}"}, timeout=60) as response:
+    with httpx.stream(
+        "POST",
+        gateway.url + "/v1/completions",
+        json=body,
+        headers={"Authorization": f"Bearer {tenant[1]}"},
+        timeout=60,
+    ) as response:
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/event-stream")
         events = [line for line in response.iter_lines() if line]
@@ -63,13 +87,21 @@ def test_raw_stream_ends_with_done(gateway: GatewayProcess, tenant: tuple[str, s
     assert all(line.startswith("data: ") for line in events)
 
 
-def test_completion_usage_counts_the_models_own_tokens(client: openai.OpenAI, pd_cluster: PDCluster) -> None:
+def test_completion_usage_counts_the_models_own_tokens(
+    client: openai.OpenAI, pd_cluster: PDCluster
+) -> None:
     prompt = "The quick brown fox jumps over the lazy dog."
-    expected = len(Tokenizer.from_file(str(pd_cluster.spec.model_dir / "tokenizer.json")).encode(prompt).ids)
+    expected = len(
+        Tokenizer.from_file(str(pd_cluster.spec.model_dir / "tokenizer.json")).encode(prompt).ids
+    )
     reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0)
     assert reply.object == "text_completion"
     assert reply.usage.prompt_tokens == expected
-    streamed = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0, stream=True))
+    streamed = list(
+        client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=5, temperature=0, stream=True
+        )
+    )
     assert "".join(c.choices[0].text for c in streamed if c.choices) == reply.choices[0].text
 
 
@@ -88,9 +120,14 @@ def test_greedy_output_equals_sglang_router_for_the_same_input_ids(
     input_ids = tokenizer.encode("Once upon a time, in a land far away,").ids
     ours = client.completions.create(model=MODEL, prompt=input_ids, max_tokens=12, temperature=0)
     with RouterProcess(pd_cluster, port=32003, prometheus_port=32004) as router:
-        theirs = httpx.post(router.url + "/generate", timeout=60, json={
-            "input_ids": input_ids, "sampling_params": {"max_new_tokens": 12, "temperature": 0},
-        }).json()
+        theirs = httpx.post(
+            router.url + "/generate",
+            timeout=60,
+            json={
+                "input_ids": input_ids,
+                "sampling_params": {"max_new_tokens": 12, "temperature": 0},
+            },
+        ).json()
     assert ours.choices[0].text == theirs["text"]
     assert ours.usage.completion_tokens == theirs["meta_info"]["completion_tokens"]
 
@@ -100,16 +137,37 @@ def test_greedy_output_equals_sglang_router_for_the_same_input_ids(
     [
         (b"{not json", 400, "invalid_json"),
         (b'{"model": "tiny-llama"}', 400, "missing_required_parameter"),
-        (b'{"model": "no-such-model", "messages": [{"role": "user", "content": "x"}]}', 404, "model_not_found"),
-        (b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "max_tokens": -1}', 400, "invalid_value"),
-        (b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "rid": "mine"}', 400, "reserved_parameter"),
-        (b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "extra_key": "salt"}', 400, "reserved_parameter"),
+        (
+            b'{"model": "no-such-model", "messages": [{"role": "user", "content": "x"}]}',
+            404,
+            "model_not_found",
+        ),
+        (
+            b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "max_tokens": -1}',
+            400,
+            "invalid_value",
+        ),
+        (
+            b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "rid": "mine"}',
+            400,
+            "reserved_parameter",
+        ),
+        (
+            b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "extra_key": "salt"}',
+            400,
+            "reserved_parameter",
+        ),
     ],
 )
-def test_bad_requests_get_openai_format_errors(gateway: GatewayProcess, tenant: tuple[str, str],
-                                               body: bytes, status: int, code: str) -> None:
-    response = httpx.post(gateway.url + "/v1/chat/completions", content=body, timeout=30,
-                          headers={"Authorization": f"Bearer {tenant[1]}", "Content-Type": "application/json"})
+def test_bad_requests_get_openai_format_errors(
+    gateway: GatewayProcess, tenant: tuple[str, str], body: bytes, status: int, code: str
+) -> None:
+    response = httpx.post(
+        gateway.url + "/v1/chat/completions",
+        content=body,
+        timeout=30,
+        headers={"Authorization": f"Bearer {tenant[1]}", "Content-Type": "application/json"},
+    )
     assert response.status_code == status
     # Even a refused request names its generation ID, under which its audit event is filed.
     assert response.headers["X-Generation-Id"].startswith("gen_")
@@ -120,13 +178,21 @@ def test_bad_requests_get_openai_format_errors(gateway: GatewayProcess, tenant: 
 
 def test_missing_or_unknown_key_is_401(gateway: GatewayProcess) -> None:
     body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
-    for headers in ({}, {"Authorization": "Bearer sk-iso-not-a-real-key"}, {"Authorization": "Basic abc"}):
-        response = httpx.post(gateway.url + "/v1/chat/completions", json=body, headers=headers, timeout=30)
+    for headers in (
+        {},
+        {"Authorization": "Bearer sk-iso-not-a-real-key"},
+        {"Authorization": "Basic abc"},
+    ):
+        response = httpx.post(
+            gateway.url + "/v1/chat/completions", json=body, headers=headers, timeout=30
+        )
         assert response.status_code == 401
         assert response.json()["error"]["type"] == "authentication_error"
 
 
-def test_sdk_raises_the_right_exception_types(client: openai.OpenAI, gateway: GatewayProcess) -> None:
+def test_sdk_raises_the_right_exception_types(
+    client: openai.OpenAI, gateway: GatewayProcess
+) -> None:
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=MESSAGES)
     anonymous = openai.OpenAI(base_url=gateway.url + "/v1", api_key="sk-iso-wrong", max_retries=0)
@@ -134,10 +200,15 @@ def test_sdk_raises_the_right_exception_types(client: openai.OpenAI, gateway: Ga
         anonymous.chat.completions.create(model=MODEL, messages=MESSAGES)
 
 
-def test_client_supplied_isolation_header_is_refused(gateway: GatewayProcess, tenant: tuple[str, str]) -> None:
-    response = httpx.post(gateway.url + "/v1/chat/completions", timeout=30,
-                          json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]},
-                          headers={"Authorization": f"Bearer {tenant[1]}", "X-Isolation-Tenant": "someone-else"})
+def test_client_supplied_isolation_header_is_refused(
+    gateway: GatewayProcess, tenant: tuple[str, str]
+) -> None:
+    response = httpx.post(
+        gateway.url + "/v1/chat/completions",
+        timeout=30,
+        json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]},
+        headers={"Authorization": f"Bearer {tenant[1]}", "X-Isolation-Tenant": "someone-else"},
+    )
     assert response.status_code == 400
     assert response.json()["error"]["code"] == "reserved_header"
 

@@ -25,9 +25,15 @@ def tokenizer_dir() -> Path:
     return ensure_tiny_model()
 
 
-def _gateway(tmp: Path, tokenizer_dir: Path, prefill: str, decode: str, **env: str) -> GatewayProcess:
-    policies = write_policies(tmp / "policies", model_name=MODEL, tokenizer_dir=tokenizer_dir,
-                              pools=[PoolSpec("shared", ((prefill, 1),), (decode,))])
+def _gateway(
+    tmp: Path, tokenizer_dir: Path, prefill: str, decode: str, **env: str
+) -> GatewayProcess:
+    policies = write_policies(
+        tmp / "policies",
+        model_name=MODEL,
+        tokenizer_dir=tokenizer_dir,
+        pools=[PoolSpec("shared", ((prefill, 1),), (decode,))],
+    )
     return GatewayProcess(policies_dir=policies, work_dir=tmp, env=env)
 
 
@@ -40,15 +46,26 @@ def workers() -> Iterator[tuple[StandInWorker, StandInWorker]]:
 
 
 def _chat(gateway: GatewayProcess, key: str, **extra: object) -> httpx.Response:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, **extra}
-    return httpx.post(gateway.url + "/v1/chat/completions", json=body, timeout=30,
-                      headers={"Authorization": f"Bearer {key}"})
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": 4,
+        **extra,
+    }
+    return httpx.post(
+        gateway.url + "/v1/chat/completions",
+        json=body,
+        timeout=30,
+        headers={"Authorization": f"Bearer {key}"},
+    )
 
 
 def test_a_hung_decode_worker_is_a_504_within_the_timeout(tmp_path, tokenizer_dir, workers) -> None:
     prefill, decode = workers
     decode.behaviour = Behaviour(hang=True)
-    with _gateway(tmp_path, tokenizer_dir, prefill.url, decode.url, ISOGATE_UPSTREAM_TIMEOUT_S="1.5") as gateway:
+    with _gateway(
+        tmp_path, tokenizer_dir, prefill.url, decode.url, ISOGATE_UPSTREAM_TIMEOUT_S="1.5"
+    ) as gateway:
         _, key = gateway.create_tenant()
         started = time.monotonic()
         for stream in (False, True):
@@ -72,7 +89,9 @@ def test_a_failing_prefill_fails_the_request_with_502(tmp_path, tokenizer_dir, w
     prefill, decode = workers
     prefill.behaviour = Behaviour(status=500)
     decode.behaviour = Behaviour(hang=True)  # decode would wait for a transfer that never comes
-    with _gateway(tmp_path, tokenizer_dir, prefill.url, decode.url, ISOGATE_UPSTREAM_TIMEOUT_S="20") as gateway:
+    with _gateway(
+        tmp_path, tokenizer_dir, prefill.url, decode.url, ISOGATE_UPSTREAM_TIMEOUT_S="20"
+    ) as gateway:
         _, key = gateway.create_tenant()
         for stream in (False, True):
             started = time.monotonic()
@@ -95,9 +114,13 @@ def test_workers_that_never_answered_are_not_routed_to(tmp_path, tokenizer_dir) 
         gateway.stop()
 
 
-def test_a_worker_that_stops_answering_is_taken_out_once_its_data_is_stale(tmp_path, tokenizer_dir, workers) -> None:
+def test_a_worker_that_stops_answering_is_taken_out_once_its_data_is_stale(
+    tmp_path, tokenizer_dir, workers
+) -> None:
     prefill, decode = workers
-    with _gateway(tmp_path, tokenizer_dir, prefill.url, decode.url, ISOGATE_CAPACITY_STALE_AFTER_S="1.5") as gateway:
+    with _gateway(
+        tmp_path, tokenizer_dir, prefill.url, decode.url, ISOGATE_CAPACITY_STALE_AFTER_S="1.5"
+    ) as gateway:
         _, key = gateway.create_tenant()
         assert _chat(gateway, key).status_code == 200
         decode.stop()
@@ -107,32 +130,52 @@ def test_a_worker_that_stops_answering_is_taken_out_once_its_data_is_stale(tmp_p
         assert response.json()["error"]["code"] == "no_worker_available"
 
 
-def test_a_client_that_leaves_mid_stream_releases_its_claims_and_is_audited(tmp_path, tokenizer_dir, workers) -> None:
+def test_a_client_that_leaves_mid_stream_releases_its_claims_and_is_audited(
+    tmp_path, tokenizer_dir, workers
+) -> None:
     prefill, decode = workers
-    decode.behaviour = Behaviour(text_chunks=tuple(f"w{i} " for i in range(500)))  # ~5 s of streaming
+    decode.behaviour = Behaviour(
+        text_chunks=tuple(f"w{i} " for i in range(500))
+    )  # ~5 s of streaming
     with _gateway(tmp_path, tokenizer_dir, prefill.url, decode.url) as gateway:
         _, key = gateway.create_tenant()
-        body = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 600, "stream": True}
-        with httpx.stream("POST", gateway.url + "/v1/chat/completions", json=body, timeout=30,
-                          headers={"Authorization": f"Bearer {key}"}) as response:
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hello"}],
+            "max_tokens": 600,
+            "stream": True,
+        }
+        with httpx.stream(
+            "POST",
+            gateway.url + "/v1/chat/completions",
+            json=body,
+            timeout=30,
+            headers={"Authorization": f"Bearer {key}"},
+        ) as response:
             generation_id = response.headers["X-Generation-Id"]
             next(response.iter_lines())  # the first event arrived; now hang up
         deadline = time.monotonic() + 3  # well before the stream would have ended by itself
         event = None
         while time.monotonic() < deadline:
-            found = httpx.get(f"{gateway.url}/v1/audit/events/{generation_id}", headers={"Authorization": f"Bearer {key}"})
+            found = httpx.get(
+                f"{gateway.url}/v1/audit/events/{generation_id}",
+                headers={"Authorization": f"Bearer {key}"},
+            )
             if found.status_code == 200:
                 event = found.json()
                 break
             time.sleep(0.1)
         assert event is not None and event["outcome"] == "client_cancelled"
         with gateway.admin() as admin:
-            claimed = {w["url"]: w["claimed_tokens"] for w in admin.get("/admin/workers").json()["data"]}
+            claimed = {
+                w["url"]: w["claimed_tokens"] for w in admin.get("/admin/workers").json()["data"]
+            }
         assert claimed == {prefill.url: 0, decode.url: 0}
 
 
-def test_a_client_that_leaves_before_its_body_arrived_is_audited_as_cancelled(tmp_path, tokenizer_dir,
-                                                                               workers) -> None:
+def test_a_client_that_leaves_before_its_body_arrived_is_audited_as_cancelled(
+    tmp_path, tokenizer_dir, workers
+) -> None:
     import socket
     from urllib.parse import urlsplit
 
@@ -141,13 +184,21 @@ def test_a_client_that_leaves_before_its_body_arrived_is_audited_as_cancelled(tm
         _, key = gateway.create_tenant()
         address = urlsplit(gateway.url)
         with socket.create_connection((address.hostname, address.port), timeout=10) as client:
-            client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
-                           b"Authorization: Bearer " + key.encode() + b"\r\nContent-Length: 1000\r\n\r\n{\"model\"")
+            client.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
+                b"Authorization: Bearer "
+                + key.encode()
+                + b'\r\nContent-Length: 1000\r\n\r\n{"model"'
+            )
             time.sleep(0.3)  # the request is being read; now hang up
         deadline = time.monotonic() + 5
         events: list[dict] = []
         while time.monotonic() < deadline and not events:
-            events = httpx.get(f"{gateway.url}/v1/audit/events", headers={"Authorization": f"Bearer {key}"}).json()["data"]
+            events = httpx.get(
+                f"{gateway.url}/v1/audit/events", headers={"Authorization": f"Bearer {key}"}
+            ).json()["data"]
             time.sleep(0.1)
-        assert [(event["outcome"], event["status"]) for event in events] == [("client_cancelled", 499)]
+        assert [(event["outcome"], event["status"]) for event in events] == [
+            ("client_cancelled", 499)
+        ]
         assert "unexpected error" not in gateway.log_tail()

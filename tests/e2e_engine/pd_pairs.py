@@ -123,8 +123,12 @@ def generate_pd(
     }
     headers = {"X-Isolation-Tenant": tenant, "X-Isolation-Generation": generation}
     with httpx.Client(timeout=timeout_s) as client, ThreadPoolExecutor(2) as pool:
-        prefill = pool.submit(client.post, f"{cluster.prefill_url}/generate", json=body, headers=headers)
-        decode = pool.submit(client.post, f"{cluster.decode_url}/generate", json=body, headers=headers)
+        prefill = pool.submit(
+            client.post, f"{cluster.prefill_url}/generate", json=body, headers=headers
+        )
+        decode = pool.submit(
+            client.post, f"{cluster.decode_url}/generate", json=body, headers=headers
+        )
         return PDReply(prefill=_reply(prefill.result()), decode=_reply(decode.result()))
 
 

@@ -70,8 +70,15 @@ def replay(cluster: PDCluster) -> tuple[PDReply, PDReply]:
         max_new_tokens=8,
         timeout_s=120,
     )
-    print("incident replay:", json.dumps({"prefill": [incident.prefill.status, incident.prefill.body],
-                                          "decode": [incident.decode.status, incident.decode.body]})[:3000])
+    print(
+        "incident replay:",
+        json.dumps(
+            {
+                "prefill": [incident.prefill.status, incident.prefill.body],
+                "decode": [incident.decode.status, incident.decode.body],
+            }
+        )[:3000],
+    )
     return earlier, incident
 
 
@@ -79,7 +86,9 @@ def test_without_engine_patch_the_incident_replays_on_0_5_23(tmp_path):
     # Recorded on 0.5.23 with both fixes undone: prefill handles the one-token
     # stub and signals completion, decode reads 2000 positions of which prefill
     # wrote one and answers 200 with content.
-    with incident_pair(tmp_path, [CPU_SHIM_PLUGIN, INCIDENT_REPLAY_PLUGIN], **UNDO_FIXES) as cluster:
+    with incident_pair(
+        tmp_path, [CPU_SHIM_PLUGIN, INCIDENT_REPLAY_PLUGIN], **UNDO_FIXES
+    ) as cluster:
         earlier, incident = replay(cluster)
     assert earlier.decode.is_200_with_content()
     assert incident.prefill.meta_info.get("prompt_tokens") == 1  # the stub is what prefill computed
@@ -119,12 +128,18 @@ def test_with_engine_patch_the_incident_worker_refuses_to_start(tmp_path):
 
 def test_with_engine_patch_clamped_tags_come_back_and_the_over_pool_prompt_gets_400(tmp_path):
     plugins = [CPU_SHIM_PLUGIN, INCIDENT_REPLAY_PLUGIN, ENGINE_PATCH_PLUGIN]
-    with incident_pair(tmp_path, plugins, ISOGATE_ENGINE_CLAMP_CONTEXT="1", **UNDO_FIXES) as cluster:
+    with incident_pair(
+        tmp_path, plugins, ISOGATE_ENGINE_CLAMP_CONTEXT="1", **UNDO_FIXES
+    ) as cluster:
         with httpx.Client(timeout=30) as client:
             models = client.get(f"{cluster.prefill_url}/v1/models").json()
             server_info = client.get(f"{cluster.prefill_url}/server_info").json()
         normal = generate_pd(
-            cluster, input_ids=incident_prompt(300), generation="gen_T1", tenant="tenant-t", bootstrap_room=2001
+            cluster,
+            input_ids=incident_prompt(300),
+            generation="gen_T1",
+            tenant="tenant-t",
+            bootstrap_room=2001,
         )
         streamed = generate_pd(
             cluster,
@@ -147,7 +162,9 @@ def test_with_engine_patch_clamped_tags_come_back_and_the_over_pool_prompt_gets_
     assert normal.decode.meta_info["isolation_tenant"] == "tenant-t"
     assert normal.decode.meta_info["isolation_generation"] == "gen_T1"
     assert normal.decode.meta_info["isolation_verified"] is True
-    chunks = stream_decode_chunks(streamed.decode.body if isinstance(streamed.decode.body, str) else "")
+    chunks = stream_decode_chunks(
+        streamed.decode.body if isinstance(streamed.decode.body, str) else ""
+    )
     assert len(chunks) >= 2
     for chunk in (chunks[0], chunks[-1]):
         assert chunk["meta_info"]["isolation_tenant"] == "tenant-t"
@@ -168,9 +185,13 @@ def test_with_engine_patch_clamped_tags_come_back_and_the_over_pool_prompt_gets_
         ("gate,guard,coverage", "foreign_page"),  # the page tags on their own
     ],
 )
-def test_with_engine_patch_an_admitted_incident_fails_with_500_and_is_logged(tmp_path, disabled, reason):
+def test_with_engine_patch_an_admitted_incident_fails_with_500_and_is_logged(
+    tmp_path, disabled, reason
+):
     plugins = [CPU_SHIM_PLUGIN, INCIDENT_REPLAY_PLUGIN, ENGINE_PATCH_PLUGIN]
-    with incident_pair(tmp_path, plugins, ISOGATE_ENGINE_DISABLE_CHECKS=disabled, **UNDO_FIXES) as cluster:
+    with incident_pair(
+        tmp_path, plugins, ISOGATE_ENGINE_DISABLE_CHECKS=disabled, **UNDO_FIXES
+    ) as cluster:
         earlier, incident = replay(cluster)
         streamed = generate_pd(
             cluster,
@@ -182,7 +203,9 @@ def test_with_engine_patch_an_admitted_incident_fails_with_500_and_is_logged(tmp
             timeout_s=120,
         )
         decode_lines = engine_log_lines(cluster, "decode")
-    assert earlier.decode.status == 200 and earlier.decode.meta_info["isolation_tenant"] == "tenant-a"
+    assert (
+        earlier.decode.status == 200 and earlier.decode.meta_info["isolation_tenant"] == "tenant-a"
+    )
     assert incident.decode.status == 500
     assert not incident.decode.is_200_with_content()
     assert reason in incident.decode.body["message"]

@@ -23,8 +23,8 @@ from gateway.dev.cluster import (
     ManagedProcess,
     PDCluster,
     RouterProcess,
-    group_members,
     default_cluster_spec,
+    group_members,
 )
 from gateway.dev.model import CHAT_TEMPLATE, MODEL_FILES, ensure_tiny_model
 
@@ -101,7 +101,9 @@ def test_router_output_equals_direct_pd_dispatch(
 ) -> None:
     direct = asyncio.run(generate_through_pd_pair(pd_cluster, prompt_ids))
 
-    with RouterProcess(pd_cluster, port=ROUTER_PORT, prometheus_port=ROUTER_PROMETHEUS_PORT) as router:
+    with RouterProcess(
+        pd_cluster, port=ROUTER_PORT, prometheus_port=ROUTER_PROMETHEUS_PORT
+    ) as router:
         # sglang_router forwards the body, rid included, to both halves; without a rid each
         # half picks its own and the production plugin refuses the pair (foreign_generation).
         routed = httpx.post(
@@ -166,8 +168,10 @@ def test_tiny_tokenizer_round_trips_text_and_knows_its_specials(tmp_path: Path) 
 
 def test_stopping_a_managed_process_kills_its_whole_group(tmp_path: Path) -> None:
     # A parent that ignores SIGTERM, with a child: both must be gone after stop().
-    script = "import signal, subprocess, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); " \
+    script = (
+        "import signal, subprocess, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
         "subprocess.Popen(['sleep', '300']); time.sleep(300)"
+    )
     process = ManagedProcess("tree", [sys.executable, "-c", script], {}, tmp_path / "tree.log")
     process.start()
     pgid = process.pid
@@ -197,4 +201,3 @@ def _wait_for(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError("condition not met in time")
         time.sleep(0.05)
-

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
 from sglang.srt.disaggregation.decode import DecodeRequest, DecodeTransferQueue
 from sglang.srt.disaggregation.utils import MetadataBuffers
 from sglang.srt.managers.schedule_batch import Req
@@ -112,14 +111,20 @@ class DecodeSchedulerStandIn:
     batch_result_processor: Any = field(default_factory=ReasoningCounterStandIn)
 
 
-def make_kv_pools(tokens: int = 4096, page_size: int = 1, rows: int = 8) -> tuple[ReqToTokenPool, TokenToKVPoolAllocator]:
+def make_kv_pools(
+    tokens: int = 4096, page_size: int = 1, rows: int = 8
+) -> tuple[ReqToTokenPool, TokenToKVPoolAllocator]:
     assert page_size == 1, "the plain token allocator is page size 1"
-    req_to_token_pool = ReqToTokenPool(size=rows, max_context_len=tokens, device="cpu", enable_memory_saver=False)
+    req_to_token_pool = ReqToTokenPool(
+        size=rows, max_context_len=tokens, device="cpu", enable_memory_saver=False
+    )
     allocator = TokenToKVPoolAllocator(tokens, torch.float16, "cpu", None, False)
     return req_to_token_pool, allocator
 
 
-def make_transfer_queue(scheduler: DecodeSchedulerStandIn, metadata_buffers: MetadataBuffers) -> DecodeTransferQueue:
+def make_transfer_queue(
+    scheduler: DecodeSchedulerStandIn, metadata_buffers: MetadataBuffers
+) -> DecodeTransferQueue:
     queue = DecodeTransferQueue.__new__(DecodeTransferQueue)
     queue.queue = []
     queue.metadata_buffers = metadata_buffers

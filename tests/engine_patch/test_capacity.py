@@ -7,7 +7,6 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-
 from sglang.srt.managers.io_struct import GenerateReqInput
 from sglang.srt.managers.tokenizer_manager import TokenizerManager
 from sglang.srt.managers.tp_worker import TpModelWorker
@@ -70,7 +69,9 @@ def test_clamp_reports_the_pool_as_context_length_to_the_main_process():
 def test_no_clamp_leaves_the_tokenizer_alone():
     manager = TokenizerManager.__new__(TokenizerManager)
     manager.context_len = 4096
-    apply_clamp_in_tokenizer(None, manager, SimpleNamespace(scheduler_infos=[{"max_req_input_len": 10}]), 0.0)
+    apply_clamp_in_tokenizer(
+        None, manager, SimpleNamespace(scheduler_infos=[{"max_req_input_len": 10}]), 0.0
+    )
     assert manager.context_len == 4096
 
 

@@ -19,8 +19,12 @@ def test_installed_sglang_0_5_23_is_compatible():
 def test_a_moved_hook_target_is_a_problem():
     problems = target_problems(
         (
-            HookTarget("sglang.srt.disaggregation.decode.DecodeTransferQueue._commit_moved_elsewhere"),
-            HookTarget("sglang.srt.disaggregation.utils.MetadataBuffers.set_buf", ("self", "request")),
+            HookTarget(
+                "sglang.srt.disaggregation.decode.DecodeTransferQueue._commit_moved_elsewhere"
+            ),
+            HookTarget(
+                "sglang.srt.disaggregation.utils.MetadataBuffers.set_buf", ("self", "request")
+            ),
         )
     )
     assert len(problems) == 2
@@ -39,7 +43,11 @@ def run_load_plugins(prelude: str) -> subprocess.CompletedProcess:
     )
     env = {**os.environ, "SGLANG_PLUGINS": "isogate", "PYTHONPATH": str(REPO_ROOT)}
     return subprocess.run(
-        [sys.executable, "-W", "ignore", "-c", script], capture_output=True, text=True, env=env, timeout=180
+        [sys.executable, "-W", "ignore", "-c", script],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=180,
     )
 
 
@@ -57,13 +65,14 @@ def test_plugin_refuses_to_load_when_a_pd_door_lost_the_admission_fix():
     assert done.returncode != 0
     assert "PATCHED" not in done.stdout
     assert "refusing to load" in done.stderr
-    assert "sglang.srt.disaggregation.prefill does not use the upstream admission fix" in done.stderr
+    assert (
+        "sglang.srt.disaggregation.prefill does not use the upstream admission fix" in done.stderr
+    )
 
 
 def test_plugin_refuses_to_load_without_is_unadmitted_reject():
     done = run_load_plugins(
-        "import sglang.srt.disaggregation.utils as utils\n"
-        "del utils.is_unadmitted_reject\n"
+        "import sglang.srt.disaggregation.utils as utils\ndel utils.is_unadmitted_reject\n"
     )
     assert done.returncode != 0
     assert "lacks the upstream admission fix" in done.stderr

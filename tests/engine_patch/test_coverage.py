@@ -5,7 +5,6 @@ from __future__ import annotations
 from http import HTTPStatus
 
 import pytest
-
 from sglang.srt.disaggregation.decode import DecodeTransferQueue
 from sglang.srt.disaggregation.utils import is_unadmitted_reject
 from sglang.srt.managers.schedule_batch import FINISH_ABORT
@@ -45,7 +44,9 @@ def prefill_sends(prefill_req, *, written: int, output_token: int = 77):
     return buffers
 
 
-def decode_commits(decode_req_obj, prefill_buffers, *, reserved: int, settings: EngineSettings = SETTINGS):
+def decode_commits(
+    decode_req_obj, prefill_buffers, *, reserved: int, settings: EngineSettings = SETTINGS
+):
     scheduler = DecodeSchedulerStandIn(*make_kv_pools())
     preallocate(scheduler, decode_req_obj, reserved)
     decode_buffers = make_metadata_buffers()
@@ -168,12 +169,18 @@ def test_coverage_rule(sent_from, sent_end, written_end, reserved, prefix, reaso
     from engine_patch.coverage import Attestation
 
     generation = generation_fingerprint("gen_rule")
-    attestation = Attestation(written_end=written_end, sent_from=sent_from, sent_end=sent_end, generation=generation)
-    problem = coverage_problem(attestation, reserved_end=reserved, decode_prefix_len=prefix, generation=generation)
+    attestation = Attestation(
+        written_end=written_end, sent_from=sent_from, sent_end=sent_end, generation=generation
+    )
+    problem = coverage_problem(
+        attestation, reserved_end=reserved, decode_prefix_len=prefix, generation=generation
+    )
     assert (problem[0] if problem else None) == reason
 
 
-def test_untagged_pd_halves_with_separate_rids_share_their_generation_through_the_bootstrap_room() -> None:
+def test_untagged_pd_halves_with_separate_rids_share_their_generation_through_the_bootstrap_room() -> (
+    None
+):
     """sglang_router mints one rid per worker; prefill and decode must still agree on who wrote."""
     from types import SimpleNamespace
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-
 from sglang.srt.disaggregation.decode import DecodeTransferQueue
 from sglang.srt.managers.schedule_batch import ScheduleBatch
 
@@ -112,7 +111,10 @@ def test_commit_hook_tags_the_transferred_range_so_the_check_passes_end_to_end()
     ship_metadata_row(prefill_buffers, decode_buffers, 1, 2)
     queue = make_transfer_queue(scheduler, decode_buffers)
     verify_before_commit(
-        EngineSettings(), DecodeTransferQueue._commit_transfer_to_req, queue, make_decode_request(decode_req_obj, 2)
+        EngineSettings(),
+        DecodeTransferQueue._commit_transfer_to_req,
+        queue,
+        make_decode_request(decode_req_obj, 2),
     )
     assert decode_req_obj.isogate_pages_checked is False  # the page check is still due
     table = table_for(scheduler.token_to_kv_pool_allocator, create=False)
@@ -158,8 +160,12 @@ def test_preempted_request_resumed_into_new_pages_is_not_failed_and_a_fresh_one_
     mark_transferred(scheduler, fresh, 0, 16)
     fresh.isogate_pages_checked = False
 
-    batch = ScheduleBatch(reqs=[resumed, fresh], token_to_kv_pool_allocator=scheduler.token_to_kv_pool_allocator)
-    check_pages_before_first_decode(SchedulerDisaggregationDecodeMixin._verify_kv_checksums, scheduler, batch)
+    batch = ScheduleBatch(
+        reqs=[resumed, fresh], token_to_kv_pool_allocator=scheduler.token_to_kv_pool_allocator
+    )
+    check_pages_before_first_decode(
+        SchedulerDisaggregationDecodeMixin._verify_kv_checksums, scheduler, batch
+    )
     assert [req.rid for req in batch.reqs] == ["gen_resumed", "gen_fresh"]
     assert resumed.finished_reason is None and fresh.finished_reason is None
     assert fresh.isogate_pages_checked is True  # checked once, not again after a retraction
@@ -175,4 +181,6 @@ def test_a_request_failed_before_its_first_decode_step_streams_no_token():
     req.logprob.output_token_logprobs_idx = [485]
     _withdraw_uncommitted_output(req)
     assert list(req.output_ids) == []
-    assert req.logprob.output_token_logprobs_val == [] and req.logprob.output_token_logprobs_idx == []
+    assert (
+        req.logprob.output_token_logprobs_val == [] and req.logprob.output_token_logprobs_idx == []
+    )

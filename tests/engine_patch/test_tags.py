@@ -5,11 +5,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from starlette.datastructures import Headers
-
 from sglang.srt.managers import io_struct
 from sglang.srt.managers.io_struct import GenerateReqInput
 from sglang.srt.managers.tokenizer_manager import ReqState, TokenizerManager
+from starlette.datastructures import Headers
 
 from engine_patch.events import DECISIONS
 from engine_patch.settings import EngineSettings
@@ -35,7 +34,9 @@ class HttpRequestStandIn:
 
 
 def generate_input(rid="gen_01JD", batch=False) -> GenerateReqInput:
-    obj = GenerateReqInput(input_ids=[[1, 2, 3], [4, 5]] if batch else [1, 2, 3], rid=rid, sampling_params={})
+    obj = GenerateReqInput(
+        input_ids=[[1, 2, 3], [4, 5]] if batch else [1, 2, 3], rid=rid, sampling_params={}
+    )
     obj.normalize_batch_and_arguments()
     return obj
 
@@ -58,7 +59,9 @@ def test_tags_are_read_from_headers_onto_the_request():
 def test_bad_tags_are_refused_with_a_400_error_and_counted(headers, rid, batch, message):
     refused_before = DECISIONS.refused["bad_tags"]
     with pytest.raises(TagError, match=message) as raised:
-        read_request_tags(EngineSettings(), None, generate_input(rid, batch), HttpRequestStandIn(headers))
+        read_request_tags(
+            EngineSettings(), None, generate_input(rid, batch), HttpRequestStandIn(headers)
+        )
     assert raised.value.status_code == 400
     assert DECISIONS.refused["bad_tags"] == refused_before + 1
 
@@ -66,9 +69,13 @@ def test_bad_tags_are_refused_with_a_400_error_and_counted(headers, rid, batch, 
 def test_untagged_requests_pass_unless_tags_are_required():
     read_request_tags(EngineSettings(), None, generate_input(), HttpRequestStandIn({}))
     with pytest.raises(TagError, match="requires isolation tags"):
-        read_request_tags(EngineSettings(require_tags=True), None, generate_input(), HttpRequestStandIn({}))
+        read_request_tags(
+            EngineSettings(require_tags=True), None, generate_input(), HttpRequestStandIn({})
+        )
     # SGLang's own health probe is never refused.
-    read_request_tags(EngineSettings(require_tags=True), None, generate_input("HEALTH_CHECK_1"), None)
+    read_request_tags(
+        EngineSettings(require_tags=True), None, generate_input("HEALTH_CHECK_1"), None
+    )
 
 
 def test_tags_survive_sglang_msgpack_ipc_to_the_scheduler_and_land_on_req():
@@ -96,7 +103,9 @@ def test_tags_survive_sglang_msgpack_ipc_to_the_scheduler_and_land_on_req():
     tagged = carry_tags_to_scheduler(plain, None, obj)
     assert isinstance(tagged, TaggedGenerateReqInput)
     received = io_struct.msgpack_decode(io_struct.msgpack_encode(tagged))
-    assert isinstance(received, io_struct.TokenizedGenerateReqInput)  # the scheduler dispatches it as one
+    assert isinstance(
+        received, io_struct.TokenizedGenerateReqInput
+    )  # the scheduler dispatches it as one
     assert (received.isolation_tenant, received.isolation_generation, received.extra_key) == (
         "tenant-a",
         "gen_01JD",
@@ -127,12 +136,24 @@ def test_echo_has_one_entry_per_emitted_request():
 
 def test_echo_lands_in_meta_info_as_scalars_on_every_chunk_and_other_keys_still_accumulate():
     manager = TokenizerManager.__new__(TokenizerManager)  # the method reads no instance state
-    state = ReqState(out_list=[], finished=False, event=asyncio.Event(), obj=generate_input(), time_stats=None)
-    customized = {"isolation_tenant": [["tenant-a"]], "isolation_generation": [["gen_01JD"]], "other": [[1, 2]]}
+    state = ReqState(
+        out_list=[], finished=False, event=asyncio.Event(), obj=generate_input(), time_stats=None
+    )
+    customized = {
+        "isolation_tenant": [["tenant-a"]],
+        "isolation_generation": [["gen_01JD"]],
+        "other": [[1, 2]],
+    }
     for _chunk in range(2):
         meta_info: dict = {}
         place_echo_in_meta_info(
-            TokenizerManager.update_request_meta_info, manager, meta_info, state, customized, 0, None
+            TokenizerManager.update_request_meta_info,
+            manager,
+            meta_info,
+            state,
+            customized,
+            0,
+            None,
         )
         assert meta_info["isolation_tenant"] == "tenant-a"
         assert meta_info["isolation_generation"] == "gen_01JD"

@@ -54,7 +54,10 @@ class SoakShape:
     context_length: int = 8192
     # "word " is two tokens of the tiny model's tokenizer.
     ordinary_words: tuple[int, int] = (20, 200)
-    over_pool_words: tuple[int, int] = (1100, 3500)  # above the prefill pool, below the context length
+    over_pool_words: tuple[int, int] = (
+        1100,
+        3500,
+    )  # above the prefill pool, below the context length
     max_tokens: int = 8
 
 
@@ -83,11 +86,17 @@ class SoakCounts:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "requests": sum(self.requests.values()), "by_kind": dict(self.requests), "served": self.served,
-            "over_pool_refused": self.over_pool_refused, "over_pool_served": self.over_pool_served,
-            "aborts_done": self.aborts_done, "verification_failures": self.verification_failures,
-            "foreign_canary_bytes": self.foreign_canary_bytes, "other_errors": dict(self.other_errors),
-            "refusals": dict(self.refusals), "seconds": round(self.seconds, 1),
+            "requests": sum(self.requests.values()),
+            "by_kind": dict(self.requests),
+            "served": self.served,
+            "over_pool_refused": self.over_pool_refused,
+            "over_pool_served": self.over_pool_served,
+            "aborts_done": self.aborts_done,
+            "verification_failures": self.verification_failures,
+            "foreign_canary_bytes": self.foreign_canary_bytes,
+            "other_errors": dict(self.other_errors),
+            "refusals": dict(self.refusals),
+            "seconds": round(self.seconds, 1),
         }
 
 
@@ -130,7 +139,10 @@ class Soak:
     def run(self, send: Any) -> SoakCounts:
         started = time.monotonic()
         with ThreadPoolExecutor(len(self.tenants)) as pool:
-            futures = [pool.submit(self._tenant_loop, tenant, index, send) for index, tenant in enumerate(self.tenants)]
+            futures = [
+                pool.submit(self._tenant_loop, tenant, index, send)
+                for index, tenant in enumerate(self.tenants)
+            ]
             for future in futures:
                 future.result()
         self.counts.seconds = time.monotonic() - started
@@ -140,7 +152,9 @@ class Soak:
         rng = random.Random(self.seed + index)
         for _ in range(self.requests_per_tenant):
             kind = rng.choices(KINDS, weights=self.mix)[0]
-            low, high = self.shape.over_pool_words if kind == "over_pool" else self.shape.ordinary_words
+            low, high = (
+                self.shape.over_pool_words if kind == "over_pool" else self.shape.ordinary_words
+            )
             text = _prompt(tenant, rng.randint(low, high), rng)
             self.counts.note("requests", kind)
             send(self, tenant, kind, text)
@@ -155,6 +169,7 @@ class Soak:
 
 # ---- through the gateway --------------------------------------------------------------------
 
+
 def gateway_sender(base_url: str, timeout_s: float = 120.0) -> Any:
     local = threading.local()
 
@@ -163,8 +178,13 @@ def gateway_sender(base_url: str, timeout_s: float = 120.0) -> Any:
         if client is None:
             client = local.client = httpx.Client(base_url=base_url, timeout=timeout_s)
         headers = {"Authorization": f"Bearer {tenant.key}"}
-        body = {"model": MODEL, "prompt": text, "max_tokens": soak.shape.max_tokens, "temperature": 0,
-                "stream": kind == "abort"}
+        body = {
+            "model": MODEL,
+            "prompt": text,
+            "max_tokens": soak.shape.max_tokens,
+            "temperature": 0,
+            "stream": kind == "abort",
+        }
         if kind == "abort":
             with client.stream("POST", "/v1/completions", json=body, headers=headers) as response:
                 if response.status_code != 200:
@@ -176,7 +196,11 @@ def gateway_sender(base_url: str, timeout_s: float = 120.0) -> Any:
                         if "error" in chunk:
                             _gateway_error(soak, kind, 200, orjson.dumps(chunk))
                             return
-                        soak.delivered(tenant, kind, "".join(c.get("text", "") for c in chunk.get("choices", [])))
+                        soak.delivered(
+                            tenant,
+                            kind,
+                            "".join(c.get("text", "") for c in chunk.get("choices", [])),
+                        )
                         soak.counts.add(aborts_done=1)
                         return  # closing the stream here is the abort
             return
@@ -192,7 +216,7 @@ def gateway_sender(base_url: str, timeout_s: float = 120.0) -> Any:
 def _gateway_error(soak: Soak, kind: str, status: int, content: bytes) -> None:
     try:
         code = orjson.loads(content)["error"]["code"]
-    except Exception:  # noqa: BLE001 - a malformed error is itself worth counting
+    except Exception:
         code = f"unparsable-{status}"
     if code == "isolation_check_failed":
         soak.counts.add(verification_failures=1)
@@ -205,50 +229,102 @@ def _gateway_error(soak: Soak, kind: str, status: int, content: bytes) -> None:
 
 # ---- straight to the workers (gateway bypassed) ------------------------------------------------
 
-def bypass_sender(prefill_url: str, decode_url: str, bootstrap_port: int, tokenizer_path: Path,
-                  timeout_s: float = 120.0) -> Any:
+
+def bypass_sender(
+    prefill_url: str,
+    decode_url: str,
+    bootstrap_port: int,
+    tokenizer_path: Path,
+    timeout_s: float = 120.0,
+) -> Any:
     tokenizer = Tokenizer.from_file(str(tokenizer_path))
     local = threading.local()
 
     def send(soak: Soak, tenant: Tenant, kind: str, text: str) -> None:
         clients = getattr(local, "clients", None)
         if clients is None:
-            clients = local.clients = (httpx.Client(timeout=timeout_s), httpx.Client(timeout=timeout_s),
-                                       ThreadPoolExecutor(1))
+            clients = local.clients = (
+                httpx.Client(timeout=timeout_s),
+                httpx.Client(timeout=timeout_s),
+                ThreadPoolExecutor(1),
+            )
         prefill_client, decode_client, background = clients
         input_ids = tokenizer.encode(text).ids
         generation = "gen_" + secrets.token_hex(12)
         body = {
             "input_ids": input_ids,
             "sampling_params": {"max_new_tokens": soak.shape.max_tokens, "temperature": 0},
-            "rid": generation, "extra_key": f"salt-{tenant.name}", "stream": kind == "abort",
-            "bootstrap_host": "127.0.0.1", "bootstrap_port": bootstrap_port,
+            "rid": generation,
+            "extra_key": f"salt-{tenant.name}",
+            "stream": kind == "abort",
+            "bootstrap_host": "127.0.0.1",
+            "bootstrap_port": bootstrap_port,
             "bootstrap_room": secrets.randbits(62),
         }
-        headers = {"X-Isolation-Tenant": tenant.name, "X-Isolation-Generation": generation,
-                   "Content-Type": "application/json"}
-        prefill = background.submit(prefill_client.post, f"{prefill_url}/generate",
-                                    content=orjson.dumps({**body, "stream": False}), headers=headers)
+        headers = {
+            "X-Isolation-Tenant": tenant.name,
+            "X-Isolation-Generation": generation,
+            "Content-Type": "application/json",
+        }
+        prefill = background.submit(
+            prefill_client.post,
+            f"{prefill_url}/generate",
+            content=orjson.dumps({**body, "stream": False}),
+            headers=headers,
+        )
         try:
             if kind == "abort":
-                _bypass_abort(soak, tenant, kind, decode_client, decode_url, body, headers, generation, len(input_ids))
+                _bypass_abort(
+                    soak,
+                    tenant,
+                    kind,
+                    decode_client,
+                    decode_url,
+                    body,
+                    headers,
+                    generation,
+                    len(input_ids),
+                )
             else:
-                response = decode_client.post(f"{decode_url}/generate", content=orjson.dumps(body), headers=headers)
-                _bypass_judge(soak, tenant, kind, response.status_code, response.content, generation, len(input_ids))
+                response = decode_client.post(
+                    f"{decode_url}/generate", content=orjson.dumps(body), headers=headers
+                )
+                _bypass_judge(
+                    soak,
+                    tenant,
+                    kind,
+                    response.status_code,
+                    response.content,
+                    generation,
+                    len(input_ids),
+                )
         finally:
             try:
                 prefill.result(timeout=timeout_s)
-            except Exception as exc:  # noqa: BLE001 - prefill's fate is logged, decode's answer is judged
+            except Exception as exc:
                 soak.counts.note("other_errors", f"prefill:{type(exc).__name__}")
 
     return send
 
 
-def _bypass_abort(soak: Soak, tenant: Tenant, kind: str, client: httpx.Client, decode_url: str,
-                  body: dict[str, Any], headers: dict[str, str], generation: str, prompt_tokens: int) -> None:
-    with client.stream("POST", f"{decode_url}/generate", content=orjson.dumps(body), headers=headers) as response:
+def _bypass_abort(
+    soak: Soak,
+    tenant: Tenant,
+    kind: str,
+    client: httpx.Client,
+    decode_url: str,
+    body: dict[str, Any],
+    headers: dict[str, str],
+    generation: str,
+    prompt_tokens: int,
+) -> None:
+    with client.stream(
+        "POST", f"{decode_url}/generate", content=orjson.dumps(body), headers=headers
+    ) as response:
         if response.status_code != 200:
-            _bypass_judge(soak, tenant, kind, response.status_code, response.read(), generation, prompt_tokens)
+            _bypass_judge(
+                soak, tenant, kind, response.status_code, response.read(), generation, prompt_tokens
+            )
             return
         for line in response.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
@@ -257,15 +333,24 @@ def _bypass_abort(soak: Soak, tenant: Tenant, kind: str, client: httpx.Client, d
                 return  # closing the stream is the abort
 
 
-def _bypass_judge(soak: Soak, tenant: Tenant, kind: str, status: int, content: bytes, generation: str,
-                  prompt_tokens: int) -> None:
+def _bypass_judge(
+    soak: Soak,
+    tenant: Tenant,
+    kind: str,
+    status: int,
+    content: bytes,
+    generation: str,
+    prompt_tokens: int,
+) -> None:
     try:
         payload = orjson.loads(content)
     except orjson.JSONDecodeError:
         payload = {}
     if status != 200 or "error" in payload or not isinstance(payload, dict):
         message = json.dumps(payload)[:200] if payload else content[:200].decode("utf-8", "replace")
-        if any(reason in message for reason in ("coverage_mismatch", "foreign_page", "tag_mismatch")):
+        if any(
+            reason in message for reason in ("coverage_mismatch", "foreign_page", "tag_mismatch")
+        ):
             soak.counts.add(verification_failures=1)
         elif kind == "over_pool":
             soak.counts.add(over_pool_refused=1)
@@ -283,8 +368,11 @@ def _bypass_judge(soak: Soak, tenant: Tenant, kind: str, status: int, content: b
             soak.counts.note("other_errors", f"{kind}:abort:{str(reason.get('message'))[:80]}")
         return
     # What the gateway would check, done by this client: is this answer this request's?
-    if meta.get("id") != generation or meta.get("isolation_tenant", tenant.name) != tenant.name \
-            or (meta.get("prompt_tokens") is not None and meta["prompt_tokens"] != prompt_tokens):
+    if (
+        meta.get("id") != generation
+        or meta.get("isolation_tenant", tenant.name) != tenant.name
+        or (meta.get("prompt_tokens") is not None and meta["prompt_tokens"] != prompt_tokens)
+    ):
         soak.counts.add(verification_failures=1)
         # Still delivered: in bypass mode nothing withholds it. Count what the client got.
     soak.delivered(tenant, kind, payload.get("text", ""))

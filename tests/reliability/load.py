@@ -49,8 +49,16 @@ class Load:
             started = time.monotonic()
             try:
                 answer = self.send(client, tenant)
-            except Exception as exc:  # a transport failure or a malformed answer: recorded, judged by the test
-                answer = Answer(tenant, -1, time.monotonic() - started, f"{type(exc).__name__}: {exc}"[:300], None)
+            except (
+                Exception
+            ) as exc:  # a transport failure or a malformed answer: recorded, judged by the test
+                answer = Answer(
+                    tenant,
+                    -1,
+                    time.monotonic() - started,
+                    f"{type(exc).__name__}: {exc}"[:300],
+                    None,
+                )
             with self._lock:
                 self.answers.append(answer)
 
@@ -84,8 +92,12 @@ def _send_stream(client: httpx.Client, tenant: str, body: dict[str, Any], starte
         if response.status_code != 200:
             content = response.read()
             error = assert_clean_error(response.status_code, content, statuses=ANY_ERROR)
-            return Answer(tenant, response.status_code, time.monotonic() - started, error["code"], None)
-        events = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+            return Answer(
+                tenant, response.status_code, time.monotonic() - started, error["code"], None
+            )
+        events = [
+            line[len("data: ") :] for line in response.iter_lines() if line.startswith("data: ")
+        ]
     seconds = time.monotonic() - started
     if events and events[-1] == "[DONE]":
         return Answer(tenant, 200, seconds, None, orjson.loads(events[0])["id"])

@@ -35,9 +35,23 @@ class RedisServer:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.work_dir / f"redis-{self.port}.log", "ab")
         self.process = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(self.work_dir)],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            [
+                "redis-server",
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self.work_dir),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         log.close()
         deadline = time.monotonic() + 10
         while True:
@@ -78,23 +92,46 @@ class PostgresCluster:
         return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
 
     def _as_postgres(self, *command: str) -> None:
-        subprocess.run(["runuser", "-u", "postgres", "--", *command], check=True, stdout=subprocess.DEVNULL,
-                       stderr=subprocess.STDOUT, timeout=120)
+        subprocess.run(
+            ["runuser", "-u", "postgres", "--", *command],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+            timeout=120,
+        )
 
     def init(self) -> PostgresCluster:
         shutil.chown(self.base_dir, "postgres")
-        self._as_postgres(str(PG_BIN / "initdb"), "-D", str(self.data_dir), "-A", "trust", "-U", "postgres",
-                          "--no-sync")
+        self._as_postgres(
+            str(PG_BIN / "initdb"),
+            "-D",
+            str(self.data_dir),
+            "-A",
+            "trust",
+            "-U",
+            "postgres",
+            "--no-sync",
+        )
         return self
 
     def start(self) -> None:
-        self._as_postgres(str(PG_BIN / "pg_ctl"), "-D", str(self.data_dir), "-l", str(self.log_path), "-w",
-                          "-o", f"-p {self.port} -k {self.data_dir} -c listen_addresses=127.0.0.1 -c fsync=off",
-                          "start")
+        self._as_postgres(
+            str(PG_BIN / "pg_ctl"),
+            "-D",
+            str(self.data_dir),
+            "-l",
+            str(self.log_path),
+            "-w",
+            "-o",
+            f"-p {self.port} -k {self.data_dir} -c listen_addresses=127.0.0.1 -c fsync=off",
+            "start",
+        )
         deadline = time.monotonic() + 30
         while True:
             try:
-                psycopg.connect(f"postgresql://postgres@127.0.0.1:{self.port}/postgres", connect_timeout=2).close()
+                psycopg.connect(
+                    f"postgresql://postgres@127.0.0.1:{self.port}/postgres", connect_timeout=2
+                ).close()
                 return
             except psycopg.OperationalError:
                 if time.monotonic() > deadline:
@@ -104,7 +141,9 @@ class PostgresCluster:
     def stop(self, mode: str = "immediate") -> None:
         """``immediate``: no shutdown checkpoint, open connections cut, like a crash."""
         if (self.data_dir / "postmaster.pid").exists():
-            self._as_postgres(str(PG_BIN / "pg_ctl"), "-D", str(self.data_dir), "-m", mode, "-w", "stop")
+            self._as_postgres(
+                str(PG_BIN / "pg_ctl"), "-D", str(self.data_dir), "-m", mode, "-w", "stop"
+            )
 
     def __enter__(self) -> PostgresCluster:
         self.init()

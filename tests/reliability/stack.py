@@ -63,28 +63,47 @@ class StandInStack:
 
 
 def chat_body(text: str = "Say hello.", **extra: Any) -> dict[str, Any]:
-    return {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 4, **extra}
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": 4,
+        **extra,
+    }
 
 
 @contextlib.contextmanager
-def standin_stack(work_dir: Path, *, behaviour: Behaviour | None = None, env: dict[str, str] | None = None,
-                  port: int | None = None, max_output_tokens: int = 1024,
-                  default_limits: dict[str, int] | None = None) -> Iterator[StandInStack]:
+def standin_stack(
+    work_dir: Path,
+    *,
+    behaviour: Behaviour | None = None,
+    env: dict[str, str] | None = None,
+    port: int | None = None,
+    max_output_tokens: int = 1024,
+    default_limits: dict[str, int] | None = None,
+) -> Iterator[StandInStack]:
     """Start the stack; stop every part of it on the way out, whatever happened."""
     model_dir = ensure_tiny_model(DEFAULT_MODEL_DIR)
     with contextlib.ExitStack() as stack:
-        prefill = stack.enter_context(StandInWorker("prefill", Behaviour(pool_tokens=STANDIN_POOL_TOKENS),
-                                                    port=range_port()))
-        decode = stack.enter_context(StandInWorker("decode", behaviour or Behaviour(pool_tokens=STANDIN_POOL_TOKENS),
-                                                   port=range_port()))
+        prefill = stack.enter_context(
+            StandInWorker("prefill", Behaviour(pool_tokens=STANDIN_POOL_TOKENS), port=range_port())
+        )
+        decode = stack.enter_context(
+            StandInWorker(
+                "decode", behaviour or Behaviour(pool_tokens=STANDIN_POOL_TOKENS), port=range_port()
+            )
+        )
         policies = write_policies(
-            work_dir / "policies", model_name=MODEL, tokenizer_dir=model_dir,
+            work_dir / "policies",
+            model_name=MODEL,
+            tokenizer_dir=model_dir,
             pools=[PoolSpec("shared", ((prefill.url, 36190),), (decode.url,))],
-            max_context_tokens=STANDIN_POOL_TOKENS, max_output_tokens=max_output_tokens,
+            max_context_tokens=STANDIN_POOL_TOKENS,
+            max_output_tokens=max_output_tokens,
             default_limits=default_limits,
         )
-        gateway = GatewayProcess(policies_dir=policies, work_dir=work_dir, env=dict(env or {}),
-                                 port=port or range_port())
+        gateway = GatewayProcess(
+            policies_dir=policies, work_dir=work_dir, env=dict(env or {}), port=port or range_port()
+        )
         stack.enter_context(gateway)
         yield StandInStack(prefill, decode, gateway)
 
@@ -131,8 +150,11 @@ class TwoPoolStack:
         return self.tenants[tenant_id]
 
     def client(self, tenant_id: str, timeout_s: float = 60.0) -> httpx.Client:
-        return httpx.Client(base_url=self.gateway.url, timeout=timeout_s,
-                            headers={"Authorization": f"Bearer {self.key(tenant_id)}"})
+        return httpx.Client(
+            base_url=self.gateway.url,
+            timeout=timeout_s,
+            headers={"Authorization": f"Bearer {self.key(tenant_id)}"},
+        )
 
     def audit_events(self, tenant_id: str) -> list[dict[str, Any]]:
         """Every audit event of a tenant, all pages."""
@@ -140,9 +162,15 @@ class TwoPoolStack:
         cursor: str | None = None
         with self.gateway.admin() as admin:
             while True:
-                params = {"tenant": tenant_id, "limit": "1000", **({"cursor": cursor} if cursor else {})}
+                params = {
+                    "tenant": tenant_id,
+                    "limit": "1000",
+                    **({"cursor": cursor} if cursor else {}),
+                }
                 page = admin.get("/v1/audit/events", params=params)
-                for _ in range(5):  # by design a read on a connection the database dropped fails once (503)
+                for _ in range(
+                    5
+                ):  # by design a read on a connection the database dropped fails once (503)
                     if page.status_code != 503:
                         break
                     time.sleep(0.2)
@@ -161,17 +189,35 @@ class PoolWorkers:
     decode_url: str
 
 
-def two_pool_policies(work_dir: Path, *, victim: str, victim_pool: PoolWorkers, shared_pool: PoolWorkers,
-                      tokenizer_dir: Path | None = None, max_context_tokens: int = STANDIN_POOL_TOKENS,
-                      require_engine_tags: bool = True) -> Path:
+def two_pool_policies(
+    work_dir: Path,
+    *,
+    victim: str,
+    victim_pool: PoolWorkers,
+    shared_pool: PoolWorkers,
+    tokenizer_dir: Path | None = None,
+    max_context_tokens: int = STANDIN_POOL_TOKENS,
+    require_engine_tags: bool = True,
+) -> Path:
     return write_policies(
-        work_dir / "policies", model_name=MODEL, tokenizer_dir=tokenizer_dir or ensure_tiny_model(DEFAULT_MODEL_DIR),
+        work_dir / "policies",
+        model_name=MODEL,
+        tokenizer_dir=tokenizer_dir or ensure_tiny_model(DEFAULT_MODEL_DIR),
         pools=[
-            PoolSpec("victim", ((victim_pool.prefill_url, victim_pool.bootstrap_port),), (victim_pool.decode_url,),
-                     dedicated_to=(victim,)),
-            PoolSpec("shared", ((shared_pool.prefill_url, shared_pool.bootstrap_port),), (shared_pool.decode_url,)),
+            PoolSpec(
+                "victim",
+                ((victim_pool.prefill_url, victim_pool.bootstrap_port),),
+                (victim_pool.decode_url,),
+                dedicated_to=(victim,),
+            ),
+            PoolSpec(
+                "shared",
+                ((shared_pool.prefill_url, shared_pool.bootstrap_port),),
+                (shared_pool.decode_url,),
+            ),
         ],
-        max_context_tokens=max_context_tokens, require_engine_tags=require_engine_tags,
+        max_context_tokens=max_context_tokens,
+        require_engine_tags=require_engine_tags,
         # A tenant entry does not inherit the file's default limits: give the victim the same large ones.
         tenants={victim: {"isolation": "dedicated", "limits": dict(UNLIMITED)}},
     )

@@ -26,7 +26,13 @@ from gateway.dev.cluster import PDCluster, default_cluster_spec
 from tests.harness import GatewayProcess
 from tests.reliability.load import Answer, Load, by_tenant, send_chat
 from tests.reliability.stack import (
-    STANDIN_POOL_TOKENS, PoolWorkers, TwoPoolStack, chat_body, range_port, two_pool_policies, wait_until,
+    STANDIN_POOL_TOKENS,
+    PoolWorkers,
+    TwoPoolStack,
+    chat_body,
+    range_port,
+    two_pool_policies,
+    wait_until,
 )
 from tests.reliability.test_faults import BYSTANDERS, VICTIM, _assert_all_served
 from tests.standin_worker import Behaviour, StandInWorker
@@ -38,7 +44,10 @@ POOL_TOKENS = 8192
 UPSTREAM_TIMEOUT_S = 30.0
 SLACK_S = 5.0
 # Decode gives up on a prefill that never bootstraps after this long (SGLang's default is 300 s).
-SHORT_DISAGG_TIMEOUTS = {"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "15", "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "15"}
+SHORT_DISAGG_TIMEOUTS = {
+    "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "15",
+    "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "15",
+}
 MIN_AVAILABLE_GIB = 7
 
 
@@ -56,11 +65,19 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDCluster]:
         if time.monotonic() > deadline:
             pytest.fail(f"less than {MIN_AVAILABLE_GIB} GiB available for 10 minutes")
         time.sleep(30)
-    spec = default_cluster_spec(log_dir=tmp_path_factory.mktemp("engine-fault-logs"), prefill_port=PREFILL_PORT,
-                                decode_port=DECODE_PORT, bootstrap_port=BOOTSTRAP_PORT,
-                                prefill_max_total_tokens=POOL_TOKENS, decode_max_total_tokens=POOL_TOKENS)
-    spec = dataclasses.replace(spec, prefill=dataclasses.replace(spec.prefill, env=SHORT_DISAGG_TIMEOUTS),
-                               decode=dataclasses.replace(spec.decode, env=SHORT_DISAGG_TIMEOUTS))
+    spec = default_cluster_spec(
+        log_dir=tmp_path_factory.mktemp("engine-fault-logs"),
+        prefill_port=PREFILL_PORT,
+        decode_port=DECODE_PORT,
+        bootstrap_port=BOOTSTRAP_PORT,
+        prefill_max_total_tokens=POOL_TOKENS,
+        decode_max_total_tokens=POOL_TOKENS,
+    )
+    spec = dataclasses.replace(
+        spec,
+        prefill=dataclasses.replace(spec.prefill, env=SHORT_DISAGG_TIMEOUTS),
+        decode=dataclasses.replace(spec.decode, env=SHORT_DISAGG_TIMEOUTS),
+    )
     with PDCluster(spec, startup_timeout_s=600) as running:
         yield running
 
@@ -69,16 +86,28 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDCluster]:
 def stack(cluster: PDCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TwoPoolStack]:
     work = tmp_path_factory.mktemp("engine-faults")
     honest = Behaviour(text_chunks=("Hi",), pool_tokens=STANDIN_POOL_TOKENS)
-    with StandInWorker("prefill", honest, port=range_port()) as prefill, \
-            StandInWorker("decode", honest, port=range_port()) as decode:
+    with (
+        StandInWorker("prefill", honest, port=range_port()) as prefill,
+        StandInWorker("decode", honest, port=range_port()) as decode,
+    ):
         policies = two_pool_policies(
-            work, victim=VICTIM, tokenizer_dir=cluster.spec.model_dir, max_context_tokens=POOL_TOKENS,
-            victim_pool=PoolWorkers(cluster.prefill_url, cluster.bootstrap_port, cluster.decode_url),
+            work,
+            victim=VICTIM,
+            tokenizer_dir=cluster.spec.model_dir,
+            max_context_tokens=POOL_TOKENS,
+            victim_pool=PoolWorkers(
+                cluster.prefill_url, cluster.bootstrap_port, cluster.decode_url
+            ),
             shared_pool=PoolWorkers(prefill.url, range_port(), decode.url),
             require_engine_tags=os.environ.get("ISOGATE_TEST_REQUIRE_ENGINE_TAGS", "1") == "1",
         )
-        env = {"ISOGATE_UPSTREAM_TIMEOUT_S": str(UPSTREAM_TIMEOUT_S), "ISOGATE_AUDIT_FLUSH_INTERVAL_S": "0.1"}
-        with GatewayProcess(policies_dir=policies, work_dir=work, env=env, port=range_port()) as gateway:
+        env = {
+            "ISOGATE_UPSTREAM_TIMEOUT_S": str(UPSTREAM_TIMEOUT_S),
+            "ISOGATE_AUDIT_FLUSH_INTERVAL_S": "0.1",
+        }
+        with GatewayProcess(
+            policies_dir=policies, work_dir=work, env=env, port=range_port()
+        ) as gateway:
             running = TwoPoolStack(gateway, VICTIM, None, None, prefill, decode)
             for tenant in (VICTIM, *BYSTANDERS):
                 running.key(tenant)
@@ -125,15 +154,19 @@ def _assert_victim_served_again(cluster: PDCluster, stack: TwoPoolStack, timeout
     seen: list[str] = []
     if wait_until(lambda: _victim_served(stack, seen), timeout_s=timeout_s, interval_s=1):
         return
-    pytest.fail(f"the victim's pool did not serve again within {timeout_s:.0f} s; last answers {seen[-3:]}\n"
-                f"--- prefill:\n{cluster.prefill.log_tail(3000)}\n--- decode:\n{cluster.decode.log_tail(3000)}")
+    pytest.fail(
+        f"the victim's pool did not serve again within {timeout_s:.0f} s; last answers {seen[-3:]}\n"
+        f"--- prefill:\n{cluster.prefill.log_tail(3000)}\n--- decode:\n{cluster.decode.log_tail(3000)}"
+    )
 
 
 def test_decode_killed_mid_stream_ends_the_stream_with_an_error_and_nobody_else_notices(
     cluster: PDCluster, stack: TwoPoolStack
 ) -> None:
     assert wait_until(lambda: _victim_served(stack), timeout_s=30, interval_s=1)
-    load = Load(send_chat(chat_body(max_tokens=1)), {t: stack.client(t, timeout_s=30) for t in BYSTANDERS}).start()
+    load = Load(
+        send_chat(chat_body(max_tokens=1)), {t: stack.client(t, timeout_s=30) for t in BYSTANDERS}
+    ).start()
     victim_answers: list[Answer] = []
     killed_at: float | None = None
     killer: threading.Thread | None = None
@@ -141,25 +174,36 @@ def test_decode_killed_mid_stream_ends_the_stream_with_an_error_and_nobody_else_
     try:
         with stack.client(VICTIM, timeout_s=UPSTREAM_TIMEOUT_S * 3) as client:
             started = time.monotonic()
-            body = chat_body("Tell me a very long story about gateways.", max_tokens=1024, stream=True, temperature=0)
+            body = chat_body(
+                "Tell me a very long story about gateways.",
+                max_tokens=1024,
+                stream=True,
+                temperature=0,
+            )
             with client.stream("POST", "/v1/chat/completions", json=body) as response:
                 assert response.status_code == 200
                 for line in response.iter_lines():
                     if not line.startswith("data: "):
                         continue
-                    events.append(line[len("data: "):])
-                    if killed_at is None and len(events) >= 3:  # role chunk + two content chunks: mid-stream
+                    events.append(line[len("data: ") :])
+                    if (
+                        killed_at is None and len(events) >= 3
+                    ):  # role chunk + two content chunks: mid-stream
                         killed_at = time.monotonic()
                         killer = threading.Thread(target=_kill_group, args=(cluster.decode,))
                         killer.start()
             ended = time.monotonic()
         assert killed_at is not None, f"the stream ended before it could be cut: {events[-2:]}"
-        assert events[-1] != "[DONE]", "the stream finished before the kill took effect; make it longer"
+        assert events[-1] != "[DONE]", (
+            "the stream finished before the kill took effect; make it longer"
+        )
         last = orjson.loads(events[-1])
         assert set(last) == {"error"} and last["error"]["message"], last
         assert ended - killed_at < UPSTREAM_TIMEOUT_S + SLACK_S
         generation_id = orjson.loads(events[0])["id"]
-        victim_answers.append(Answer(VICTIM, 200, ended - started, last["error"]["code"], None, stream_error=True))
+        victim_answers.append(
+            Answer(VICTIM, 200, ended - started, last["error"]["code"], None, stream_error=True)
+        )
         # With decode gone, the victim's next requests are refused at once, never left hanging.
         with stack.client(VICTIM, timeout_s=UPSTREAM_TIMEOUT_S * 3) as client:
             for _ in range(3):
@@ -186,17 +230,32 @@ def test_prefill_killed_during_transfers_fails_those_requests_cleanly_and_in_tim
 ) -> None:
     _assert_victim_served_again(cluster, stack, timeout_s=60)
     before = len(stack.audit_events(VICTIM))
-    bystanders = Load(send_chat(chat_body(max_tokens=1)), {t: stack.client(t, timeout_s=30) for t in BYSTANDERS})
+    bystanders = Load(
+        send_chat(chat_body(max_tokens=1)), {t: stack.client(t, timeout_s=30) for t in BYSTANDERS}
+    )
     # Long prompts keep prefill busy computing and shipping KV, so the kill lands mid-transfer.
-    long_prompt = chat_body("word " * 1500, max_tokens=8, temperature=0)  # three fit in the pool at once
-    victims = Load(send_chat(long_prompt), {f"{VICTIM}": stack.client(VICTIM, timeout_s=UPSTREAM_TIMEOUT_S * 3)})
+    long_prompt = chat_body(
+        "word " * 1500, max_tokens=8, temperature=0
+    )  # three fit in the pool at once
+    victims = Load(
+        send_chat(long_prompt),
+        {f"{VICTIM}": stack.client(VICTIM, timeout_s=UPSTREAM_TIMEOUT_S * 3)},
+    )
     # The Load runs one thread per client; two more victim threads make transfers overlap.
-    extra = [Load(send_chat(long_prompt), {VICTIM: stack.client(VICTIM, timeout_s=UPSTREAM_TIMEOUT_S * 3)})
-             for _ in range(2)]
+    extra = [
+        Load(
+            send_chat(long_prompt), {VICTIM: stack.client(VICTIM, timeout_s=UPSTREAM_TIMEOUT_S * 3)}
+        )
+        for _ in range(2)
+    ]
     for load in (bystanders, victims, *extra):
         load.start()
     try:
-        assert wait_until(lambda: sum(len(l.answers) for l in (victims, *extra)) >= 2, timeout_s=120, interval_s=0.2)
+        assert wait_until(
+            lambda: sum(len(l.answers) for l in (victims, *extra)) >= 2,
+            timeout_s=120,
+            interval_s=0.2,
+        )
         time.sleep(0.5)
         killed_at = time.monotonic()
         _kill_group(cluster.prefill)
@@ -205,13 +264,19 @@ def test_prefill_killed_during_transfers_fails_those_requests_cleanly_and_in_tim
         victim_answers = [a for load in (victims, *extra) for a in load.stop()]
         answers = bystanders.stop()
         _restart(cluster, "prefill")
-    cut = [a for a in victim_answers if a.code in ("worker_unavailable", "upstream_error", "upstream_timeout")]
+    cut = [
+        a
+        for a in victim_answers
+        if a.code in ("worker_unavailable", "upstream_error", "upstream_timeout")
+    ]
     assert cut, f"no victim request was cut by the kill: {victim_answers}"
     for answer in victim_answers:
         assert answer.status in (200, 502, 503, 504), answer
         assert answer.seconds < UPSTREAM_TIMEOUT_S + SLACK_S, answer
     _assert_all_served(by_tenant(answers, BYSTANDERS[0]) + by_tenant(answers, BYSTANDERS[1]))
-    assert wait_until(lambda: len(stack.audit_events(VICTIM)) >= before + len(victim_answers), timeout_s=30)
+    assert wait_until(
+        lambda: len(stack.audit_events(VICTIM)) >= before + len(victim_answers), timeout_s=30
+    )
     assert len(stack.audit_events(VICTIM)) == before + len(victim_answers)
     _assert_victim_served_again(cluster, stack, timeout_s=120)
     assert killed_at

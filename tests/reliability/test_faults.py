@@ -27,7 +27,13 @@ from tests.harness import GatewayProcess
 from tests.reliability.load import Answer, Load, by_tenant, send_chat
 from tests.reliability.services import PostgresCluster, RedisServer
 from tests.reliability.stack import (
-    STANDIN_POOL_TOKENS, PoolWorkers, TwoPoolStack, chat_body, range_port, two_pool_policies, wait_until,
+    STANDIN_POOL_TOKENS,
+    PoolWorkers,
+    TwoPoolStack,
+    chat_body,
+    range_port,
+    two_pool_policies,
+    wait_until,
 )
 from tests.standin_worker import Behaviour, StandInWorker
 
@@ -52,27 +58,50 @@ class CapacityFreezingWorker(StandInWorker):
         inner = super().app()
 
         async def app(scope: Scope, receive: Receive, send: Send) -> None:
-            if self.frozen and scope["type"] == "http" and scope["path"] in ("/server_info", "/v1/loads", "/v1/models"):
+            if (
+                self.frozen
+                and scope["type"] == "http"
+                and scope["path"] in ("/server_info", "/v1/loads", "/v1/models")
+            ):
                 await asyncio.sleep(3600)
             await inner(scope, receive, send)
 
         return app
 
 
-def _standin(role: str, behaviour: Behaviour | None = None, cls: type[StandInWorker] = StandInWorker) -> StandInWorker:
-    return cls(role, behaviour or Behaviour(text_chunks=("Hi",), pool_tokens=STANDIN_POOL_TOKENS), port=range_port())
+def _standin(
+    role: str, behaviour: Behaviour | None = None, cls: type[StandInWorker] = StandInWorker
+) -> StandInWorker:
+    return cls(
+        role,
+        behaviour or Behaviour(text_chunks=("Hi",), pool_tokens=STANDIN_POOL_TOKENS),
+        port=range_port(),
+    )
 
 
 @contextlib.contextmanager
-def two_pools(work_dir: Path, *, victim_prefill: StandInWorker | None = None,
-              victim_decode: StandInWorker | None = None, env: dict[str, str] | None = None,
-              database_url: str | None = None, stale_after_s: float = ROOMY_STALE_AFTER_S) -> Iterator[TwoPoolStack]:
+def two_pools(
+    work_dir: Path,
+    *,
+    victim_prefill: StandInWorker | None = None,
+    victim_decode: StandInWorker | None = None,
+    env: dict[str, str] | None = None,
+    database_url: str | None = None,
+    stale_after_s: float = ROOMY_STALE_AFTER_S,
+) -> Iterator[TwoPoolStack]:
     with contextlib.ExitStack() as stack:
-        workers = [stack.enter_context(worker) for worker in (
-            victim_prefill or _standin("prefill"), victim_decode or _standin("decode"),
-            _standin("prefill"), _standin("decode"))]
+        workers = [
+            stack.enter_context(worker)
+            for worker in (
+                victim_prefill or _standin("prefill"),
+                victim_decode or _standin("decode"),
+                _standin("prefill"),
+                _standin("decode"),
+            )
+        ]
         policies = two_pool_policies(
-            work_dir, victim=VICTIM,
+            work_dir,
+            victim=VICTIM,
             victim_pool=PoolWorkers(workers[0].url, range_port(), workers[1].url),
             shared_pool=PoolWorkers(workers[2].url, range_port(), workers[3].url),
         )
@@ -83,8 +112,11 @@ def two_pools(work_dir: Path, *, victim_prefill: StandInWorker | None = None,
             **({"ISOGATE_DATABASE_URL": database_url} if database_url else {}),
             **(env or {}),
         }
-        gateway = stack.enter_context(GatewayProcess(policies_dir=policies, work_dir=work_dir, env=settings,
-                                                     port=range_port()))
+        gateway = stack.enter_context(
+            GatewayProcess(
+                policies_dir=policies, work_dir=work_dir, env=settings, port=range_port()
+            )
+        )
         running = TwoPoolStack(gateway, VICTIM, *workers)
         for tenant in (VICTIM, *BYSTANDERS):
             running.key(tenant)
@@ -96,23 +128,30 @@ def _bystander_load(stack: TwoPoolStack, body: dict[str, Any] | None = None) -> 
     return Load(send_chat(body or chat_body(max_tokens=1)), clients).start()
 
 
-def _assert_every_request_audited(stack: TwoPoolStack, answers: list[Answer], tenants: tuple[str, ...]) -> None:
+def _assert_every_request_audited(
+    stack: TwoPoolStack, answers: list[Answer], tenants: tuple[str, ...]
+) -> None:
     """One event per request, per tenant; every served response id among them. Waits for the batched writer."""
     for tenant in tenants:
         sent = by_tenant(answers, tenant)
-        assert wait_until(lambda: len(stack.audit_events(tenant)) >= len(sent), timeout_s=30), \
+        assert wait_until(lambda: len(stack.audit_events(tenant)) >= len(sent), timeout_s=30), (
             f"{tenant}: {len(stack.audit_events(tenant))} events for {len(sent)} requests"
+        )
         events = stack.audit_events(tenant)
         assert len(events) == len(sent), f"{tenant}: {len(events)} events for {len(sent)} requests"
         audited = {event["generation_id"] for event in events}
         served = {a.generation_id for a in sent if a.generation_id}
-        assert served <= audited, f"{tenant}: served but not audited: {sorted(served - audited)[:5]}"
+        assert served <= audited, (
+            f"{tenant}: served but not audited: {sorted(served - audited)[:5]}"
+        )
         assert len(audited) == len(events), f"{tenant}: duplicate audit events"
 
 
 def _assert_all_served(answers: list[Answer]) -> None:
     failed = [a for a in answers if a.status != 200 or a.code is not None]
-    assert answers and not failed, f"{len(failed)} of {len(answers)} bystander requests failed: {failed[:3]}"
+    assert answers and not failed, (
+        f"{len(failed)} of {len(answers)} bystander requests failed: {failed[:3]}"
+    )
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
@@ -127,7 +166,9 @@ def test_a_hanging_worker_costs_its_tenant_a_504_within_the_timeout_and_nobody_e
         victim_answers: list[Answer] = []
         with stack.client(VICTIM, timeout_s=60) as client:
             for _ in range(3):
-                victim_answers.append(send_chat(chat_body(max_tokens=1, stream=stream))(client, VICTIM))
+                victim_answers.append(
+                    send_chat(chat_body(max_tokens=1, stream=stream))(client, VICTIM)
+                )
         answers = load.stop() + victim_answers
         for answer in victim_answers:
             assert answer.seconds < UPSTREAM_TIMEOUT_S + SLACK_S, answer
@@ -141,7 +182,9 @@ def test_a_hanging_worker_costs_its_tenant_a_504_within_the_timeout_and_nobody_e
         assert outcomes == {("upstream_error", "upstream_timeout")}, outcomes
 
 
-def test_stale_capacity_data_refuses_at_once_then_recovers_and_bystanders_never_notice(tmp_path: Path) -> None:
+def test_stale_capacity_data_refuses_at_once_then_recovers_and_bystanders_never_notice(
+    tmp_path: Path,
+) -> None:
     decode = _standin("decode", cls=CapacityFreezingWorker)
     assert isinstance(decode, CapacityFreezingWorker)
     with two_pools(tmp_path, victim_decode=decode, stale_after_s=STALE_AFTER_S) as stack:
@@ -153,8 +196,12 @@ def test_stale_capacity_data_refuses_at_once_then_recovers_and_bystanders_never_
             assert victim_answers[-1].status == 200, victim_answers[-1]
             decode.frozen = True
             # Never routed on numbers older than capacity_stale_after_s: refused, quickly.
-            assert wait_until(lambda: victim_answers.append(send(client, VICTIM)) or victim_answers[-1].status == 503,
-                              timeout_s=STALE_AFTER_S + 4 * SLACK_S)
+            assert wait_until(
+                lambda: (
+                    victim_answers.append(send(client, VICTIM)) or victim_answers[-1].status == 503
+                ),
+                timeout_s=STALE_AFTER_S + 4 * SLACK_S,
+            )
             refused = victim_answers[-1]
             assert refused.code == "no_worker_available" and refused.seconds < SLACK_S, refused
             frozen_for = time.monotonic()
@@ -162,8 +209,12 @@ def test_stale_capacity_data_refuses_at_once_then_recovers_and_bystanders_never_
                 victim_answers.append(send(client, VICTIM))
                 assert victim_answers[-1].status == 503 and victim_answers[-1].seconds < SLACK_S
             decode.frozen = False
-            assert wait_until(lambda: victim_answers.append(send(client, VICTIM)) or victim_answers[-1].status == 200,
-                              timeout_s=4 * SLACK_S), victim_answers[-1]
+            assert wait_until(
+                lambda: (
+                    victim_answers.append(send(client, VICTIM)) or victim_answers[-1].status == 200
+                ),
+                timeout_s=4 * SLACK_S,
+            ), victim_answers[-1]
             assert time.monotonic() - frozen_for < 60
         answers = load.stop() + victim_answers
         _assert_all_served(by_tenant(answers, BYSTANDERS[0]) + by_tenant(answers, BYSTANDERS[1]))
@@ -177,9 +228,13 @@ def _assert_clear_and_timely(answers: list[Answer], bound_s: float) -> None:
     assert not server_errors, server_errors[:3]
 
 
-def test_redis_killed_and_restarted_under_load_serves_through_and_loses_no_audit_event(tmp_path: Path) -> None:
-    with RedisServer(range_port(), tmp_path / "redis") as redis_server, \
-            two_pools(tmp_path, env={"ISOGATE_REDIS_URL": redis_server.url}) as stack:
+def test_redis_killed_and_restarted_under_load_serves_through_and_loses_no_audit_event(
+    tmp_path: Path,
+) -> None:
+    with (
+        RedisServer(range_port(), tmp_path / "redis") as redis_server,
+        two_pools(tmp_path, env={"ISOGATE_REDIS_URL": redis_server.url}) as stack,
+    ):
         clients = {tenant: stack.client(tenant, timeout_s=30) for tenant in (VICTIM, *BYSTANDERS)}
         load = Load(send_chat(chat_body(max_tokens=1)), clients).start()
         time.sleep(2)
@@ -190,7 +245,7 @@ def test_redis_killed_and_restarted_under_load_serves_through_and_loses_no_audit
         redis_server.start()
         time.sleep(4)
         answers = load.stop()
-        after = answers[-max(1, len(answers) // 10):]
+        after = answers[-max(1, len(answers) // 10) :]
         assert during > 0, "no request completed while Redis was down: the gateway stalled on it"
         _assert_clear_and_timely(answers, UPSTREAM_TIMEOUT_S + SLACK_S)
         # Limits fall back to memory and capacity to local observations: Redis is not in the request's path.
@@ -200,8 +255,12 @@ def test_redis_killed_and_restarted_under_load_serves_through_and_loses_no_audit
 
 
 def test_postgres_restarted_under_load_spools_and_replays_every_audit_event(tmp_path: Path) -> None:
-    with PostgresCluster(range_port()) as postgres, \
-            two_pools(tmp_path, database_url=postgres.url, env={"ISOGATE_AUTH_CACHE_TTL_S": "60"}) as stack:
+    with (
+        PostgresCluster(range_port()) as postgres,
+        two_pools(
+            tmp_path, database_url=postgres.url, env={"ISOGATE_AUTH_CACHE_TTL_S": "60"}
+        ) as stack,
+    ):
         clients = {tenant: stack.client(tenant, timeout_s=30) for tenant in (VICTIM, *BYSTANDERS)}
         load = Load(send_chat(chat_body(max_tokens=1)), clients).start()
         time.sleep(2)
@@ -212,7 +271,9 @@ def test_postgres_restarted_under_load_spools_and_replays_every_audit_event(tmp_
         postgres.start()
         time.sleep(3)
         answers = load.stop()
-        assert during > 0, "no request completed while PostgreSQL was down: the request path waited on it"
+        assert during > 0, (
+            "no request completed while PostgreSQL was down: the request path waited on it"
+        )
         _assert_clear_and_timely(answers, UPSTREAM_TIMEOUT_S + SLACK_S)
         # Keys are cached (TTL 60 s here) and audit events spool while the database is away.
         _assert_all_served(answers)

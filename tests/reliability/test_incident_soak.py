@@ -29,7 +29,12 @@ import pytest
 from gateway.dev.cluster import ClusterStartError, PDCluster, default_cluster_spec
 from tests.harness import GatewayProcess, PoolSpec, port_is_free, write_policies
 from tests.reliability.incident_soak import (
-    Soak, SoakShape, Tenant, bypass_sender, gateway_sender, make_tenants,
+    Soak,
+    SoakShape,
+    Tenant,
+    bypass_sender,
+    gateway_sender,
+    make_tenants,
 )
 from tests.reliability.stack import range_port, wait_until
 from tests.reliability.test_engine_faults import MIN_AVAILABLE_GIB, _available_gib
@@ -51,9 +56,11 @@ LAYER_ENV = {
     # for KV that never comes, until SGLang's waiting timeout; decode's pool is small, so the
     # next requests queue behind it. A router drops decode on prefill's refusal; the bypass
     # sender waits for decode's own answer, so a shorter wait keeps the run bounded.
-    "engine_patch_only": {"SGLANG_PLUGINS": "isogate_cpu,isogate_incident_replay,isogate",
-                          "ISOGATE_ENGINE_DISABLE_CHECKS": "gate",
-                          "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "6"},
+    "engine_patch_only": {
+        "SGLANG_PLUGINS": "isogate_cpu,isogate_incident_replay,isogate",
+        "ISOGATE_ENGINE_DISABLE_CHECKS": "gate",
+        "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "6",
+    },
 }
 
 
@@ -77,22 +84,39 @@ def incident_cluster(log_dir: Path, layer: str) -> Iterator[PDCluster]:
 
 
 def _incident_cluster(log_dir: Path, layer: str) -> PDCluster:
-    spec = default_cluster_spec(log_dir=log_dir, prefill_port=PREFILL_PORT, decode_port=DECODE_PORT,
-                                bootstrap_port=BOOTSTRAP_PORT, prefill_max_total_tokens=SHAPE.prefill_pool,
-                                decode_max_total_tokens=SHAPE.decode_pool, context_length=SHAPE.context_length)
+    spec = default_cluster_spec(
+        log_dir=log_dir,
+        prefill_port=PREFILL_PORT,
+        decode_port=DECODE_PORT,
+        bootstrap_port=BOOTSTRAP_PORT,
+        prefill_max_total_tokens=SHAPE.prefill_pool,
+        decode_max_total_tokens=SHAPE.decode_pool,
+        context_length=SHAPE.context_length,
+    )
     env = {**COMMON_ENV, **LAYER_ENV[layer]}
-    return PDCluster(dataclasses.replace(spec, prefill=dataclasses.replace(spec.prefill, env=env),
-                                         decode=dataclasses.replace(spec.decode, env=env)), startup_timeout_s=600)
+    return PDCluster(
+        dataclasses.replace(
+            spec,
+            prefill=dataclasses.replace(spec.prefill, env=env),
+            decode=dataclasses.replace(spec.decode, env=env),
+        ),
+        startup_timeout_s=600,
+    )
 
 
 @pytest.fixture
 def memory_for_a_pair() -> None:
     if _available_gib() < MIN_AVAILABLE_GIB:
-        pytest.fail(f"less than {MIN_AVAILABLE_GIB} GiB available: not starting a PD pair on the shared machine")
+        pytest.fail(
+            f"less than {MIN_AVAILABLE_GIB} GiB available: not starting a PD pair on the shared machine"
+        )
     # A prefill that cannot bind its bootstrap port still answers /health_generate, and every
     # PD handshake then fails: wait for the previous pair's ports to be released first.
-    assert wait_until(lambda: all(port_is_free(p) for p in (PREFILL_PORT, DECODE_PORT, BOOTSTRAP_PORT)),
-                      timeout_s=60, interval_s=1), "the pair's ports are taken"
+    assert wait_until(
+        lambda: all(port_is_free(p) for p in (PREFILL_PORT, DECODE_PORT, BOOTSTRAP_PORT)),
+        timeout_s=60,
+        interval_s=1,
+    ), "the pair's ports are taken"
 
 
 def _report(tmp_path: Path, name: str, counts: dict[str, object]) -> None:
@@ -103,9 +127,15 @@ def _report(tmp_path: Path, name: str, counts: dict[str, object]) -> None:
 
 def _assert_held(counts: dict[str, object]) -> None:
     by_kind = counts["by_kind"]
-    assert isinstance(by_kind, dict) and by_kind.get("over_pool", 0) > 0 and by_kind.get("ordinary", 0) > 0
+    assert (
+        isinstance(by_kind, dict)
+        and by_kind.get("over_pool", 0) > 0
+        and by_kind.get("ordinary", 0) > 0
+    )
     assert counts["foreign_canary_bytes"] == 0
-    assert counts["over_pool_served"] == 0, "an over-pool prompt was answered with content (stale pages)"
+    assert counts["over_pool_served"] == 0, (
+        "an over-pool prompt was answered with content (stale pages)"
+    )
     assert counts["over_pool_refused"] == by_kind["over_pool"]
     assert counts["served"] > 0
 
@@ -115,24 +145,44 @@ def test_gateway_alone_holds_the_incident_shape_and_the_bypass_control_leaks(
 ) -> None:
     with incident_cluster(tmp_path / "logs", "gateway_only") as cluster:
         policies = write_policies(
-            tmp_path / "policies", model_name="tiny-llama", tokenizer_dir=cluster.spec.model_dir,
-            pools=[PoolSpec("shared", ((cluster.prefill_url, cluster.bootstrap_port),), (cluster.decode_url,))],
-            max_context_tokens=SHAPE.context_length, require_engine_tags=False,  # no engine_patch: no tags
+            tmp_path / "policies",
+            model_name="tiny-llama",
+            tokenizer_dir=cluster.spec.model_dir,
+            pools=[
+                PoolSpec(
+                    "shared",
+                    ((cluster.prefill_url, cluster.bootstrap_port),),
+                    (cluster.decode_url,),
+                )
+            ],
+            max_context_tokens=SHAPE.context_length,
+            require_engine_tags=False,  # no engine_patch: no tags
             max_output_tokens=64,
         )
         with GatewayProcess(policies_dir=policies, work_dir=tmp_path, port=range_port()) as gateway:
-            tenants = [Tenant(t.name, t.marker, gateway.create_tenant(t.name)[1]) for t in make_tenants(TENANTS)]
+            tenants = [
+                Tenant(t.name, t.marker, gateway.create_tenant(t.name)[1])
+                for t in make_tenants(TENANTS)
+            ]
             soak = Soak(SHAPE, tenants, REQUESTS_PER_TENANT)
             counts = soak.run(gateway_sender(gateway.url)).to_json()
             _report(tmp_path, "gateway_on-engine_patch_off", counts)
         # Control: the same pair, the gateway bypassed, over-pool prompts only.
         control = Soak(SHAPE, make_tenants(TENANTS[:2]), 3, mix=(0.0, 1.0, 0.0))
-        control_counts = control.run(bypass_sender(cluster.prefill_url, cluster.decode_url, cluster.bootstrap_port,
-                                                   cluster.spec.model_dir / "tokenizer.json")).to_json()
+        control_counts = control.run(
+            bypass_sender(
+                cluster.prefill_url,
+                cluster.decode_url,
+                cluster.bootstrap_port,
+                cluster.spec.model_dir / "tokenizer.json",
+            )
+        ).to_json()
         _report(tmp_path, "control-no_layer", control_counts)
     _assert_held(counts)
     assert counts["verification_failures"] == 0
-    assert control_counts["over_pool_served"] > 0, "the control did not leak: the soak cannot see the incident"
+    assert control_counts["over_pool_served"] > 0, (
+        "the control did not leak: the soak cannot see the incident"
+    )
 
 
 def test_engine_patch_alone_holds_the_incident_shape_with_the_gateway_bypassed(
@@ -140,7 +190,13 @@ def test_engine_patch_alone_holds_the_incident_shape_with_the_gateway_bypassed(
 ) -> None:
     with incident_cluster(tmp_path / "logs", "engine_patch_only") as cluster:
         soak = Soak(SHAPE, make_tenants(TENANTS), REQUESTS_PER_TENANT)
-        counts = soak.run(bypass_sender(cluster.prefill_url, cluster.decode_url, cluster.bootstrap_port,
-                                        cluster.spec.model_dir / "tokenizer.json")).to_json()
+        counts = soak.run(
+            bypass_sender(
+                cluster.prefill_url,
+                cluster.decode_url,
+                cluster.bootstrap_port,
+                cluster.spec.model_dir / "tokenizer.json",
+            )
+        ).to_json()
         _report(tmp_path, "gateway_off-engine_patch_on", counts)
     _assert_held(counts)

@@ -28,8 +28,14 @@ import httpx
 import pytest
 
 from tests.reliability.sockets import upstream_sockets
-
-from tests.reliability.stack import MODEL, STANDIN_POOL_TOKENS, StandInStack, chat_body, process_status, standin_stack
+from tests.reliability.stack import (
+    MODEL,
+    STANDIN_POOL_TOKENS,
+    StandInStack,
+    chat_body,
+    process_status,
+    standin_stack,
+)
 from tests.standin_worker import Behaviour
 
 ROUNDS = int(os.environ.get("ISOGATE_LEAK_SOAK_ROUNDS", "5"))
@@ -47,10 +53,15 @@ DROPPED_STREAMS = 600
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StandInStack]:
     behaviour = Behaviour(text_chunks=("Hi", " there"), pool_tokens=STANDIN_POOL_TOKENS)
-    with standin_stack(tmp_path_factory.mktemp("leak-soak"), behaviour=behaviour,
-                       env={"ISOGATE_LOG_LEVEL": "warning",
-                            # Stand-ins share this busy process with 8 client threads: polls can be slow.
-                            "ISOGATE_CAPACITY_STALE_AFTER_S": "15"}) as running:
+    with standin_stack(
+        tmp_path_factory.mktemp("leak-soak"),
+        behaviour=behaviour,
+        env={
+            "ISOGATE_LOG_LEVEL": "warning",
+            # Stand-ins share this busy process with 8 client threads: polls can be slow.
+            "ISOGATE_CAPACITY_STALE_AFTER_S": "15",
+        },
+    ) as running:
         yield running
 
 
@@ -58,21 +69,37 @@ def _one(client: httpx.Client, kind: str) -> str:
     if kind == "served":
         return str(client.post("/v1/chat/completions", json=chat_body(max_tokens=2)).status_code)
     if kind in ("stream", "dropped_stream"):
-        with client.stream("POST", "/v1/chat/completions", json=chat_body(max_tokens=2, stream=True)) as response:
+        with client.stream(
+            "POST", "/v1/chat/completions", json=chat_body(max_tokens=2, stream=True)
+        ) as response:
             for line in response.iter_lines():
                 if kind == "dropped_stream" and line.startswith("data: "):
                     break  # the client walks away mid-stream
             return f"{response.status_code}"
     if kind == "bad_request":
-        return str(client.post("/v1/chat/completions", json={"model": MODEL, "messages": []}).status_code)
+        return str(
+            client.post("/v1/chat/completions", json={"model": MODEL, "messages": []}).status_code
+        )
     if kind == "bad_key":
-        return str(client.post("/v1/chat/completions", json=chat_body(),
-                               headers={"Authorization": "Bearer sk-iso-nope"}).status_code)
-    return str(client.post("/v1/chat/completions", json=chat_body(model="no-such-model")).status_code)
+        return str(
+            client.post(
+                "/v1/chat/completions",
+                json=chat_body(),
+                headers={"Authorization": "Bearer sk-iso-nope"},
+            ).status_code
+        )
+    return str(
+        client.post("/v1/chat/completions", json=chat_body(model="no-such-model")).status_code
+    )
 
 
-def _round(stack: StandInStack, key: str, rng: random.Random, requests: int,
-           kinds_weights: tuple[tuple[str, ...], tuple[int, ...]] = (KINDS, WEIGHTS)) -> Counter[str]:
+def _round(
+    stack: StandInStack,
+    key: str,
+    rng: random.Random,
+    requests: int,
+    kinds_weights: tuple[tuple[str, ...], tuple[int, ...]] = (KINDS, WEIGHTS),
+) -> Counter[str]:
     kinds = rng.choices(kinds_weights[0], weights=kinds_weights[1], k=requests)
     statuses: Counter[str] = Counter()
 
@@ -90,7 +117,9 @@ def _round(stack: StandInStack, key: str, rng: random.Random, requests: int,
     return statuses
 
 
-def test_sustained_mixed_load_leaves_memory_descriptors_and_threads_flat(stack: StandInStack, tmp_path: Path) -> None:
+def test_sustained_mixed_load_leaves_memory_descriptors_and_threads_flat(
+    stack: StandInStack, tmp_path: Path
+) -> None:
     key = stack.key("soak-tenant")
     pid = stack.gateway.process.pid  # type: ignore[union-attr]
     rng = random.Random(7)
@@ -104,16 +133,27 @@ def test_sustained_mixed_load_leaves_memory_descriptors_and_threads_flat(stack: 
         time.sleep(1)
         samples.append(process_status(pid))
     seconds = time.monotonic() - started
-    report = {"requests": sum(totals.values()), "seconds": round(seconds, 1), "by_kind_status": dict(totals),
-              "samples": samples}
+    report = {
+        "requests": sum(totals.values()),
+        "seconds": round(seconds, 1),
+        "by_kind_status": dict(totals),
+        "samples": samples,
+    }
     print("LEAK-SOAK", report)
-    expected = {"served": "200", "stream": "200", "dropped_stream": "200", "bad_request": "400",
-                "bad_key": "401", "unknown_model": "404"}
+    expected = {
+        "served": "200",
+        "stream": "200",
+        "dropped_stream": "200",
+        "bad_request": "400",
+        "bad_key": "401",
+        "unknown_model": "404",
+    }
     # Availability is the fault tests' subject; here a rare 503 (a capacity poll of a stand-in starved
     # by the client threads on this loaded machine) is tolerated, anything else is not.
     busy = sum(v for k, v in totals.items() if k.endswith(":503"))
-    unexpected = {k: v for k, v in totals.items()
-                  if k.split(":")[1] not in (expected[k.split(":")[0]], "503")}
+    unexpected = {
+        k: v for k, v in totals.items() if k.split(":")[1] not in (expected[k.split(":")[0]], "503")
+    }
     assert not unexpected, unexpected
     assert busy <= sum(totals.values()) // 100, totals
     first, last = samples[0], samples[-1]
@@ -125,7 +165,9 @@ def test_sustained_mixed_load_leaves_memory_descriptors_and_threads_flat(stack: 
     assert not all(later > earlier + 512 for earlier, later in zip(rss, rss[1:])), rss
 
 
-def test_streams_dropped_by_the_client_leave_no_upstream_connection_behind(stack: StandInStack) -> None:
+def test_streams_dropped_by_the_client_leave_no_upstream_connection_behind(
+    stack: StandInStack,
+) -> None:
     key = stack.key("dropping-tenant")
     pid = stack.gateway.process.pid  # type: ignore[union-attr]
     _round(stack, key, random.Random(11), DROPPED_STREAMS, ((("dropped_stream",), (1,))))
@@ -134,7 +176,9 @@ def test_streams_dropped_by_the_client_leave_no_upstream_connection_behind(stack
     time.sleep(7)
     with stack.client(key) as client:
         for _ in range(20):
-            assert client.post("/v1/chat/completions", json=chat_body(max_tokens=2)).status_code == 200
+            assert (
+                client.post("/v1/chat/completions", json=chat_body(max_tokens=2)).status_code == 200
+            )
     time.sleep(1)
     held = upstream_sockets(pid, {stack.prefill.port, stack.decode.port})
     print("DROPPED-STREAMS", {"streams": DROPPED_STREAMS, "upstream_sockets": dict(held)})

@@ -14,7 +14,9 @@ _LEAK_PATTERNS = re.compile(
 )
 
 
-def assert_clean_error(status: int, body: bytes, *, statuses: tuple[int, ...] | None = None) -> dict[str, Any]:
+def assert_clean_error(
+    status: int, body: bytes, *, statuses: tuple[int, ...] | None = None
+) -> dict[str, Any]:
     """The answer is a 4xx (or one of ``statuses``) whose body is exactly one OpenAI error object."""
     allowed = statuses or tuple(range(400, 500))
     assert status in allowed, f"status {status} not in {allowed}: {body[:300]!r}"

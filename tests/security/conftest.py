@@ -22,8 +22,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StandInStack]:
     # One token per answer: an honest reply to any max_tokens >= 1 (the default two-chunk stand-in
     # would rightly fail the gateway's token-count check when max_tokens is 1).
     honest = Behaviour(text_chunks=("Hi",), pool_tokens=STANDIN_POOL_TOKENS)
-    with standin_stack(tmp_path_factory.mktemp("security"), behaviour=honest,
-                       env={"ISOGATE_MAX_BODY_BYTES": str(FUZZ_MAX_BODY_BYTES)}) as running:
+    with standin_stack(
+        tmp_path_factory.mktemp("security"),
+        behaviour=honest,
+        env={"ISOGATE_MAX_BODY_BYTES": str(FUZZ_MAX_BODY_BYTES)},
+    ) as running:
         yield running
 
 

@@ -62,7 +62,9 @@ class World:
 
     def throwaway_key(self) -> str:
         with self.admin() as client:
-            created = client.post(f"/admin/tenants/{self.own_tenant}/keys", json={"name": "throwaway"})
+            created = client.post(
+                f"/admin/tenants/{self.own_tenant}/keys", json={"name": "throwaway"}
+            )
             created.raise_for_status()
             return created.json()["id"]
 
@@ -83,6 +85,7 @@ def _tenant_absent(tenant_id: str) -> Callable[[World], None]:
     def check(world: World) -> None:
         with world.admin() as client:
             assert client.get(f"/admin/tenants/{tenant_id}").status_code == 404
+
     return check
 
 
@@ -90,6 +93,7 @@ def _tenant_enabled(tenant_id: str, disabled: bool = False) -> Callable[[World],
     def check(world: World) -> None:
         with world.admin() as client:
             assert client.get(f"/admin/tenants/{tenant_id}").json()["disabled"] is disabled
+
     return check
 
 
@@ -97,6 +101,7 @@ def _key_live(key_id: str) -> Callable[[World], None]:
     def check(world: World) -> None:
         with world.admin() as client:
             assert client.get(f"/admin/keys/{key_id}").json()["revoked_at"] is None
+
     return check
 
 
@@ -104,6 +109,7 @@ def _key_count(tenant_id: str, before: int) -> Callable[[World], None]:
     def check(world: World) -> None:
         with world.admin() as client:
             assert len(client.get(f"/admin/tenants/{tenant_id}/keys").json()["data"]) == before
+
     return check
 
 
@@ -121,7 +127,12 @@ def _enable_tenant(world: World) -> Call:
     tenant_id = world.throwaway_tenant()
     with world.admin() as client:
         client.post(f"/admin/tenants/{tenant_id}/disable").raise_for_status()
-    return Call("POST", f"/admin/tenants/{tenant_id}/enable", None, _tenant_enabled(tenant_id, disabled=True))
+    return Call(
+        "POST",
+        f"/admin/tenants/{tenant_id}/enable",
+        None,
+        _tenant_enabled(tenant_id, disabled=True),
+    )
 
 
 def _create_key(world: World) -> Call:
@@ -133,6 +144,7 @@ def _revoke_key(method: str, suffix: str) -> Endpoint:
     def build(world: World) -> Call:
         key_id = world.throwaway_key()
         return Call(method, f"/admin/keys/{key_id}{suffix}", None, _key_live(key_id))
+
     return build
 
 
@@ -140,44 +152,79 @@ OK, CREATED = 200, 201
 # (endpoint name, request builder, expected status per caller in CALLERS order)
 #                                                             none malf unkn revk disb othr admn own
 MATRIX: list[tuple[str, Endpoint, tuple[int, ...]]] = [
-    ("POST /v1/chat/completions", lambda w: Call("POST", "/v1/chat/completions", chat_body()),
-     (401, 401, 401, 401, 403, OK, 403, OK)),
-    ("POST /v1/completions", lambda w: Call("POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2}),
-     (401, 401, 401, 401, 403, OK, 403, OK)),
-    ("GET /v1/models", lambda w: Call("GET", "/v1/models"),
-     (401, 401, 401, 401, 403, OK, OK, OK)),
-    ("GET /v1/audit/events", lambda w: Call("GET", "/v1/audit/events"),
-     (401, 401, 401, 401, 403, OK, OK, OK)),
-    ("GET /v1/audit/events?tenant=A", lambda w: Call("GET", f"/v1/audit/events?tenant={w.own_tenant}"),
-     (401, 401, 401, 401, 403, 403, OK, OK)),
-    ("GET /v1/audit/events/{A's event}", lambda w: Call("GET", f"/v1/audit/events/{w.own_generation}"),
-     (401, 401, 401, 401, 403, 404, OK, OK)),
-    ("GET /v1/audit/events?generation_id=A's", lambda w: Call("GET", f"/v1/audit/events?generation_id={w.own_generation}"),
-     (401, 401, 401, 401, 403, OK, OK, OK)),  # 200 for B, but with no data: checked below
-    ("POST /admin/tenants", _create_tenant,
-     (401, 401, 401, 401, 403, 403, CREATED, 403)),
-    ("GET /admin/tenants", lambda w: Call("GET", "/admin/tenants"),
-     (401, 401, 401, 401, 403, 403, OK, 403)),
-    ("GET /admin/tenants/{A}", lambda w: Call("GET", f"/admin/tenants/{w.own_tenant}"),
-     (401, 401, 401, 401, 403, 403, OK, 403)),
-    ("POST /admin/tenants/{t}/disable", _disable_tenant,
-     (401, 401, 401, 401, 403, 403, OK, 403)),
-    ("POST /admin/tenants/{t}/enable", _enable_tenant,
-     (401, 401, 401, 401, 403, 403, OK, 403)),
-    ("POST /admin/tenants/{t}/keys", _create_key,
-     (401, 401, 401, 401, 403, 403, CREATED, 403)),
-    ("GET /admin/tenants/{A}/keys", lambda w: Call("GET", f"/admin/tenants/{w.own_tenant}/keys"),
-     (401, 401, 401, 401, 403, 403, OK, 403)),
-    ("GET /admin/keys", lambda w: Call("GET", "/admin/keys"),
-     (401, 401, 401, 401, 403, 403, OK, 403)),
-    ("GET /admin/keys/{k}", lambda w: Call("GET", f"/admin/keys/{w.throwaway_key()}"),
-     (401, 401, 401, 401, 403, 403, OK, 403)),
-    ("POST /admin/keys/{k}/revoke", _revoke_key("POST", "/revoke"),
-     (401, 401, 401, 401, 403, 403, OK, 403)),
-    ("DELETE /admin/keys/{k}", _revoke_key("DELETE", ""),
-     (401, 401, 401, 401, 403, 403, OK, 403)),
-    ("GET /admin/workers", lambda w: Call("GET", "/admin/workers"),
-     (401, 401, 401, 401, 403, 403, OK, 403)),
+    (
+        "POST /v1/chat/completions",
+        lambda w: Call("POST", "/v1/chat/completions", chat_body()),
+        (401, 401, 401, 401, 403, OK, 403, OK),
+    ),
+    (
+        "POST /v1/completions",
+        lambda w: Call(
+            "POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+        ),
+        (401, 401, 401, 401, 403, OK, 403, OK),
+    ),
+    ("GET /v1/models", lambda w: Call("GET", "/v1/models"), (401, 401, 401, 401, 403, OK, OK, OK)),
+    (
+        "GET /v1/audit/events",
+        lambda w: Call("GET", "/v1/audit/events"),
+        (401, 401, 401, 401, 403, OK, OK, OK),
+    ),
+    (
+        "GET /v1/audit/events?tenant=A",
+        lambda w: Call("GET", f"/v1/audit/events?tenant={w.own_tenant}"),
+        (401, 401, 401, 401, 403, 403, OK, OK),
+    ),
+    (
+        "GET /v1/audit/events/{A's event}",
+        lambda w: Call("GET", f"/v1/audit/events/{w.own_generation}"),
+        (401, 401, 401, 401, 403, 404, OK, OK),
+    ),
+    (
+        "GET /v1/audit/events?generation_id=A's",
+        lambda w: Call("GET", f"/v1/audit/events?generation_id={w.own_generation}"),
+        (401, 401, 401, 401, 403, OK, OK, OK),
+    ),  # 200 for B, but with no data: checked below
+    ("POST /admin/tenants", _create_tenant, (401, 401, 401, 401, 403, 403, CREATED, 403)),
+    (
+        "GET /admin/tenants",
+        lambda w: Call("GET", "/admin/tenants"),
+        (401, 401, 401, 401, 403, 403, OK, 403),
+    ),
+    (
+        "GET /admin/tenants/{A}",
+        lambda w: Call("GET", f"/admin/tenants/{w.own_tenant}"),
+        (401, 401, 401, 401, 403, 403, OK, 403),
+    ),
+    ("POST /admin/tenants/{t}/disable", _disable_tenant, (401, 401, 401, 401, 403, 403, OK, 403)),
+    ("POST /admin/tenants/{t}/enable", _enable_tenant, (401, 401, 401, 401, 403, 403, OK, 403)),
+    ("POST /admin/tenants/{t}/keys", _create_key, (401, 401, 401, 401, 403, 403, CREATED, 403)),
+    (
+        "GET /admin/tenants/{A}/keys",
+        lambda w: Call("GET", f"/admin/tenants/{w.own_tenant}/keys"),
+        (401, 401, 401, 401, 403, 403, OK, 403),
+    ),
+    (
+        "GET /admin/keys",
+        lambda w: Call("GET", "/admin/keys"),
+        (401, 401, 401, 401, 403, 403, OK, 403),
+    ),
+    (
+        "GET /admin/keys/{k}",
+        lambda w: Call("GET", f"/admin/keys/{w.throwaway_key()}"),
+        (401, 401, 401, 401, 403, 403, OK, 403),
+    ),
+    (
+        "POST /admin/keys/{k}/revoke",
+        _revoke_key("POST", "/revoke"),
+        (401, 401, 401, 401, 403, 403, OK, 403),
+    ),
+    ("DELETE /admin/keys/{k}", _revoke_key("DELETE", ""), (401, 401, 401, 401, 403, 403, OK, 403)),
+    (
+        "GET /admin/workers",
+        lambda w: Call("GET", "/admin/workers"),
+        (401, 401, 401, 401, 403, 403, OK, 403),
+    ),
     # Public: liveness, readiness and the API description. Metrics name tenants: admin only.
     ("GET /healthz", lambda w: Call("GET", "/healthz"), (OK,) * 8),
     ("GET /readyz", lambda w: Call("GET", "/readyz"), (OK,) * 8),
@@ -185,14 +232,21 @@ MATRIX: list[tuple[str, Endpoint, tuple[int, ...]]] = [
     ("GET /metrics", lambda w: Call("GET", "/metrics"), (401, 401, 401, 401, 403, 403, OK, 403)),
 ]
 
-CASES = [(name, build, caller, statuses[index])
-         for name, build, statuses in MATRIX for index, caller in enumerate(CALLERS)]
+CASES = [
+    (name, build, caller, statuses[index])
+    for name, build, statuses in MATRIX
+    for index, caller in enumerate(CALLERS)
+]
 
 
 @pytest.fixture(scope="module")
 def world(stack: StandInStack) -> World:
     own_tenant, other_tenant, disabled_tenant = "tenant-a", "tenant-b", "tenant-d"
-    own_key, other_key, disabled_key = stack.key(own_tenant), stack.key(other_tenant), stack.key(disabled_tenant)
+    own_key, other_key, disabled_key = (
+        stack.key(own_tenant),
+        stack.key(other_tenant),
+        stack.key(disabled_tenant),
+    )
     with stack.gateway.admin() as admin:
         revoked = admin.post(f"/admin/tenants/{own_tenant}/keys", json={"name": "revoked"}).json()
         admin.post(f"/admin/keys/{revoked['id']}/revoke").raise_for_status()
@@ -209,15 +263,22 @@ def world(stack: StandInStack) -> World:
     return World(stack, own_tenant, own_key, other_key, disabled_key, revoked["key"], generation)
 
 
-@pytest.mark.parametrize(("endpoint", "build", "caller", "expected"), CASES,
-                         ids=[f"{name} as {caller}" for name, _, caller, _ in CASES])
+@pytest.mark.parametrize(
+    ("endpoint", "build", "caller", "expected"),
+    CASES,
+    ids=[f"{name} as {caller}" for name, _, caller, _ in CASES],
+)
 def test_each_endpoint_answers_each_caller_with_its_expected_status(
     world: World, endpoint: str, build: Endpoint, caller: str, expected: int
 ) -> None:
     call = build(world)
     with httpx.Client(base_url=world.stack.gateway.url, timeout=30) as client:
-        response = client.request(call.method, call.path, json=call.json, headers=world.headers(caller))
-    assert response.status_code == expected, f"{endpoint} as {caller}: {response.status_code} {response.text[:300]}"
+        response = client.request(
+            call.method, call.path, json=call.json, headers=world.headers(caller)
+        )
+    assert response.status_code == expected, (
+        f"{endpoint} as {caller}: {response.status_code} {response.text[:300]}"
+    )
     if expected >= 400:
         error = assert_clean_error(response.status_code, response.content, statuses=(expected,))
         if expected == 401:

@@ -37,9 +37,16 @@ GENERATION_EXAMPLES = 300
 OTHER_EXAMPLES = 30
 GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions")
 FUZZ_TENANT = "fuzz-tenant-7c1e"  # a name the fuzzer will not guess for /admin/.../disable
-CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
-          negative_data_rejection]
-OPERATIONS = [(method.upper(), path) for path, item in openapi_document()["paths"].items() for method in item]
+CHECKS = [
+    not_a_server_error,
+    status_code_conformance,
+    content_type_conformance,
+    response_schema_conformance,
+    negative_data_rejection,
+]
+OPERATIONS = [
+    (method.upper(), path) for path, item in openapi_document()["paths"].items() for method in item
+]
 
 
 @pytest.fixture(scope="module")
@@ -62,12 +69,21 @@ def test_every_fuzzed_request_gets_a_conforming_answer_and_never_a_server_error(
     sent = 0
 
     def run(mode: GenerationMode) -> None:
-        @settings(max_examples=examples // 2, deadline=None, derandomize=True, database=None,
-                  suppress_health_check=list(HealthCheck))
+        @settings(
+            max_examples=examples // 2,
+            deadline=None,
+            derandomize=True,
+            database=None,
+            suppress_health_check=list(HealthCheck),
+        )
         @given(case=operation.as_strategy(generation_mode=mode))
         def call(case: schemathesis.Case) -> None:
             nonlocal sent
-            if mode == GenerationMode.POSITIVE and path in GENERATION_ROUTES and isinstance(case.body, dict):
+            if (
+                mode == GenerationMode.POSITIVE
+                and path in GENERATION_ROUTES
+                and isinstance(case.body, dict)
+            ):
                 # Valid bodies name the served model, so they travel the whole path (tokenize, admit,
                 # dispatch, verify), not just to the model lookup; unknown models are negative cases.
                 case.body["model"] = MODEL
@@ -79,8 +95,14 @@ def test_every_fuzzed_request_gets_a_conforming_answer_and_never_a_server_error(
         call()
 
     # An operation with no parameters and no body has no invalid input to generate.
-    fuzzable = bool(operation.definition.raw.get("parameters") or operation.definition.raw.get("requestBody"))
-    for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE) if fuzzable else (GenerationMode.POSITIVE,):
+    fuzzable = bool(
+        operation.definition.raw.get("parameters") or operation.definition.raw.get("requestBody")
+    )
+    for mode in (
+        (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)
+        if fuzzable
+        else (GenerationMode.POSITIVE,)
+    ):
         run(mode)
     FUZZ_CASES[f"schemathesis {method} {path}"] += sent
     assert sent > 0

@@ -58,7 +58,11 @@ class PostgresSchema:
         return f"{rendered}{separator}options={quote(f'-csearch_path={self.name}')}"
 
     def _libpq(self) -> str:
-        return make_url(self.base_url).set(drivername="postgresql").render_as_string(hide_password=False)
+        return (
+            make_url(self.base_url)
+            .set(drivername="postgresql")
+            .render_as_string(hide_password=False)
+        )
 
     def create(self) -> None:
         try:
@@ -148,7 +152,9 @@ def tenancy_app(components: object) -> Starlette:
         assert isinstance(exc, APIError)
         return exc.response()
 
-    app = Starlette(routes=[*admin_routes(), *audit_routes()], exception_handlers={APIError: render})
+    app = Starlette(
+        routes=[*admin_routes(), *audit_routes()], exception_handlers={APIError: render}
+    )
     app.state.components = components
     return app
 
@@ -156,8 +162,12 @@ def tenancy_app(components: object) -> Starlette:
 @pytest.fixture
 async def api(store: Store, settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
     components = types.SimpleNamespace(
-        settings=settings, store=store, authenticator=Authenticator(store, settings),
-        audit=None, limiter=None, policies=None,
+        settings=settings,
+        store=store,
+        authenticator=Authenticator(store, settings),
+        audit=None,
+        limiter=None,
+        policies=None,
     )
     transport = httpx.ASGITransport(app=tenancy_app(components))
     async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as client:

@@ -30,15 +30,31 @@ T0 = datetime(2026, 11, 29, 12, 0, 0, tzinfo=UTC)
 
 
 def make_event(i: int, tenant_id: str = "acme") -> AuditEvent:
-    outcomes = ("served", "rejected", "rate_limited", "verification_failed", "upstream_error", "client_cancelled")
+    outcomes = (
+        "served",
+        "rejected",
+        "rate_limited",
+        "verification_failed",
+        "upstream_error",
+        "client_cancelled",
+    )
     outcome = outcomes[i % len(outcomes)]
     return AuditEvent(
-        generation_id=f"gen-{i:06d}", tenant_id=tenant_id, key_id=f"key_{i % 3}", model=f"m{i % 2}",
-        outcome=outcome, status=200 if outcome == "served" else 400 + i % 100,
+        generation_id=f"gen-{i:06d}",
+        tenant_id=tenant_id,
+        key_id=f"key_{i % 3}",
+        model=f"m{i % 2}",
+        outcome=outcome,
+        status=200 if outcome == "served" else 400 + i % 100,
         code=None if outcome == "served" else f"code_{i % 5}",
-        prefill_worker=f"http://p{i % 4}:30000", decode_worker=f"http://d{i % 4}:30001",
-        prompt_tokens=i, completion_tokens=i * 2, stream=bool(i % 2), latency_ms=i / 7,
-        created_at=T0 + timedelta(milliseconds=i), detail=None if outcome == "served" else f"reason {i}",
+        prefill_worker=f"http://p{i % 4}:30000",
+        decode_worker=f"http://d{i % 4}:30001",
+        prompt_tokens=i,
+        completion_tokens=i * 2,
+        stream=bool(i % 2),
+        latency_ms=i / 7,
+        created_at=T0 + timedelta(milliseconds=i),
+        detail=None if outcome == "served" else f"reason {i}",
     )
 
 
@@ -76,7 +92,9 @@ class Outage:
         if self._proxy is not None:
             self._proxy.sever()
         else:
-            self._lock = sqlite3.connect(self.database_url.removeprefix("sqlite:///"), isolation_level=None)
+            self._lock = sqlite3.connect(
+                self.database_url.removeprefix("sqlite:///"), isolation_level=None
+            )
             self._lock.execute("BEGIN EXCLUSIVE")
 
     def end(self) -> None:
@@ -113,7 +131,9 @@ async def wait_until(condition, timeout_s: float = 30.0) -> None:
         await asyncio.sleep(0.05)
 
 
-async def test_every_recorded_event_is_stored_once_in_record_order(store: Store, settings: Settings) -> None:
+async def test_every_recorded_event_is_stored_once_in_record_order(
+    store: Store, settings: Settings
+) -> None:
     audit = AuditLog(store, settings)
     await audit.start()
     events = [make_event(i) for i in range(1234)]
@@ -150,7 +170,7 @@ async def test_database_outage_loses_nothing_duplicates_nothing_and_keeps_order(
 
     outage.begin()
     for start in range(100, 400, 30):  # traffic keeps coming while the database is down
-        for event in events[start:start + 30]:
+        for event in events[start : start + 30]:
             audit.record(event)
         await asyncio.sleep(0.1)
     await wait_until(lambda: audit.queued == 0)
@@ -161,7 +181,9 @@ async def test_database_outage_loses_nothing_duplicates_nothing_and_keeps_order(
     outage.end()
     for event in events[400:]:
         audit.record(event)
-    await wait_until(lambda: audit.spool_files == 0 and audit.queued == 0 and store.count_audit() == 600)
+    await wait_until(
+        lambda: audit.spool_files == 0 and audit.queued == 0 and store.count_audit() == 600
+    )
     await audit.close()
     gateway.dispose()
     assert audit.database_ok
@@ -199,7 +221,9 @@ async def test_shutdown_during_outage_spools_and_the_next_start_replays(
     assert second.spool_files == 0
 
 
-async def test_replaying_a_batch_that_was_already_stored_duplicates_nothing(store: Store, settings: Settings) -> None:
+async def test_replaying_a_batch_that_was_already_stored_duplicates_nothing(
+    store: Store, settings: Settings
+) -> None:
     events = [make_event(i) for i in range(120)]
     first = AuditLog(store, settings)
     await first.start()
@@ -219,7 +243,9 @@ async def test_replaying_a_batch_that_was_already_stored_duplicates_nothing(stor
     assert_stored_exactly(store, events)
 
 
-async def test_spool_of_a_dead_process_is_adopted_and_replayed(store: Store, settings: Settings) -> None:
+async def test_spool_of_a_dead_process_is_adopted_and_replayed(
+    store: Store, settings: Settings
+) -> None:
     events = [make_event(i) for i in range(60)]
     orphan = Path(settings.audit_spool_dir) / "pid-999999"
     orphan.mkdir(parents=True)
@@ -234,7 +260,9 @@ async def test_spool_of_a_dead_process_is_adopted_and_replayed(store: Store, set
     assert_stored_exactly(store, events)
 
 
-async def test_two_logs_on_one_spool_directory_do_not_share_files(store: Store, settings: Settings) -> None:
+async def test_two_logs_on_one_spool_directory_do_not_share_files(
+    store: Store, settings: Settings
+) -> None:
     first, second = AuditLog(store, settings), AuditLog(store, settings)
     await first.start()
     await second.start()
@@ -246,7 +274,9 @@ async def test_two_logs_on_one_spool_directory_do_not_share_files(store: Store, 
     assert store.count_audit() == 2
 
 
-async def test_an_event_recorded_after_close_is_kept_for_the_next_start(store: Store, settings: Settings) -> None:
+async def test_an_event_recorded_after_close_is_kept_for_the_next_start(
+    store: Store, settings: Settings
+) -> None:
     first = AuditLog(store, settings)
     await first.start()
     first.record(make_event(1))
@@ -259,7 +289,9 @@ async def test_an_event_recorded_after_close_is_kept_for_the_next_start(store: S
     assert_stored_exactly(store, [make_event(1), make_event(2)])
 
 
-async def test_overlong_strings_are_cut_to_fit_their_columns(store: Store, settings: Settings) -> None:
+async def test_overlong_strings_are_cut_to_fit_their_columns(
+    store: Store, settings: Settings
+) -> None:
     audit = AuditLog(store, settings)
     await audit.start()
     event = make_event(1)
@@ -295,6 +327,7 @@ async def test_an_event_the_database_refuses_is_set_aside_and_later_events_still
 
 # -- SQLite: batches are written from the event loop ---------------------------------------
 
+
 async def _loop_turns_while(awaitable, interval_s: float = 0.001) -> tuple[int, float]:  # type: ignore[no-untyped-def]
     """How often the event loop came round while ``awaitable`` ran, and how long it ran."""
     turns = 0
@@ -318,7 +351,10 @@ async def test_sqlite_writes_yield_to_requests_between_slices_of_a_batch(
 ) -> None:
     if not database_url.startswith("sqlite"):
         pytest.skip("PostgreSQL batches are written from a thread")
-    audit = AuditLog(store, settings.model_copy(update={"audit_batch_size": 1000, "audit_flush_interval_s": 60.0}))
+    audit = AuditLog(
+        store,
+        settings.model_copy(update={"audit_batch_size": 1000, "audit_flush_interval_s": 60.0}),
+    )
     await audit.start()
     events = [make_event(i) for i in range(640)]  # ten slices of 64
     for event in events:
@@ -329,8 +365,9 @@ async def test_sqlite_writes_yield_to_requests_between_slices_of_a_batch(
     assert turns >= 9, f"the loop ran {turns} times while 640 events were written"
 
 
-async def _events_queued_while_locked(outage: Outage, settings: Settings, *,
-                                      busy_timeout_s: float) -> tuple[Store, AuditLog, list[AuditEvent]]:
+async def _events_queued_while_locked(
+    outage: Outage, settings: Settings, *, busy_timeout_s: float
+) -> tuple[Store, AuditLog, list[AuditEvent]]:
     """A gateway's store and audit log, 100 events queued while another process holds the lock."""
     gateway = create_store(outage.store_url, busy_timeout_s=busy_timeout_s)
     audit = AuditLog(gateway, settings.model_copy(update={"audit_flush_interval_s": 60.0}))

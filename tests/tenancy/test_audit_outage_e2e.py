@@ -37,7 +37,9 @@ class SteadyClient(threading.Thread):
 
     def __init__(self, base_url: str, key: str):
         super().__init__(daemon=True)
-        self.client = httpx.Client(base_url=base_url, headers={"authorization": f"Bearer {key}"}, timeout=30)
+        self.client = httpx.Client(
+            base_url=base_url, headers={"authorization": f"Bearer {key}"}, timeout=30
+        )
         self.sent: list[tuple[str, int, str | None]] = []  # (model, status, error code)
         self.stopping = threading.Event()
 
@@ -46,9 +48,14 @@ class SteadyClient(threading.Thread):
         while not self.stopping.is_set():
             model = f"no-such-model-{i:06d}"
             response = self.client.post(
-                "/v1/chat/completions", json={"model": model, "messages": [{"role": "user", "content": "hi"}]}
+                "/v1/chat/completions",
+                json={"model": model, "messages": [{"role": "user", "content": "hi"}]},
             )
-            code = response.json().get("error", {}).get("code") if response.status_code != 200 else None
+            code = (
+                response.json().get("error", {}).get("code")
+                if response.status_code != 200
+                else None
+            )
             self.sent.append((model, response.status_code, code))
             i += 1
             time.sleep(0.01)
@@ -66,10 +73,16 @@ def test_postgres_outage_under_load_loses_no_audit_event(tmp_path: Path) -> None
     via_proxy = url.set(port=proxy.port).render_as_string(hide_password=False)
     dead = free_port()
     policies = write_policies(
-        tmp_path / "policies", model_name="tiny-llama", tokenizer_dir=ensure_tiny_model(DEFAULT_MODEL_DIR),
-        pools=[PoolSpec("shared", ((f"http://127.0.0.1:{dead}", dead),), (f"http://127.0.0.1:{dead}",))],
+        tmp_path / "policies",
+        model_name="tiny-llama",
+        tokenizer_dir=ensure_tiny_model(DEFAULT_MODEL_DIR),
+        pools=[
+            PoolSpec("shared", ((f"http://127.0.0.1:{dead}", dead),), (f"http://127.0.0.1:{dead}",))
+        ],
     )
-    gateway = GatewayProcess(policies, tmp_path / "gateway", env={"ISOGATE_DATABASE_URL": via_proxy})
+    gateway = GatewayProcess(
+        policies, tmp_path / "gateway", env={"ISOGATE_DATABASE_URL": via_proxy}
+    )
     client = None
     try:
         gateway.start(wait_ready=False)
@@ -96,7 +109,12 @@ def test_postgres_outage_under_load_loses_no_audit_event(tmp_path: Path) -> None
     try:
         with store.engine.connect() as conn:
             rows = conn.execute(
-                select(audit_events.c.model, audit_events.c.status, audit_events.c.code, audit_events.c.outcome)
+                select(
+                    audit_events.c.model,
+                    audit_events.c.status,
+                    audit_events.c.code,
+                    audit_events.c.outcome,
+                )
                 .where(audit_events.c.tenant_id == tenant_id)
                 .order_by(audit_events.c.seq)
             ).all()

@@ -43,14 +43,31 @@ async def test_no_admin_key_configured_means_no_admin(store: Store, settings: Se
 
 @pytest.mark.parametrize(
     "header",
-    [None, "", "Bearer", "Bearer ", "Basic abc", "sk-iso-abc", "Bearer sk-iso-a b", "Bearer sk-iso-unknown"],
+    [
+        None,
+        "",
+        "Bearer",
+        "Bearer ",
+        "Basic abc",
+        "sk-iso-abc",
+        "Bearer sk-iso-a b",
+        "Bearer sk-iso-unknown",
+    ],
 )
-async def test_missing_malformed_and_unknown_keys_are_401(store: Store, settings: Settings, header: str | None) -> None:
+async def test_missing_malformed_and_unknown_keys_are_401(
+    store: Store, settings: Settings, header: str | None
+) -> None:
     error = await refused(Authenticator(store, settings), header)
-    assert (error.status, error.type, error.code) == (401, "authentication_error", "invalid_api_key")
+    assert (error.status, error.type, error.code) == (
+        401,
+        "authentication_error",
+        "invalid_api_key",
+    )
 
 
-async def test_revoking_through_this_process_takes_effect_at_once(store: Store, settings: Settings) -> None:
+async def test_revoking_through_this_process_takes_effect_at_once(
+    store: Store, settings: Settings
+) -> None:
     store.create_tenant("acme")
     raw_key, record = store.create_key("acme")
     authenticator = Authenticator(store, settings)  # TTL 5 s
@@ -60,7 +77,9 @@ async def test_revoking_through_this_process_takes_effect_at_once(store: Store, 
     assert (await refused(authenticator, f"Bearer {raw_key}")).status == 401
 
 
-async def test_revoking_elsewhere_takes_effect_within_the_cache_ttl(store: Store, settings: Settings) -> None:
+async def test_revoking_elsewhere_takes_effect_within_the_cache_ttl(
+    store: Store, settings: Settings
+) -> None:
     store.create_tenant("acme")
     raw_key, record = store.create_key("acme")
     replica = Authenticator(store, settings.model_copy(update={"auth_cache_ttl_s": 2.0}))
@@ -101,7 +120,9 @@ async def test_cached_authentication_is_fast(store: Store, settings: Settings) -
     header = f"Bearer {raw_key}"
     await authenticator.authenticate(header)
     rounds = 20_000
-    started = time.thread_time()  # CPU of this thread: what a request pays, however busy the machine
+    started = (
+        time.thread_time()
+    )  # CPU of this thread: what a request pays, however busy the machine
     for _ in range(rounds):
         await authenticator.authenticate(header)
     per_call_us = (time.thread_time() - started) / rounds * 1e6
@@ -158,7 +179,9 @@ async def test_recently_valid_key_keeps_working_while_the_key_store_is_down(
     raw_key, record = store.create_key("acme")
     outage = KeyStoreOutage(database_url)
     gateway_store = create_store(outage.store_url, busy_timeout_s=1)
-    authenticator = Authenticator(gateway_store, settings.model_copy(update={"auth_cache_ttl_s": 0.1}))
+    authenticator = Authenticator(
+        gateway_store, settings.model_copy(update={"auth_cache_ttl_s": 0.1})
+    )
     await authenticator.authenticate(f"Bearer {raw_key}")
     try:
         outage.begin(gateway_store)
@@ -178,13 +201,16 @@ async def test_recently_valid_key_keeps_working_while_the_key_store_is_down(
         gateway_store.dispose()
 
 
-async def test_stale_keys_are_refused_when_stale_if_error_is_off(store: Store, settings: Settings, database_url: str) -> None:
+async def test_stale_keys_are_refused_when_stale_if_error_is_off(
+    store: Store, settings: Settings, database_url: str
+) -> None:
     store.create_tenant("acme")
     raw_key, _ = store.create_key("acme")
     outage = KeyStoreOutage(database_url)
     gateway_store = create_store(outage.store_url, busy_timeout_s=1)
     authenticator = Authenticator(
-        gateway_store, settings.model_copy(update={"auth_cache_ttl_s": 0.1, "auth_stale_if_error_s": 0.0})
+        gateway_store,
+        settings.model_copy(update={"auth_cache_ttl_s": 0.1, "auth_stale_if_error_s": 0.0}),
     )
     await authenticator.authenticate(f"Bearer {raw_key}")
     try:

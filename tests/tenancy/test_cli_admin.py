@@ -57,20 +57,37 @@ def test_admin_commands_manage_tenants_and_keys(database_url: str) -> None:
 
 def test_audit_command_filters_and_pages(database_url: str) -> None:
     store = create_store(database_url, migrate=True)
-    store.insert_audit_rows([
-        dict(generation_id=f"g{i}", tenant_id="acme" if i % 2 else "beta", key_id=None, model="m",
-             outcome="served" if i % 3 else "rejected", status=200, code=None, prefill_worker=None,
-             decode_worker=None, prompt_tokens=i, completion_tokens=0, stream=False, latency_ms=0.5,
-             created_at=datetime(2026, 11, 29, 12, 0, i, tzinfo=UTC), detail=None)
-        for i in range(10)
-    ])
+    store.insert_audit_rows(
+        [
+            dict(
+                generation_id=f"g{i}",
+                tenant_id="acme" if i % 2 else "beta",
+                key_id=None,
+                model="m",
+                outcome="served" if i % 3 else "rejected",
+                status=200,
+                code=None,
+                prefill_worker=None,
+                decode_worker=None,
+                prompt_tokens=i,
+                completion_tokens=0,
+                stream=False,
+                latency_ms=0.5,
+                created_at=datetime(2026, 11, 29, 12, 0, i, tzinfo=UTC),
+                detail=None,
+            )
+            for i in range(10)
+        ]
+    )
     store.dispose()
     status, events, _ = isogate(database_url, "audit", "--tenant", "acme")
     assert status == 0 and [e["id"] for e in events] == ["g9", "g7", "g5", "g3", "g1"]
     _, events, err = isogate(database_url, "audit", "--limit", "3", "--outcome", "served")
     assert [e["id"] for e in events] == ["g8", "g7", "g5"]
     cursor = err.split("next_cursor: ")[1].strip()
-    _, events, _ = isogate(database_url, "audit", "--limit", "3", "--outcome", "served", "--cursor", cursor)
+    _, events, _ = isogate(
+        database_url, "audit", "--limit", "3", "--outcome", "served", "--cursor", cursor
+    )
     assert [e["id"] for e in events] == ["g4", "g2", "g1"]
     _, events, _ = isogate(database_url, "audit", "--since", "2026-11-29T12:00:08Z")
     assert [e["id"] for e in events] == ["g9", "g8"]
@@ -94,7 +111,12 @@ def test_table_format_prints_a_header_and_one_line_per_record(tmp_path) -> None:
 
 def test_module_entry_point_runs_a_command(tmp_path) -> None:
     url = f"sqlite:///{tmp_path / 'y.db'}"
-    result = subprocess.run([sys.executable, "-m", "gateway.cli_admin", "migrate", "--database-url", url],
-                            cwd=ROOT, capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "gateway.cli_admin", "migrate", "--database-url", url],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == {"from": None, "to": head_revision()}

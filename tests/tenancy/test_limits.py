@@ -25,7 +25,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 @pytest.fixture(params=["memory", "redis"])
-def new_limiter(request: pytest.FixtureRequest, redis_client, redis_prefix: str) -> Callable[[], TenantLimiter]:
+def new_limiter(
+    request: pytest.FixtureRequest, redis_client, redis_prefix: str
+) -> Callable[[], TenantLimiter]:
     """Makes limiters that share state the way gateway replicas do (Redis), or the one (memory)."""
     if request.param == "memory":
         limiter = TenantLimiter(None)
@@ -33,7 +35,9 @@ def new_limiter(request: pytest.FixtureRequest, redis_client, redis_prefix: str)
     return lambda: TenantLimiter(redis_client, key_prefix=redis_prefix)
 
 
-async def refusal(limiter: TenantLimiter, tenant: str, limits: TenantLimits, tokens: int) -> APIError:
+async def refusal(
+    limiter: TenantLimiter, tenant: str, limits: TenantLimits, tokens: int
+) -> APIError:
     with pytest.raises(APIError) as caught:
         await limiter.acquire(tenant, limits, tokens)
     return caught.value
@@ -45,7 +49,11 @@ async def test_requests_per_minute_refuses_the_request_over_the_limit(new_limite
     for _ in range(5):
         await limiter.acquire("acme", limits, 10)
     error = await refusal(limiter, "acme", limits, 10)
-    assert (error.status, error.type, error.code) == (429, "rate_limit_error", "rate_limit_exceeded")
+    assert (error.status, error.type, error.code) == (
+        429,
+        "rate_limit_error",
+        "rate_limit_exceeded",
+    )
     assert "requests per minute" in error.message
     # One request refills every 12 s at 5 RPM.
     assert 1 <= int(error.headers["Retry-After"]) <= 12
@@ -107,6 +115,7 @@ async def test_concurrency_slot_is_released_on_every_path(new_limiter) -> None:
     with pytest.raises(RuntimeError):
         async with second:
             raise RuntimeError("upstream died")
+
     # Cancellation.
     async def cancelled_request(lease: LimitLease) -> None:
         async with lease:
@@ -148,13 +157,19 @@ def most_admitted(limit_per_minute: int, cost: int, elapsed_s: float) -> int:
     return int((limit_per_minute + elapsed_s * limit_per_minute / 60) // cost)
 
 
-async def test_two_limiters_sharing_redis_hold_rpm_and_tpm_together(redis_client, redis_prefix: str) -> None:
+async def test_two_limiters_sharing_redis_hold_rpm_and_tpm_together(
+    redis_client, redis_prefix: str
+) -> None:
     replica_a = TenantLimiter(redis_client, key_prefix=redis_prefix)
     replica_b = TenantLimiter(redis_client, key_prefix=redis_prefix)
     rpm = TenantLimits(requests_per_minute=20, tokens_per_minute=1_000_000, max_concurrent=1000)
     started = time.monotonic()
     results = await asyncio.gather(
-        *(replica.acquire("rpm-tenant", rpm, 1) for replica in (replica_a, replica_b) for _ in range(30)),
+        *(
+            replica.acquire("rpm-tenant", rpm, 1)
+            for replica in (replica_a, replica_b)
+            for _ in range(30)
+        ),
         return_exceptions=True,
     )
     admitted = sum(isinstance(r, LimitLease) for r in results)
@@ -175,7 +190,9 @@ async def test_two_limiters_sharing_redis_hold_rpm_and_tpm_together(redis_client
     assert 10 <= admitted <= most_admitted(1000, 100, time.monotonic() - started)
 
 
-async def test_two_gateway_processes_sharing_redis_hold_the_limits_together(redis_prefix: str) -> None:
+async def test_two_gateway_processes_sharing_redis_hold_the_limits_together(
+    redis_prefix: str,
+) -> None:
     """Each process is a separate interpreter with its own Redis connection, like two replicas."""
     script = textwrap.dedent(
         """
@@ -211,8 +228,13 @@ async def test_two_gateway_processes_sharing_redis_hold_the_limits_together(redi
     )
     start_at = str(time.time() + 5)  # both interpreters are up by then
     processes = [
-        subprocess.Popen([sys.executable, "-c", script, REDIS_URL, redis_prefix, start_at], cwd=ROOT,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", script, REDIS_URL, redis_prefix, start_at],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for _ in range(2)
     ]
     outputs = []

@@ -26,13 +26,31 @@ from gateway.store import (
 T0 = datetime(2026, 11, 29, 12, 0, 0, tzinfo=UTC)
 
 
-def audit_row(generation_id: str, tenant_id: str, *, at: datetime = T0, outcome: str = "served",
-              model: str = "m1", key_id: str | None = "key_x") -> dict[str, object]:
+def audit_row(
+    generation_id: str,
+    tenant_id: str,
+    *,
+    at: datetime = T0,
+    outcome: str = "served",
+    model: str = "m1",
+    key_id: str | None = "key_x",
+) -> dict[str, object]:
     return dict(
-        generation_id=generation_id, tenant_id=tenant_id, key_id=key_id, model=model,
-        outcome=outcome, status=200 if outcome == "served" else 429, code=None,
-        prefill_worker="http://p:1", decode_worker="http://d:2", prompt_tokens=7,
-        completion_tokens=3, stream=False, latency_ms=12.5, created_at=at, detail=None,
+        generation_id=generation_id,
+        tenant_id=tenant_id,
+        key_id=key_id,
+        model=model,
+        outcome=outcome,
+        status=200 if outcome == "served" else 429,
+        code=None,
+        prefill_worker="http://p:1",
+        decode_worker="http://d:2",
+        prompt_tokens=7,
+        completion_tokens=3,
+        stream=False,
+        latency_ms=12.5,
+        created_at=at,
+        detail=None,
     )
 
 
@@ -64,7 +82,11 @@ def test_key_lookup_by_hash_finds_tenant_and_revocation(store: Store) -> None:
     store.create_tenant("acme")
     raw_key, record = store.create_key("acme")
     found = store.lookup_key(hash_key(raw_key))
-    assert found is not None and (found.tenant_id, found.key_id, found.revoked) == ("acme", record.id, False)
+    assert found is not None and (found.tenant_id, found.key_id, found.revoked) == (
+        "acme",
+        record.id,
+        False,
+    )
     revoked = store.revoke_key(record.id)
     assert revoked.revoked_at is not None
     assert store.lookup_key(hash_key(raw_key)).revoked is True
@@ -126,17 +148,33 @@ def test_audit_rows_are_stored_exactly_as_the_table_types_store_them(store: Stor
     # being time order (a whole second has no ".000000" in isoformat) and queries decode wrong.
     moments = [T0, T0 + timedelta(microseconds=500_000), T0 + timedelta(seconds=1)]
     stream_flags = [True, False, True]
-    direct = [audit_row(f"direct-{i}", "acme", at=m) | {"stream": s} for i, (m, s) in enumerate(zip(moments, stream_flags))]
+    direct = [
+        audit_row(f"direct-{i}", "acme", at=m) | {"stream": s}
+        for i, (m, s) in enumerate(zip(moments, stream_flags))
+    ]
     with store.engine.begin() as conn:
         conn.execute(audit_events.insert(), direct)
-    store.insert_audit_rows([row | {"generation_id": row["generation_id"].replace("direct", "batch")} for row in direct])
+    store.insert_audit_rows(
+        [row | {"generation_id": row["generation_id"].replace("direct", "batch")} for row in direct]
+    )
     with store.engine.connect() as conn:
-        stored = conn.execute(text(
-            "SELECT generation_id, CAST(created_at AS TEXT), stream FROM audit_events ORDER BY created_at, generation_id"
-        )).all()
-    assert [(g.split("-")[1], t, s) for g, t, s in stored][::2] == [(g.split("-")[1], t, s) for g, t, s in stored][1::2]
+        stored = conn.execute(
+            text(
+                "SELECT generation_id, CAST(created_at AS TEXT), stream FROM audit_events ORDER BY created_at, generation_id"
+            )
+        ).all()
+    assert [(g.split("-")[1], t, s) for g, t, s in stored][::2] == [
+        (g.split("-")[1], t, s) for g, t, s in stored
+    ][1::2]
     got, _ = store.query_audit(AuditQuery(tenant_id="acme", limit=10))
-    assert [r["generation_id"] for r in got] == ["direct-2", "batch-2", "direct-1", "batch-1", "direct-0", "batch-0"]
+    assert [r["generation_id"] for r in got] == [
+        "direct-2",
+        "batch-2",
+        "direct-1",
+        "batch-1",
+        "direct-0",
+        "batch-0",
+    ]
     assert [r["created_at"] for r in got][::2] == moments[::-1]
     assert [r["stream"] for r in got][::2] == stream_flags[::-1]
 
@@ -161,7 +199,10 @@ def test_audit_pages_walk_every_event_once_newest_first_with_equal_timestamps(st
         if cursor is None:
             break
         after = decode_cursor(cursor)
-    expected = [r["generation_id"] for r in sorted(rows, key=lambda r: (r["created_at"], r["generation_id"]), reverse=True)]
+    expected = [
+        r["generation_id"]
+        for r in sorted(rows, key=lambda r: (r["created_at"], r["generation_id"]), reverse=True)
+    ]
     assert seen == expected
     assert pages == 8  # 7 full pages + 1 short one, no empty trailing page
 
@@ -195,7 +236,9 @@ def test_migrate_upgrades_an_existing_database_keeping_its_data(database_url: st
     old.create_tenant("acme", "Acme")
     raw_key, record = old.create_key("acme", "ci")
     old.migrate("0002")  # the audit log arrives; events are written
-    old.insert_audit_rows([audit_row("g1", "acme"), audit_row("g2", "acme", at=T0 + timedelta(seconds=1))])
+    old.insert_audit_rows(
+        [audit_row("g1", "acme"), audit_row("g2", "acme", at=T0 + timedelta(seconds=1))]
+    )
     old.dispose()
 
     store = create_store(database_url)
@@ -204,7 +247,10 @@ def test_migrate_upgrades_an_existing_database_keeping_its_data(database_url: st
     assert [t.id for t in store.list_tenants()] == ["acme"]
     lookup = store.lookup_key(hash_key(raw_key))
     assert lookup is not None and lookup.key_id == record.id
-    assert [r["generation_id"] for r in store.query_audit(AuditQuery(tenant_id="acme"))[0]] == ["g2", "g1"]
+    assert [r["generation_id"] for r in store.query_audit(AuditQuery(tenant_id="acme"))[0]] == [
+        "g2",
+        "g1",
+    ]
     store.insert_audit_rows([audit_row("g3", "acme")])
     store.migrate()  # again: nothing to do, nothing lost
     assert store.count_audit() == 3 and [k.id for k in store.list_keys()] == [record.id]

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import time
 
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from gateway import ids
 
@@ -21,7 +22,7 @@ def reference_encode(value: int) -> str:
 
 def reference_room(generation_id: str) -> int:
     value = 0
-    for char in generation_id[len("gen_"):]:
+    for char in generation_id[len("gen_") :]:
         value = (value << 5) | CROCKFORD.index(char)
     return value & ((1 << 63) - 1)
 
@@ -30,7 +31,11 @@ def reference_room(generation_id: str) -> int:
 def test_the_encoding_is_the_ulid_base32_of_the_value(value: int) -> None:
     generation_id = "gen_" + reference_encode(value)
     assert ids.is_generation_id(generation_id)
-    assert ids.bootstrap_room(generation_id) == reference_room(generation_id) == value & ((1 << 63) - 1)
+    assert (
+        ids.bootstrap_room(generation_id)
+        == reference_room(generation_id)
+        == value & ((1 << 63) - 1)
+    )
 
 
 def test_new_ids_decode_to_their_time_and_sort_by_it(monkeypatch) -> None:
@@ -38,7 +43,12 @@ def test_new_ids_decode_to_their_time_and_sort_by_it(monkeypatch) -> None:
     made = [ids.new_generation_id() for _ in range(200)]
     for generation_id in made:
         assert ids.is_generation_id(generation_id), generation_id
-        value = int(generation_id[4:].translate(str.maketrans(CROCKFORD, "0123456789abcdefghijklmnopqrstuv")), 32)
+        value = int(
+            generation_id[4:].translate(
+                str.maketrans(CROCKFORD, "0123456789abcdefghijklmnopqrstuv")
+            ),
+            32,
+        )
         assert reference_encode(value) == generation_id[4:]
         assert abs((value >> 80) - now_ms) < 60_000
         assert ids.bootstrap_room(generation_id) == reference_room(generation_id)
@@ -48,11 +58,15 @@ def test_new_ids_decode_to_their_time_and_sort_by_it(monkeypatch) -> None:
 
 
 @given(st.integers(min_value=0, max_value=(1 << 48) - 1), st.binary(min_size=10, max_size=10))
-def test_a_new_id_is_the_reference_encoding_of_its_time_and_random_bits(millis: int, random: bytes) -> None:
+def test_a_new_id_is_the_reference_encoding_of_its_time_and_random_bits(
+    millis: int, random: bytes
+) -> None:
     real_time, real_urandom = ids.time.time, ids.os.urandom
     ids.time.time, ids.os.urandom = (lambda: millis / 1000 + 0.0004), (lambda size: random)
     try:
         generation_id = ids.new_generation_id()
     finally:
         ids.time.time, ids.os.urandom = real_time, real_urandom
-    assert generation_id == "gen_" + reference_encode((millis << 80) | int.from_bytes(random, "big"))
+    assert generation_id == "gen_" + reference_encode(
+        (millis << 80) | int.from_bytes(random, "big")
+    )

@@ -8,7 +8,12 @@ import time
 
 import orjson
 
-from gateway.logs import BatchingStreamHandler, GenerationIdFilter, JsonFormatter, current_generation_id
+from gateway.logs import (
+    BatchingStreamHandler,
+    GenerationIdFilter,
+    JsonFormatter,
+    current_generation_id,
+)
 
 
 class CountingStream(io.StringIO):
@@ -61,7 +66,9 @@ def test_flush_writes_what_is_pending_as_logging_shutdown_does_at_exit() -> None
 
 def test_a_full_batch_is_written_without_waiting() -> None:
     stream = CountingStream()
-    log = _logger(BatchingStreamHandler(stream, flush_interval_s=60, max_pending=10), "test.batching.full")
+    log = _logger(
+        BatchingStreamHandler(stream, flush_interval_s=60, max_pending=10), "test.batching.full"
+    )
     for number in range(25):
         log.info("line %d", number)
     assert stream.getvalue().splitlines() == [f"line {n}" for n in range(20)]

@@ -29,23 +29,36 @@ def receiver(*messages: dict[str, Any]):  # type: ignore[no-untyped-def]
 
 
 def test_the_first_authorization_header_counts_as_starlette_reads_it() -> None:
-    headers = ClientHeaders.of(scope((b"authorization", b"Bearer first"), (b"content-length", b"12"),
-                                     (b"authorization", b"Bearer second")))
+    headers = ClientHeaders.of(
+        scope(
+            (b"authorization", b"Bearer first"),
+            (b"content-length", b"12"),
+            (b"authorization", b"Bearer second"),
+        )
+    )
     assert headers == ClientHeaders("Bearer first", "12", None)
 
 
 def test_a_reserved_header_is_found_whatever_its_position() -> None:
-    headers = ClientHeaders.of(scope((b"host", b"x"), (b"x-isogate-tenant", b"a"), (b"x-isolation-generation", b"b"),
-                                     (b"authorization", b"Bearer k")))
+    headers = ClientHeaders.of(
+        scope(
+            (b"host", b"x"),
+            (b"x-isogate-tenant", b"a"),
+            (b"x-isolation-generation", b"b"),
+            (b"authorization", b"Bearer k"),
+        )
+    )
     assert headers.reserved == "x-isogate-tenant"
     assert headers.authorization == "Bearer k"
     assert ClientHeaders.of(scope((b"x-isolationist", b"1"))).reserved is None
 
 
 def test_a_body_in_several_messages_is_joined() -> None:
-    receive = receiver({"type": "http.request", "body": b"ab", "more_body": True},
-                       {"type": "http.request", "body": b"cd", "more_body": True},
-                       {"type": "http.request", "body": b"", "more_body": False})
+    receive = receiver(
+        {"type": "http.request", "body": b"ab", "more_body": True},
+        {"type": "http.request", "body": b"cd", "more_body": True},
+        {"type": "http.request", "body": b"", "more_body": False},
+    )
     assert asyncio.run(read_body(receive, None, 10)) == b"abcd"
 
 
@@ -57,16 +70,20 @@ def test_a_declared_length_over_the_limit_is_refused_before_reading() -> None:
 
 
 def test_an_undeclared_body_is_refused_as_soon_as_it_passes_the_limit() -> None:
-    receive = receiver({"type": "http.request", "body": b"x" * 6, "more_body": True},
-                       {"type": "http.request", "body": b"x" * 6, "more_body": True},
-                       {"type": "http.request", "body": b"never read", "more_body": False})
+    receive = receiver(
+        {"type": "http.request", "body": b"x" * 6, "more_body": True},
+        {"type": "http.request", "body": b"x" * 6, "more_body": True},
+        {"type": "http.request", "body": b"never read", "more_body": False},
+    )
     with pytest.raises(APIError) as refused:
         asyncio.run(read_body(receive, None, 10))
     assert refused.value.code == "request_too_large" and len(receive.calls) == 2  # type: ignore[attr-defined]
 
 
 def test_a_client_that_leaves_mid_body_is_a_disconnect_not_a_short_body() -> None:
-    receive = receiver({"type": "http.request", "body": b"{\"mod", "more_body": True}, {"type": "http.disconnect"})
+    receive = receiver(
+        {"type": "http.request", "body": b'{"mod', "more_body": True}, {"type": "http.disconnect"}
+    )
     with pytest.raises(ClientDisconnect):
         asyncio.run(read_body(receive, None, 100))
 
@@ -79,6 +96,9 @@ def test_a_served_response_declares_its_length_type_and_generation_id() -> None:
 
     asyncio.run(JSONBodyResponse(b'{"id":"gen_1"}', "gen_1")({"type": "http"}, receiver(), send))
     assert sent[0]["status"] == 200
-    assert dict(sent[0]["headers"]) == {b"content-type": b"application/json", b"content-length": b"14",
-                                        b"x-generation-id": b"gen_1"}
+    assert dict(sent[0]["headers"]) == {
+        b"content-type": b"application/json",
+        b"content-length": b"14",
+        b"x-generation-id": b"gen_1",
+    }
     assert sent[1]["body"] == b'{"id":"gen_1"}'

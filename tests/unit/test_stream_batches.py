@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from datetime import datetime, timezone
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+from typing import Any
 
 import orjson
 import pytest
@@ -22,8 +23,12 @@ EXPECTED = Expectation(GID, "acme", prompt_tokens=3, max_tokens=8, require_tags=
 
 
 def chunk(text: str, tokens: int, finish: str | None = None, *, gid: str = GID) -> dict[str, Any]:
-    meta = {"id": gid, "prompt_tokens": 3, "completion_tokens": tokens,
-            "finish_reason": {"type": finish} if finish else None}
+    meta = {
+        "id": gid,
+        "prompt_tokens": 3,
+        "completion_tokens": tokens,
+        "finish_reason": {"type": finish} if finish else None,
+    }
     return {"text": text, "meta_info": meta}
 
 
@@ -32,17 +37,27 @@ async def batches_of(*batches: list[dict[str, Any]]) -> AsyncIterator[list[dict[
         yield batch
 
 
-def writes_of(first: dict[str, Any], *later: list[dict[str, Any]]) -> tuple[list[bytes], BaseException | None]:
+def writes_of(
+    first: dict[str, Any], *later: list[dict[str, Any]]
+) -> tuple[list[bytes], BaseException | None]:
     """The writes ``_sse_events`` makes for a stream whose first chunk was ``first``, and what it raised."""
     guard = StreamGuard(NoScanner(), "acme")
     first_delta = guard.feed(first["text"])
-    trace = Trace(GID, datetime.now(timezone.utc), time.perf_counter(), stream=True, model="m")
+    trace = Trace(GID, datetime.now(UTC), time.perf_counter(), stream=True, model="m")
 
     async def collect() -> tuple[list[bytes], BaseException | None]:
         writes: list[bytes] = []
         try:
-            async for write in _sse_events(trace, batches_of(*later), first_delta, first["meta_info"], guard,
-                                           EXPECTED, "completion", False):
+            async for write in _sse_events(
+                trace,
+                batches_of(*later),
+                first_delta,
+                first["meta_info"],
+                guard,
+                EXPECTED,
+                "completion",
+                False,
+            ):
                 writes.append(write)
         except IsolationFailure as failure:
             return writes, failure
@@ -52,13 +67,14 @@ def writes_of(first: dict[str, Any], *later: list[dict[str, Any]]) -> tuple[list
 
 
 def texts(write: bytes) -> list[str]:
-    events = [part[len(b"data: "):] for part in write.split(b"\n\n") if part]
+    events = [part[len(b"data: ") :] for part in write.split(b"\n\n") if part]
     return [orjson.loads(e)["choices"][0]["text"] for e in events if e != b"[DONE]"]
 
 
 def test_chunks_that_arrive_together_become_one_event_and_one_write() -> None:
-    writes, failure = writes_of(chunk("He", 1), [chunk("Hell", 2), chunk("Hello", 3)],
-                                [chunk("Hello!", 4, "stop")])
+    writes, failure = writes_of(
+        chunk("He", 1), [chunk("Hell", 2), chunk("Hello", 3)], [chunk("Hello!", 4, "stop")]
+    )
     assert failure is None
     assert texts(writes[0]) == ["He"]
     assert texts(writes[1]) == ["llo"]  # two engine chunks, one delta
@@ -73,9 +89,13 @@ def test_the_last_text_goes_out_with_the_end_of_the_stream() -> None:
 
 
 def test_a_failed_check_withholds_the_whole_batch_it_arrived_in() -> None:
-    writes, failure = writes_of(chunk("He", 1), [chunk("Hello", 2), chunk("Hello, other tenant", 3, gid="gen_x")])
+    writes, failure = writes_of(
+        chunk("He", 1), [chunk("Hello", 2), chunk("Hello, other tenant", 3, gid="gen_x")]
+    )
     assert isinstance(failure, IsolationFailure) and "generation ID" in failure.reason
-    assert [texts(write) for write in writes] == [["He"]]  # nothing of the batch, not even its good chunk
+    assert [texts(write) for write in writes] == [
+        ["He"]
+    ]  # nothing of the batch, not even its good chunk
 
 
 def test_text_rewritten_inside_a_batch_is_refused() -> None:

@@ -24,7 +24,9 @@ def test_text_counts_equal_the_models_own_tokenizer(tokenizer: ModelTokenizer) -
         assert asyncio.run(tokenizer.encode_text(text)) == reference.encode(text).ids
 
 
-@pytest.mark.parametrize("text", ["a", "hello world", "ünïcödé ✓ 漢字", "x" * 3000, "🙂" * 700, "<|eos|>" * 40])
+@pytest.mark.parametrize(
+    "text", ["a", "hello world", "ünïcödé ✓ 漢字", "x" * 3000, "🙂" * 700, "<|eos|>" * 40]
+)
 def test_the_byte_bound_never_exceeds_the_real_count(tokenizer: ModelTokenizer, text: str) -> None:
     real = len(asyncio.run(tokenizer.encode_text(text)))
     assert tokenizer.min_tokens_for_bytes(len(text.encode("utf-8"))) <= real
@@ -35,12 +37,21 @@ def test_chat_template_renders_roles_and_the_generation_prompt(tokenizer: ModelT
     assert "be brief" in rendered and "hi there" in rendered
     assert rendered.index("be brief") < rendered.index("hi there")
     ids = asyncio.run(tokenizer.encode_chat([ChatTurn("user", "hi there")]))
-    assert ids and ids == tokenizer._tokenizer.encode(tokenizer.render_chat([ChatTurn("user", "hi there")]),
-                                                      add_special_tokens=False).ids
+    assert (
+        ids
+        and ids
+        == tokenizer._tokenizer.encode(
+            tokenizer.render_chat([ChatTurn("user", "hi there")]), add_special_tokens=False
+        ).ids
+    )
 
 
 def test_token_ids_outside_the_vocabulary_are_refused(tokenizer: ModelTokenizer) -> None:
-    assert tokenizer.check_token_ids([0, 1, tokenizer.vocab_size - 1]) == [0, 1, tokenizer.vocab_size - 1]
+    assert tokenizer.check_token_ids([0, 1, tokenizer.vocab_size - 1]) == [
+        0,
+        1,
+        tokenizer.vocab_size - 1,
+    ]
     with pytest.raises(APIError) as refused:
         tokenizer.check_token_ids([1, tokenizer.vocab_size])
     assert refused.value.status == 400 and refused.value.param == "prompt"
@@ -73,6 +84,7 @@ def test_a_long_prompt_does_not_block_the_event_loop(tokenizer: ModelTokenizer) 
 
 
 # -- prompts of one loop turn are encoded together ------------------------------------------
+
 
 def test_prompts_submitted_together_each_get_their_own_ids() -> None:
     tokenizer = ModelTokenizer(ensure_tiny_model())

@@ -15,7 +15,7 @@ from gateway.upstream import UpstreamClient, UpstreamError, UpstreamTimeout
 
 pytestmark = pytest.mark.anyio
 
-SSE = b"data: {\"text\": \"a\"}\n\ndata: {\"text\": \"b\"}\n\ndata: [DONE]\n\n"
+SSE = b'data: {"text": "a"}\n\ndata: {"text": "b"}\n\ndata: [DONE]\n\n'
 
 
 def _chunked(*parts: bytes) -> bytes:
@@ -58,8 +58,11 @@ class ScriptedServer:
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
-                length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                              if line.lower().startswith(b"content-length:"))
+                length = next(
+                    int(line.split(b":")[1])
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length:")
+                )
                 self.bodies.append(await reader.readexactly(length))
                 outcome = self.respond(writer)
                 if asyncio.iscoroutine(outcome):
@@ -73,13 +76,17 @@ class ScriptedServer:
     @staticmethod
     def whole_json(writer: asyncio.StreamWriter) -> None:
         body = b'{"text": "ok"}'
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
-                     % (len(body), body))
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+            % (len(body), body)
+        )
 
     @staticmethod
     def whole_stream(writer: asyncio.StreamWriter) -> None:
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
-                     + _chunked(SSE))
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+            + _chunked(SSE)
+        )
 
 
 @pytest.fixture
@@ -88,7 +95,9 @@ async def server() -> AsyncIterator[ScriptedServer]:
         yield scripted
 
 
-async def post(client: UpstreamClient, url: str, body: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
+async def post(
+    client: UpstreamClient, url: str, body: bytes, headers: dict[str, str]
+) -> tuple[int, bytes]:
     """One whole exchange, made as dispatch makes its own: send, wait for the answer, finish."""
     connection = await client.send(url, body, headers)
     try:
@@ -117,13 +126,18 @@ async def _lines_until_done(client: UpstreamClient, url: str) -> list[bytes]:
 async def test_posts_reuse_one_keep_alive_connection(server: ScriptedServer) -> None:
     client = UpstreamClient(connect_timeout_s=2, timeout_s=5)
     for number in range(3):
-        assert await post(client, server.url, b'{"n": %d}' % number, {"X-Test": "1"}) == (200, b'{"text": "ok"}')
+        assert await post(client, server.url, b'{"n": %d}' % number, {"X-Test": "1"}) == (
+            200,
+            b'{"text": "ok"}',
+        )
     assert server.connections == 1
     assert server.bodies == [b'{"n": 0}', b'{"n": 1}', b'{"n": 2}']
     await client.aclose()
 
 
-async def test_a_stream_read_up_to_done_returns_its_connection_to_the_pool(server: ScriptedServer) -> None:
+async def test_a_stream_read_up_to_done_returns_its_connection_to_the_pool(
+    server: ScriptedServer,
+) -> None:
     server.respond = server.whole_stream
     client = UpstreamClient(connect_timeout_s=2, timeout_s=5)
     for _ in range(3):
@@ -133,10 +147,14 @@ async def test_a_stream_read_up_to_done_returns_its_connection_to_the_pool(serve
     await client.aclose()
 
 
-async def test_a_stream_left_before_its_response_ended_is_closed_not_reused(server: ScriptedServer) -> None:
+async def test_a_stream_left_before_its_response_ended_is_closed_not_reused(
+    server: ScriptedServer,
+) -> None:
     async def first_chunk_then_hang(writer: asyncio.StreamWriter) -> None:
-        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
-                     + b"%x\r\n%s\r\n" % (len(SSE), SSE))
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+            + b"%x\r\n%s\r\n" % (len(SSE), SSE)
+        )
         await writer.drain()
         await server.hold.wait()  # the terminating chunk never comes
 
@@ -150,7 +168,9 @@ async def test_a_stream_left_before_its_response_ended_is_closed_not_reused(serv
     await client.aclose()
 
 
-async def test_a_post_without_answer_times_out_and_its_connection_is_dropped(server: ScriptedServer) -> None:
+async def test_a_post_without_answer_times_out_and_its_connection_is_dropped(
+    server: ScriptedServer,
+) -> None:
     async def hang(writer: asyncio.StreamWriter) -> None:
         await server.hold.wait()
 
@@ -181,9 +201,11 @@ async def test_a_stream_that_stalls_mid_response_times_out(server: ScriptedServe
     await client.aclose()
 
 
-async def test_a_connection_closed_mid_response_is_an_upstream_error(server: ScriptedServer) -> None:
+async def test_a_connection_closed_mid_response_is_an_upstream_error(
+    server: ScriptedServer,
+) -> None:
     async def cut(writer: asyncio.StreamWriter) -> None:
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{\"te")
+        writer.write(b'HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{"te')
         await writer.drain()
         writer.transport.abort()
 
@@ -196,19 +218,26 @@ async def test_a_connection_closed_mid_response_is_an_upstream_error(server: Scr
 
 
 @pytest.fixture
-async def other() -> AsyncIterator[ScriptedServer]:  # a second worker: prefill and decode of one request
+async def other() -> AsyncIterator[
+    ScriptedServer
+]:  # a second worker: prefill and decode of one request
     async with ScriptedServer() as scripted:
         yield scripted
 
 
-async def test_answers_awaited_together_wait_for_both(server: ScriptedServer, other: ScriptedServer) -> None:
+async def test_answers_awaited_together_wait_for_both(
+    server: ScriptedServer, other: ScriptedServer
+) -> None:
     async def late(writer: asyncio.StreamWriter) -> None:
         await asyncio.sleep(0.2)
         server.whole_json(writer)
 
     other.respond = late
     client = UpstreamClient(connect_timeout_s=2, timeout_s=5)
-    first, second = await client.send(server.url, b"{}", {}), await client.send(other.url, b"{}", {})
+    first, second = (
+        await client.send(server.url, b"{}", {}),
+        await client.send(other.url, b"{}", {}),
+    )
     await client.wait_for_answers((first, second))
     assert first.answered and second.answered and (first.status, second.status) == (200, 200)
     assert second.body() == b'{"text": "ok"}'
@@ -219,8 +248,9 @@ async def test_answers_awaited_together_wait_for_both(server: ScriptedServer, ot
     await client.aclose()
 
 
-async def test_a_refusal_ends_the_wait_and_the_unanswered_exchange_is_not_reused(server: ScriptedServer,
-                                                                                  other: ScriptedServer) -> None:
+async def test_a_refusal_ends_the_wait_and_the_unanswered_exchange_is_not_reused(
+    server: ScriptedServer, other: ScriptedServer
+) -> None:
     async def refuse(writer: asyncio.StreamWriter) -> None:
         writer.write(b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 2\r\n\r\n{}")
 
@@ -229,7 +259,10 @@ async def test_a_refusal_ends_the_wait_and_the_unanswered_exchange_is_not_reused
 
     server.respond, other.respond = refuse, hang
     client = UpstreamClient(connect_timeout_s=2, timeout_s=30)
-    refused, waiting = await client.send(server.url, b"{}", {}), await client.send(other.url, b"{}", {})
+    refused, waiting = (
+        await client.send(server.url, b"{}", {}),
+        await client.send(other.url, b"{}", {}),
+    )
     await asyncio.wait_for(client.wait_for_answers((refused, waiting)), 5)  # not the 30 s timeout
     assert refused.status == 500 and not waiting.answered
     client.finish(refused)
@@ -240,13 +273,18 @@ async def test_a_refusal_ends_the_wait_and_the_unanswered_exchange_is_not_reused
     await client.aclose()
 
 
-async def test_one_timer_fails_only_what_has_not_answered(server: ScriptedServer, other: ScriptedServer) -> None:
+async def test_one_timer_fails_only_what_has_not_answered(
+    server: ScriptedServer, other: ScriptedServer
+) -> None:
     async def hang(writer: asyncio.StreamWriter) -> None:
         await other.hold.wait()
 
     other.respond = hang
     client = UpstreamClient(connect_timeout_s=2, timeout_s=0.3)
-    answered, hung = await client.send(server.url, b"{}", {}), await client.send(other.url, b"{}", {})
+    answered, hung = (
+        await client.send(server.url, b"{}", {}),
+        await client.send(other.url, b"{}", {}),
+    )
     await client.wait_for_answers((answered, hung))
     assert answered.failure is None and answered.status == 200
     assert isinstance(hung.failure, UpstreamTimeout)

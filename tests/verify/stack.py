@@ -47,7 +47,9 @@ class LyingStack:
     gateway: GatewayProcess
 
     def client(self, raw_key: str) -> httpx.Client:
-        return httpx.Client(base_url=self.gateway.url, headers={"Authorization": f"Bearer {raw_key}"}, timeout=30)
+        return httpx.Client(
+            base_url=self.gateway.url, headers={"Authorization": f"Bearer {raw_key}"}, timeout=30
+        )
 
     def metric(self, name: str, **labels: str) -> float:
         return gateway_metric(self.gateway, name, **labels)
@@ -56,7 +58,11 @@ class LyingStack:
 def gateway_metric(gateway: GatewayProcess, name: str, **labels: str) -> float:
     """The sum of a metric's samples (from the gateway's /metrics) whose labels include ``labels``."""
     total = 0.0
-    for line in httpx.get(gateway.url + "/metrics", timeout=10, headers={"Authorization": f"Bearer {gateway.admin_key}"}).text.splitlines():
+    for line in httpx.get(
+        gateway.url + "/metrics",
+        timeout=10,
+        headers={"Authorization": f"Bearer {gateway.admin_key}"},
+    ).text.splitlines():
         if line.startswith("#") or not (line.startswith(name + "{") or line.startswith(name + " ")):
             continue
         series, value = line.rsplit(" ", 1)
@@ -66,18 +72,24 @@ def gateway_metric(gateway: GatewayProcess, name: str, **labels: str) -> float:
 
 
 @contextlib.contextmanager
-def lying_stack(work_dir: Path, *, env: dict[str, str] | None = None,
-                decode: Behaviour | None = None) -> Iterator[LyingStack]:
+def lying_stack(
+    work_dir: Path, *, env: dict[str, str] | None = None, decode: Behaviour | None = None
+) -> Iterator[LyingStack]:
     model_dir = ensure_tiny_model(DEFAULT_MODEL_DIR)
     with contextlib.ExitStack() as stack:
-        prefill_worker = stack.enter_context(StandInWorker("prefill", Behaviour(pool_tokens=POOL_TOKENS),
-                                                           port=range_port()))
-        decode_worker = stack.enter_context(StandInWorker("decode", decode or Behaviour(pool_tokens=POOL_TOKENS),
-                                                          port=range_port()))
+        prefill_worker = stack.enter_context(
+            StandInWorker("prefill", Behaviour(pool_tokens=POOL_TOKENS), port=range_port())
+        )
+        decode_worker = stack.enter_context(
+            StandInWorker("decode", decode or Behaviour(pool_tokens=POOL_TOKENS), port=range_port())
+        )
         policies = write_policies(
-            work_dir / "policies", model_name=MODEL, tokenizer_dir=model_dir,
+            work_dir / "policies",
+            model_name=MODEL,
+            tokenizer_dir=model_dir,
             pools=[PoolSpec("shared", ((prefill_worker.url, range_port()),), (decode_worker.url,))],
-            max_context_tokens=POOL_TOKENS, require_engine_tags=True,
+            max_context_tokens=POOL_TOKENS,
+            require_engine_tags=True,
         )
         gateway = start_gateway(policies, work_dir, env or {})
         stack.callback(gateway.stop)
@@ -88,7 +100,9 @@ def start_gateway(policies: Path, work_dir: Path, env: dict[str, str]) -> Gatewa
     # Our range lies inside the kernel's ephemeral range: a port free when picked can be taken
     # by an outgoing connection before the gateway binds it. Pick another and retry.
     for attempt in range(3):
-        gateway = GatewayProcess(policies_dir=policies, work_dir=work_dir, env=dict(env), port=range_port())
+        gateway = GatewayProcess(
+            policies_dir=policies, work_dir=work_dir, env=dict(env), port=range_port()
+        )
         try:
             return gateway.start(timeout_s=20)
         except RuntimeError:
@@ -103,7 +117,7 @@ def sse_events(response: httpx.Response) -> list[Any]:
     events: list[Any] = []
     for line in response.iter_lines():
         if line.startswith("data: "):
-            payload = line[len("data: "):]
+            payload = line[len("data: ") :]
             events.append(payload if payload == "[DONE]" else orjson.loads(payload))
     return events
 

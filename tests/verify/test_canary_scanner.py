@@ -20,7 +20,9 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-async def scanner_with(marker: str, owner: str, ttl_s: float = 60.0) -> tuple[CanaryScanner, list[CanaryHit]]:
+async def scanner_with(
+    marker: str, owner: str, ttl_s: float = 60.0
+) -> tuple[CanaryScanner, list[CanaryHit]]:
     hits: list[CanaryHit] = []
     scanner = CanaryScanner(on_hit=hits.append)
     await scanner.register_marker(marker, owner, ttl_s, origin="test")
@@ -41,7 +43,9 @@ async def test_a_tenants_own_marker_and_unknown_markers_pass() -> None:
     scanner, hits = await scanner_with(marker, "tenant-a")
     assert scanner.foreign_marker(f"echo {marker}", "tenant-a") is None
     assert scanner.foreign_marker(f"echo {new_marker()} {MARKER_PREFIX}", "tenant-b") is None
-    assert scanner.foreign_marker(f"echo {marker}", "tenant-b") == marker  # the same text, another reader
+    assert (
+        scanner.foreign_marker(f"echo {marker}", "tenant-b") == marker
+    )  # the same text, another reader
     assert len(hits) == 1
 
 
@@ -72,9 +76,14 @@ async def test_a_marker_split_across_two_chunks_is_caught_before_any_of_it_is_se
 
 
 @settings(max_examples=200, deadline=None)
-@given(before=st.text(max_size=60), after=st.text(max_size=60), cuts=st.lists(st.integers(0, 200), max_size=8))
-def test_no_byte_of_a_foreign_marker_is_ever_sent_whatever_the_chunking(before: str, after: str,
-                                                                        cuts: list[int]) -> None:
+@given(
+    before=st.text(max_size=60),
+    after=st.text(max_size=60),
+    cuts=st.lists(st.integers(0, 200), max_size=8),
+)
+def test_no_byte_of_a_foreign_marker_is_ever_sent_whatever_the_chunking(
+    before: str, after: str, cuts: list[int]
+) -> None:
     marker = new_marker()
     scanner = CanaryScanner()
     asyncio.run(scanner.register_marker(marker, "tenant-b", 60))
@@ -134,7 +143,10 @@ async def test_markers_are_shared_between_replicas_through_redis() -> None:
         await publisher.register_marker(stale, "tenant-b", 0.001)
         await asyncio.sleep(0.01)
         await reader.refresh()
-        assert await client.hexists(key, stale) == 0 and reader.foreign_marker(stale, "tenant-a") is None
+        assert (
+            await client.hexists(key, stale) == 0
+            and reader.foreign_marker(stale, "tenant-a") is None
+        )
     finally:
         await client.delete(key)
         await client.aclose()

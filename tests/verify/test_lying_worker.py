@@ -19,8 +19,15 @@ import pytest
 
 from gateway.canary import MARKER_PREFIX, CanaryScanner, new_marker
 from tests.standin_worker import Behaviour
-from tests.verify.stack import (MODEL, POOL_TOKENS, LyingStack, lying_stack, sse_events, streamed_content,
-                                wait_until)
+from tests.verify.stack import (
+    MODEL,
+    POOL_TOKENS,
+    LyingStack,
+    lying_stack,
+    sse_events,
+    streamed_content,
+    wait_until,
+)
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 CANARY_KEY = "isogate-test-verify-canary-" + secrets.token_hex(6)
@@ -41,8 +48,12 @@ LIES: dict[str, tuple[Behaviour, str]] = {
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LyingStack]:
-    env = {"ISOGATE_REDIS_URL": REDIS_URL, "ISOGATE_CANARY_REDIS_KEY": CANARY_KEY,
-           "ISOGATE_CANARY_REFRESH_S": "0.1", "ISOGATE_AUDIT_FLUSH_INTERVAL_S": "0.05"}
+    env = {
+        "ISOGATE_REDIS_URL": REDIS_URL,
+        "ISOGATE_CANARY_REDIS_KEY": CANARY_KEY,
+        "ISOGATE_CANARY_REFRESH_S": "0.1",
+        "ISOGATE_AUDIT_FLUSH_INTERVAL_S": "0.05",
+    }
     with lying_stack(tmp_path_factory.mktemp("lying"), env=env) as running:
         yield running
     import redis
@@ -60,14 +71,22 @@ def behave(stack: LyingStack, behaviour: Behaviour) -> None:
 
 
 def body(stream: bool) -> dict[str, Any]:
-    return {"model": MODEL, "messages": [{"role": "user", "content": "Say something."}], "max_tokens": 4,
-            "stream": stream}
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Say something."}],
+        "max_tokens": 4,
+        "stream": stream,
+    }
 
 
-def audited_failure(stack: LyingStack, key: str, response: httpx.Response | None = None) -> dict[str, Any]:
+def audited_failure(
+    stack: LyingStack, key: str, response: httpx.Response | None = None
+) -> dict[str, Any]:
     def events() -> list[dict[str, Any]]:
         with stack.client(key) as client:
-            return client.get("/v1/audit/events", params={"outcome": "verification_failed"}).json()["data"]
+            return client.get("/v1/audit/events", params={"outcome": "verification_failed"}).json()[
+                "data"
+            ]
 
     found = wait_until(events, timeout_s=10)
     assert len(found) == 1, found
@@ -102,8 +121,9 @@ def test_a_lying_answer_is_withheld_with_502(stack: LyingStack, tenant_key: str,
 
 
 @pytest.mark.parametrize("lie", list(LIES))
-def test_a_stream_whose_first_chunk_lies_is_a_502_before_any_byte(stack: LyingStack, tenant_key: str,
-                                                                   lie: str) -> None:
+def test_a_stream_whose_first_chunk_lies_is_a_502_before_any_byte(
+    stack: LyingStack, tenant_key: str, lie: str
+) -> None:
     behaviour, reason = LIES[lie]
     behave(stack, replace(behaviour, text_chunks=(LEAK + " ", LEAK), lie_from_chunk=0))
     with stack.client(tenant_key) as client:
@@ -115,9 +135,12 @@ def test_a_stream_whose_first_chunk_lies_is_a_502_before_any_byte(stack: LyingSt
     assert reason in event["detail"] and event["status"] == 502 and event["stream"] is True
 
 
-@pytest.mark.parametrize("lie", [name for name in LIES if name != "no tags at all"])  # tags are all-or-nothing
-def test_a_stream_that_lies_midway_ends_with_one_error_event_and_no_done(stack: LyingStack, tenant_key: str,
-                                                                         lie: str) -> None:
+@pytest.mark.parametrize(
+    "lie", [name for name in LIES if name != "no tags at all"]
+)  # tags are all-or-nothing
+def test_a_stream_that_lies_midway_ends_with_one_error_event_and_no_done(
+    stack: LyingStack, tenant_key: str, lie: str
+) -> None:
     behaviour, reason = LIES[lie]
     behave(stack, replace(behaviour, text_chunks=(HONEST, LEAK, " and more"), lie_from_chunk=1))
     with stack.client(tenant_key) as client:
@@ -126,7 +149,9 @@ def test_a_stream_that_lies_midway_ends_with_one_error_event_and_no_done(stack: 
             events = sse_events(response)
     assert response.status_code == 200
     assert LEAK.encode() not in raw
-    assert HONEST.startswith(streamed_content(events))  # only the honest chunk's checked part got out
+    assert HONEST.startswith(
+        streamed_content(events)
+    )  # only the honest chunk's checked part got out
     assert "[DONE]" not in events
     assert events[-1]["error"]["code"] == "isolation_check_failed"
     assert sum(1 for e in events if isinstance(e, dict) and "error" in e) == 1
@@ -142,11 +167,15 @@ def test_the_honest_stand_in_is_served(stack: LyingStack, tenant_key: str) -> No
         with client.stream("POST", "/v1/chat/completions", json=body(stream=True)) as response:
             response.read()
             events = sse_events(response)
-    assert whole.status_code == 200 and whole.json()["choices"][0]["message"]["content"] == HONEST + "done."
+    assert (
+        whole.status_code == 200
+        and whole.json()["choices"][0]["message"]["content"] == HONEST + "done."
+    )
     assert streamed_content(events) == HONEST + "done." and events[-1] == "[DONE]"
 
 
 # ---- canaries ----------------------------------------------------------------------------
+
 
 def publish_marker(stack: LyingStack, owner: str) -> str:
     """Register ``owner``'s marker the way another replica's prober would: through Redis."""
@@ -157,7 +186,9 @@ def publish_marker(stack: LyingStack, owner: str) -> str:
     async def register(marker: str) -> None:
         client = redis_asyncio.from_url(REDIS_URL)
         try:
-            await CanaryScanner(client, CANARY_KEY).register_marker(marker, owner, 120, origin="test")
+            await CanaryScanner(client, CANARY_KEY).register_marker(
+                marker, owner, 120, origin="test"
+            )
         finally:
             await client.aclose()
 
@@ -168,11 +199,15 @@ def publish_marker(stack: LyingStack, owner: str) -> str:
     return marker
 
 
-def test_another_tenants_canary_split_across_two_chunks_ends_the_stream(stack: LyingStack,
-                                                                         tenant_key: str) -> None:
+def test_another_tenants_canary_split_across_two_chunks_ends_the_stream(
+    stack: LyingStack, tenant_key: str
+) -> None:
     marker = publish_marker(stack, owner="tenant-b")
     cut = len(MARKER_PREFIX) + 4
-    behave(stack, Behaviour(text_chunks=(HONEST, "as I recall " + marker[:cut], marker[cut:] + " the end")))
+    behave(
+        stack,
+        Behaviour(text_chunks=(HONEST, "as I recall " + marker[:cut], marker[cut:] + " the end")),
+    )
     hits_before = stack.metric("isogate_canary_hits_total")
     with stack.client(tenant_key) as client:
         with client.stream("POST", "/v1/chat/completions", json=body(stream=True)) as response:
@@ -181,13 +216,17 @@ def test_another_tenants_canary_split_across_two_chunks_ends_the_stream(stack: L
     assert response.status_code == 200
     content = streamed_content(events)
     assert (HONEST + "as I recall ").startswith(content) and content  # some honest text got out ...
-    assert MARKER_PREFIX[0].encode() not in raw and marker[cut:].encode() not in raw  # ... none of the marker
+    assert (
+        MARKER_PREFIX[0].encode() not in raw and marker[cut:].encode() not in raw
+    )  # ... none of the marker
     assert events[-1]["error"]["code"] == "isolation_check_failed" and "[DONE]" not in events
     assert stack.metric("isogate_canary_hits_total") == hits_before + 1
     assert "canary" in audited_failure(stack, tenant_key)["detail"]
 
 
-def test_another_tenants_canary_in_a_whole_answer_is_a_502(stack: LyingStack, tenant_key: str) -> None:
+def test_another_tenants_canary_in_a_whole_answer_is_a_502(
+    stack: LyingStack, tenant_key: str
+) -> None:
     marker = publish_marker(stack, owner="tenant-b")
     behave(stack, Behaviour(text_chunks=("prefix ", marker, " suffix")))
     with stack.client(tenant_key) as client:
@@ -203,4 +242,7 @@ def test_a_tenants_own_canary_marker_is_served(stack: LyingStack) -> None:
     behave(stack, Behaviour(text_chunks=("mine: ", marker)))
     with stack.client(key) as client:
         response = client.post("/v1/chat/completions", json=body(stream=False))
-    assert response.status_code == 200 and response.json()["choices"][0]["message"]["content"] == "mine: " + marker
+    assert (
+        response.status_code == 200
+        and response.json()["choices"][0]["message"]["content"] == "mine: " + marker
+    )

@@ -33,7 +33,7 @@ FIXES_ENV = "ISOGATE_TEST_UNDO_FIXES"
 ALL_FIXES = ("admission", "retire")
 
 
-def selected_fixes(environ: "os._Environ[str] | dict[str, str]" = os.environ) -> tuple[str, ...]:
+def selected_fixes(environ: os._Environ[str] | dict[str, str] = os.environ) -> tuple[str, ...]:
     if environ.get(ACTIVATION_ENV) != "1":
         return ()
     names = [n.strip() for n in environ.get(FIXES_ENV, ",".join(ALL_FIXES)).split(",") if n.strip()]
@@ -61,7 +61,7 @@ def register() -> None:
         return
     if "admission" in fixes:
         # The importers must be loaded for the registry to rebind their names.
-        import sglang.srt.disaggregation.decode  # noqa: F401
+        import sglang.srt.disaggregation.decode
         import sglang.srt.disaggregation.prefill  # noqa: F401
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
