@@ -2,7 +2,7 @@
 
 - ``bench/audit_bench.py``: audit insert throughput (SQLite, PostgreSQL) and query time.
 - ``bench/verify_bench.py``: verification and canary scanning cost per request and per KB.
-- ``engine_patch.costs.measure_costs()`` in the engine venv: the SGLang plugin's cost.
+- ``bench/engine_patch_costs.py`` in the engine venv: the SGLang plugin's cost.
 - ``bench/python_floor.py``: what a bare Python PD proxy on the gateway's stack costs per
   request (the floor under the gateway's own work).
 - ``bench/pipeline_costs.py``: what each step of the request path costs, by taking it out
@@ -26,7 +26,7 @@ from bench.processes import ENGINE_PYTHON, REPO_ROOT
 
 RESULTS = Path(__file__).resolve().parent / "results"
 COSTS_SNIPPET = (
-    "import json; from engine_patch.costs import measure_costs; "
+    "import json; from bench.engine_patch_costs import measure_costs; "
     "print('COSTS_JSON ' + json.dumps(measure_costs(), default=str))"
 )
 
@@ -88,12 +88,17 @@ def run_peer_benches(config: BenchConfig, log=print) -> list[dict]:
         runs.append(
             PeerRun("verify", [], "absent", 0.0, "bench/verify_bench.py is not there yet", None)
         )
-    if (REPO_ROOT / "engine_patch" / "costs.py").exists() and ENGINE_PYTHON.exists():
+    if (REPO_ROOT / "bench" / "engine_patch_costs.py").exists() and ENGINE_PYTHON.exists():
         runs.append(_run("engine_patch", [str(ENGINE_PYTHON), "-c", COSTS_SNIPPET], 300, None))
     else:
         runs.append(
             PeerRun(
-                "engine_patch", [], "absent", 0.0, "engine_patch/costs.py is not there yet", None
+                "engine_patch",
+                [],
+                "absent",
+                0.0,
+                "bench/engine_patch_costs.py is not there yet",
+                None,
             )
         )
     seconds = str(2 if config.quick else 6)

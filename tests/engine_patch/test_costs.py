@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine_patch.costs import measure_costs
+from bench.engine_patch_costs import measure_costs
 
 
 def test_measure_costs_reports_positive_timings_for_each_hook():

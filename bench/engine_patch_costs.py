@@ -1,8 +1,9 @@
 """What the plugin's hooks cost, measured on the real SGLang classes on this machine.
 
-``measure_costs()`` is called by the bench suite (``make bench``). It times the
-hooks the way they run in a server -- with SGLang's real originals, real
-``Req``/``MetadataBuffers``/pools -- and reports microseconds:
+Benchmark code, not part of the plugin: ``measure_costs()`` is run by the bench suite
+(``make bench``, section 3, in ``.venv-engine``; also ``python -m bench.engine_patch_costs``
+there, from the repository root). It times the hooks the way they run in a server -- with
+SGLang's real originals, real ``Req``/``MetadataBuffers``/pools -- and reports microseconds:
 
 - per request: tag handling on the tokenizer (headers, re-typed IPC message),
   the prefill attestation (after ``set_buf``), the decode coverage check plus
