@@ -5,8 +5,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 ENGINE_PY := .venv-engine/bin/python
 GATEWAY_STAMP := $(VENV)/.installed
+LINT_PATHS := gateway engine_patch engine bench tests migrations
 
-.PHONY: run test test-fast bench install engine services check-pools clean
+.PHONY: run lint test test-fast bench install engine services check-pools clean
 
 $(GATEWAY_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,14 +27,22 @@ services:
 run: install engine
 	$(PY) scripts/run-dev
 
+# Static checks, first in every test run: they take seconds and fail before any cluster starts.
+# ruff's rules and formatting ([tool.ruff] in pyproject.toml), then strict mypy over gateway and
+# engine_patch ([tool.mypy]); all from .venv, so no engine install is needed.
+lint: install
+	$(VENV)/bin/ruff check $(LINT_PATHS)
+	$(VENV)/bin/ruff format --check $(LINT_PATHS)
+	$(VENV)/bin/mypy
+
 # The gateway's suite (unit, stand-in and real-SGLang end-to-end tests), then engine_patch's
 # unit tests against the real SGLang classes, which need the engine venv.
-test: install engine services
-	$(PY) -m pytest -ra
-	$(ENGINE_PY) -m pytest -ra tests/engine_patch
+test: lint install engine services
+	$(PY) -m pytest -ra --durations=25
+	$(ENGINE_PY) -m pytest -ra --durations=25 tests/engine_patch
 
 # Without the real SGLang cluster (unit tests and stand-in workers only).
-test-fast: install services
+test-fast: lint install services
 	$(PY) -m pytest -ra -m "not engine"
 
 bench: install engine services
@@ -43,4 +52,4 @@ check-pools: install
 	$(VENV)/bin/isogate check-pools
 
 clean:
-	rm -rf .run .pytest_cache
+	rm -rf .run .pytest_cache .mypy_cache .ruff_cache
