@@ -34,8 +34,8 @@ from bench.processes import (
 from bench.rig import MODEL, POOL_TOKENS
 from bench.routing_bench import request_body
 from bench.wrk import run_wrk
+from gateway.dev.harness import GatewayProcess
 from gateway.dev.model import ensure_tiny_model
-from tests.harness import GatewayProcess
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,7 +20,7 @@ import httpx
 import yaml
 
 from gateway.dev.cluster import group_members
-from tests.harness import GatewayProcess, port_is_free
+from gateway.dev.harness import GatewayProcess, port_is_free
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ENGINE_PYTHON = Path(os.environ.get("ENGINE_VENV") or REPO_ROOT / ".venv-engine") / "bin" / "python"
@@ -361,7 +361,7 @@ def start_gateway(
     priority: int = 0,
     root: Path | None = None,
 ) -> tuple[GatewayProcess, str]:
-    """``python -m gateway serve`` (the harness's GatewayProcess), pinned; returns it and a tenant key.
+    """``python -m gateway serve`` (``gateway.dev.harness.GatewayProcess``), pinned; returns it and a tenant key.
 
     ``root``: run the ``gateway`` package of that directory instead of this checkout's.
     """

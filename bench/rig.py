@@ -18,8 +18,8 @@ from bench.processes import (
     start_gateway,
     write_bench_policies,
 )
+from gateway.dev.harness import GatewayProcess
 from gateway.dev.model import ensure_tiny_model
-from tests.harness import GatewayProcess
 
 POOL_TOKENS = 8_388_608  # the instant backends' advertised KV pool: admission never binds on it
 MODEL = "tiny-llama"  # everyday limit: the 65,536-token policy of the dev model

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import pytest
 
 from gateway.dev.cluster import ClusterSpec, PDCluster, default_cluster_spec, default_engine_python
-from tests.harness import GatewayProcess, PoolSpec, write_policies
+from gateway.dev.harness import GatewayProcess
+from tests.harness import PoolSpec, write_policies
 
 MODEL = "tiny-llama"
 # Ports of the shared session cluster (other suites use other ranges).

@@ -1,45 +1,21 @@
-"""Test harness: the gateway as a real process over real HTTP, and tenants made through its admin API.
+"""Test harness: the policy files a test's gateway runs with.
 
-Tests talk to the gateway exactly as clients do (the ``openai`` SDK, httpx); nothing is
-imported into the test process that a deployment would not run in a separate one.
+The gateway itself, as a real process over real HTTP with tenants made through its admin API
+(``GatewayProcess``), and the port helpers live in ``gateway.dev.harness``, shared with the
+bench suite. Tests talk to the gateway exactly as clients do (the ``openai`` SDK, httpx);
+nothing is imported into the test process that a deployment would not run in a separate one.
 """
 
 from __future__ import annotations
 
-import os
-import secrets
-import signal
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 import yaml
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def port_is_free(port: int) -> bool:
-    """Bindable by a server: with SO_REUSEADDR, as servers bind, a port that only TIME_WAIT
-    remnants of an earlier server hold counts as free."""
-    with socket.socket() as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 @dataclass(frozen=True)
@@ -101,118 +77,3 @@ def write_policies(
     }
     (directory / "tenants.yaml").write_text(yaml.safe_dump(tenants_file))
     return directory
-
-
-@dataclass
-class GatewayProcess:
-    """``isogate serve`` in its own process group, with its own SQLite file and settings."""
-
-    policies_dir: Path
-    work_dir: Path
-    env: dict[str, str] = field(default_factory=dict)
-    port: int = field(default_factory=free_port)
-    admin_key: str = field(default_factory=lambda: "admin-" + secrets.token_hex(16))
-    process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def log_path(self) -> Path:
-        return self.work_dir / f"gateway-{self.port}.log"
-
-    def environment(self) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("ISOGATE_")}
-        env.update(
-            ISOGATE_PORT=str(self.port),
-            ISOGATE_POLICIES_DIR=str(self.policies_dir),
-            ISOGATE_DATABASE_URL=f"sqlite:///{self.work_dir / 'isogate.db'}",
-            ISOGATE_ADMIN_KEY=self.admin_key,
-            ISOGATE_AUDIT_SPOOL_DIR=str(self.work_dir / f"spool-{self.port}"),
-            ISOGATE_CAPACITY_POLL_INTERVAL_S="0.5",
-            ISOGATE_LOG_LEVEL="info",
-        )
-        env.update(self.env)
-        return env
-
-    def start(self, *, wait_ready: bool = True, timeout_s: float = 60.0) -> GatewayProcess:
-        self.work_dir.mkdir(parents=True, exist_ok=True)
-        env = self.environment()
-        subprocess.run(
-            [sys.executable, "-m", "gateway", "migrate"],
-            env=env,
-            check=True,
-            cwd=REPO_ROOT,
-            stdout=subprocess.DEVNULL,
-        )
-        log = open(self.log_path, "ab")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "gateway", "serve"],
-            env=env,
-            cwd=REPO_ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        log.close()
-        try:
-            self._wait("/readyz" if wait_ready else "/healthz", timeout_s)
-        except BaseException:
-            self.stop()  # never leave a gateway behind when it did not come up
-            raise
-        return self
-
-    def _wait(self, path: str, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process is not None and self.process.poll() is not None:
-                raise RuntimeError(
-                    f"gateway exited with {self.process.returncode}:\n{self.log_tail()}"
-                )
-            try:
-                if httpx.get(self.url + path, timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"gateway not ready at {path} after {timeout_s}s:\n{self.log_tail()}")
-
-    def log_tail(self, size: int = 4000) -> str:
-        try:
-            return self.log_path.read_bytes()[-size:].decode("utf-8", "replace")
-        except FileNotFoundError:
-            return ""
-
-    def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
-
-    def __enter__(self) -> GatewayProcess:
-        return self.start()
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
-
-    # -- admin helpers ----------------------------------------------------------------------
-
-    def admin(self) -> httpx.Client:
-        return httpx.Client(
-            base_url=self.url, headers={"Authorization": f"Bearer {self.admin_key}"}, timeout=10
-        )
-
-    def create_tenant(self, tenant_id: str | None = None) -> tuple[str, str]:
-        """A new tenant and one API key for it: ``(tenant_id, raw_key)``."""
-        tenant_id = tenant_id or "t-" + secrets.token_hex(4)
-        with self.admin() as client:
-            created = client.post("/admin/tenants", json={"id": tenant_id})
-            created.raise_for_status()
-            key = client.post(f"/admin/tenants/{tenant_id}/keys", json={})
-            key.raise_for_status()
-            return tenant_id, key.json()["key"]

@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from tests.harness import free_port
+from gateway.dev.harness import free_port
 
 DATA = Path(__file__).parent / "data"
 

@@ -19,7 +19,8 @@ import openai
 import pytest
 
 from gateway.dev.cluster import PDCluster, default_cluster_spec
-from tests.harness import REPO_ROOT, GatewayProcess, PoolSpec, write_policies
+from gateway.dev.harness import GatewayProcess
+from tests.harness import REPO_ROOT, PoolSpec, write_policies
 
 pytestmark = pytest.mark.engine
 

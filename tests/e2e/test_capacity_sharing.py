@@ -5,8 +5,9 @@ from __future__ import annotations
 import secrets
 import time
 
+from gateway.dev.harness import GatewayProcess
 from gateway.dev.model import ensure_tiny_model
-from tests.harness import GatewayProcess, PoolSpec, write_policies
+from tests.harness import PoolSpec, write_policies
 from tests.standin_worker import StandInWorker
 
 REDIS_URL = "redis://127.0.0.1:6379/0"

@@ -8,8 +8,9 @@ import time
 import httpx
 import pytest
 
+from gateway.dev.harness import GatewayProcess
 from gateway.dev.model import ensure_tiny_model
-from tests.harness import GatewayProcess, PoolSpec, write_policies
+from tests.harness import PoolSpec, write_policies
 from tests.standin_worker import StandInWorker
 
 

@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from tests.harness import REPO_ROOT, free_port
+from gateway.dev.harness import free_port
+from tests.harness import REPO_ROOT
 
 pytestmark = pytest.mark.engine
 

@@ -8,8 +8,8 @@ import pytest
 from tokenizers import Tokenizer
 
 from gateway.dev.cluster import PDCluster, RouterProcess
+from gateway.dev.harness import GatewayProcess
 from tests.conftest import MODEL
-from tests.harness import GatewayProcess
 
 pytestmark = pytest.mark.engine
 

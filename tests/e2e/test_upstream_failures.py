@@ -12,7 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.harness import GatewayProcess, PoolSpec, free_port, write_policies
+from gateway.dev.harness import GatewayProcess, free_port
+from tests.harness import PoolSpec, write_policies
 from tests.standin_worker import Behaviour, StandInWorker
 
 MODEL = "standin-model"

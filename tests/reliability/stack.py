@@ -19,8 +19,9 @@ from typing import Any
 
 import httpx
 
+from gateway.dev.harness import GatewayProcess, port_is_free
 from gateway.dev.model import DEFAULT_MODEL_DIR, ensure_tiny_model
-from tests.harness import GatewayProcess, PoolSpec, port_is_free, write_policies
+from tests.harness import PoolSpec, write_policies
 from tests.standin_worker import Behaviour, StandInWorker
 
 MODEL = "tiny-llama"

@@ -23,7 +23,7 @@ import orjson
 import pytest
 
 from gateway.dev.cluster import PDCluster, default_cluster_spec
-from tests.harness import GatewayProcess
+from gateway.dev.harness import GatewayProcess
 from tests.reliability.load import Answer, Load, by_tenant, send_chat
 from tests.reliability.stack import (
     STANDIN_POOL_TOKENS,

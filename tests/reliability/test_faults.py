@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 from starlette.types import Receive, Scope, Send
 
-from tests.harness import GatewayProcess
+from gateway.dev.harness import GatewayProcess
 from tests.reliability.load import Answer, Load, by_tenant, send_chat
 from tests.reliability.services import PostgresCluster, RedisServer
 from tests.reliability.stack import (

@@ -27,7 +27,8 @@ from pathlib import Path
 import pytest
 
 from gateway.dev.cluster import ClusterStartError, PDCluster, default_cluster_spec
-from tests.harness import GatewayProcess, PoolSpec, port_is_free, write_policies
+from gateway.dev.harness import GatewayProcess, port_is_free
+from tests.harness import PoolSpec, write_policies
 from tests.reliability.incident_soak import (
     Soak,
     SoakShape,

@@ -19,8 +19,9 @@ from typing import Any
 import httpx
 import orjson
 
+from gateway.dev.harness import GatewayProcess
 from gateway.dev.model import DEFAULT_MODEL_DIR, ensure_tiny_model
-from tests.harness import GatewayProcess, PoolSpec, write_policies
+from tests.harness import PoolSpec, write_policies
 from tests.standin_worker import Behaviour, StandInWorker
 
 MODEL = "tiny-llama"

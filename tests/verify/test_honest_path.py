@@ -20,8 +20,9 @@ import openai
 import pytest
 from tokenizers import Tokenizer
 
+from gateway.dev.harness import GatewayProcess
 from tests.conftest import MODEL
-from tests.harness import GatewayProcess, PoolSpec, write_policies
+from tests.harness import PoolSpec, write_policies
 from tests.verify.stack import gateway_metric, sse_events, start_gateway, wait_until
 
 pytestmark = pytest.mark.engine
