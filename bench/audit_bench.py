@@ -226,21 +226,29 @@ def _bulk_fill(store: Store, count: int, tenants: int, *, offset: int) -> None:
             conn.execute(
                 text(f"""
                 INSERT INTO audit_events ({columns})
-                SELECT 'bench-' || lpad(i::text, 9, '0'), 'tenant-' || lpad((i % {tenants})::text, 3, '0'),
-                       'key_' || lpad(to_hex(i % 997), 16, '0'), CASE WHEN i % 3 = 0 THEN 'tiny-llama' ELSE 'glm-5' END,
+                SELECT 'bench-' || lpad(i::text, 9, '0'),
+                       'tenant-' || lpad((i % {tenants})::text, 3, '0'),
+                       'key_' || lpad(to_hex(i % 997), 16, '0'),
+                       CASE WHEN i % 3 = 0 THEN 'tiny-llama' ELSE 'glm-5' END,
                        {outcome_case}, CASE WHEN {n} < 17 THEN 200 ELSE 429 END, NULL,
-                       'http://prefill-3:30000', 'http://decode-1:30001', i % 4096, i % 512, i % 2 = 1,
-                       (i % 1000) / 3.0, TIMESTAMPTZ '2026-01-01 00:00:00+00' + i * INTERVAL '10 milliseconds', NULL
+                       'http://prefill-3:30000', 'http://decode-1:30001',
+                       i % 4096, i % 512, i % 2 = 1,
+                       (i % 1000) / 3.0,
+                       TIMESTAMPTZ '2026-01-01 00:00:00+00' + i * INTERVAL '10 milliseconds',
+                       NULL
                 FROM generate_series({offset}, {offset + count - 1}) AS i
             """)
             )
         else:
             conn.execute(
                 text(f"""
-                WITH RECURSIVE s(i) AS (SELECT {offset} UNION ALL SELECT i + 1 FROM s WHERE i < {offset + count - 1})
+                WITH RECURSIVE s(i) AS (
+                    SELECT {offset} UNION ALL SELECT i + 1 FROM s WHERE i < {offset + count - 1}
+                )
                 INSERT INTO audit_events ({columns})
                 SELECT 'bench-' || printf('%09d', i), 'tenant-' || printf('%03d', i % {tenants}),
-                       'key_' || printf('%016x', i % 997), CASE WHEN i % 3 = 0 THEN 'tiny-llama' ELSE 'glm-5' END,
+                       'key_' || printf('%016x', i % 997),
+                       CASE WHEN i % 3 = 0 THEN 'tiny-llama' ELSE 'glm-5' END,
                        {outcome_case}, CASE WHEN {n} < 17 THEN 200 ELSE 429 END, NULL,
                        'http://prefill-3:30000', 'http://decode-1:30001', i % 4096, i % 512, i % 2,
                        (i % 1000) / 3.0,
@@ -291,8 +299,8 @@ def _server_execution_ms(store: Store, tenant_ids: list[str], rng: random.Random
         for _ in range(50):
             plan = conn.execute(
                 text(
-                    "EXPLAIN (ANALYZE, FORMAT JSON) SELECT * FROM audit_events WHERE tenant_id = :t "
-                    "ORDER BY created_at DESC, generation_id DESC LIMIT 101"
+                    "EXPLAIN (ANALYZE, FORMAT JSON) SELECT * FROM audit_events "
+                    "WHERE tenant_id = :t ORDER BY created_at DESC, generation_id DESC LIMIT 101"
                 ),
                 {"t": rng.choice(tenant_ids)},
             ).scalar_one()
@@ -324,7 +332,7 @@ def _plan(store: Store, tenant_id: str) -> str:
 
 def _percentile(values: list[float], fraction: float) -> float:
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(fraction * (len(ordered) - 1))))]
+    return ordered[min(len(ordered) - 1, round(fraction * (len(ordered) - 1)))]
 
 
 class _scratch_database:
@@ -348,7 +356,8 @@ class _scratch_database:
         with psycopg.connect(self._libpq(), autocommit=True) as conn:
             conn.execute(f'CREATE SCHEMA "{self._schema}"')
         rendered = url.render_as_string(hide_password=False)
-        return f"{rendered}{'&' if '?' in rendered else '?'}options={quote(f'-csearch_path={self._schema}')}"
+        options = quote(f"-csearch_path={self._schema}")
+        return f"{rendered}{'&' if '?' in rendered else '?'}options={options}"
 
     def __exit__(self, *exc_info: object) -> None:
         if self._schema is not None:

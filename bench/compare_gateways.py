@@ -113,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         for stream in [mode == "stream" for mode in ("plain", "stream") if mode in modes]:
             for concurrency in args.concurrency or config.concurrencies:
                 cpu_per_request: dict[str, list[float]] = {name: [] for name in gateways}
-                # A and B alternate: a neighbour's burst lands on both, and the median sees through it.
+                # A and B alternate: a neighbour's burst lands on both, and the median sees
+                # through it.
                 for _ in range(args.rounds):
                     for name, (gateway, key) in gateways.items():
                         cpu_per_request[name].append(
@@ -130,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
                         for name, cells in cpu_per_request.items()
                     }
                     print(
-                        f"{'stream' if stream else 'plain':6} c={concurrency:<3} median CPU µs/req: "
+                        f"{'stream' if stream else 'plain':6} c={concurrency:<3} "
+                        "median CPU µs/req: "
                         + "  ".join(f"{name} {value:.0f}" for name, value in medians.items())
                         + f"  (B/A {medians['B'] / medians['A']:.2f})",
                         flush=True,

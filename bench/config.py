@@ -1,4 +1,6 @@
-"""What one ``make bench`` run measures and for how long; ``BENCH_QUICK=1`` makes it a ~2-minute smoke run.
+"""What one ``make bench`` run measures and for how long.
+
+``BENCH_QUICK=1`` makes it a ~2-minute smoke run.
 
 Ports: everything the suite starts listens in 34000-34199 (see ``Ports``).
 CPUs: on a machine with at least two CPUs the router under test (sglang_router or the

@@ -121,7 +121,7 @@ class Request:
 
 
 class BackendProtocol(asyncio.Protocol):
-    """One client connection: parse requests with httptools, answer each as soon as it is complete."""
+    """One client connection: parse requests with httptools, answer each once it is complete."""
 
     def __init__(self, config: BackendConfig, statics: dict[bytes, bytes]) -> None:
         self._config = config
@@ -285,7 +285,7 @@ class SGLangAnswer:
 
 
 class OpenAIAnswer:
-    """``/v1/completions`` and ``/v1/chat/completions``: the OpenAI shape a worker's own API returns."""
+    """``/v1/completions`` and ``/v1/chat/completions``, in the shape a worker's own API returns."""
 
     def __init__(self, config: BackendConfig, payload: dict[str, Any], *, chat: bool) -> None:
         max_tokens = int(
@@ -341,7 +341,7 @@ class OpenAIAnswer:
                 )
                 + b"\n\n"
             )
-        return events + [b"data: [DONE]\n\n"]
+        return [*events, b"data: [DONE]\n\n"]
 
 
 async def serve(config: BackendConfig, host: str, port: int) -> None:

@@ -115,7 +115,8 @@ async def _hold(rig: Rig, counts: tuple[int, ...], log) -> tuple[list[dict], flo
             }
             rows.append(row)
             log(
-                f"  {count} streams held ({opened} flowing, opened in {open_s:.1f} s): gateway RSS {row['rss_mb']:.0f} MB"
+                f"  {count} streams held ({opened} flowing, opened in {open_s:.1f} s): "
+                f"gateway RSS {row['rss_mb']:.0f} MB"
             )
     finally:
         for stream in held:
@@ -127,7 +128,8 @@ async def _hold(rig: Rig, counts: tuple[int, ...], log) -> tuple[list[dict], flo
 def run_memory_bench(rig: Rig, idle_fresh_mb: float, log=print) -> MemoryResult:
     idle_before = _mb(rig.gateway_pid)
     log(
-        f"  idle: {idle_fresh_mb:.0f} MB just after start, {idle_before:.0f} MB after the other sections"
+        f"  idle: {idle_fresh_mb:.0f} MB just after start, "
+        f"{idle_before:.0f} MB after the other sections"
     )
     rows, _ = asyncio.run(_hold(rig, rig.config.streams, log))
     assert rig.slow_decode.port is not None
@@ -140,8 +142,8 @@ def run_memory_bench(rig: Rig, idle_fresh_mb: float, log=print) -> MemoryResult:
     time.sleep(max(0.0, 3.0 - release_s))
     idle_after = _mb(rig.gateway_pid)
     log(
-        f"  after closing them: {idle_after:.0f} MB; engine streams still open {release_s:.1f} s after the "
-        f"clients left: {upstream_open}"
+        f"  after closing them: {idle_after:.0f} MB; engine streams still open "
+        f"{release_s:.1f} s after the clients left: {upstream_open}"
     )
     # Streams the gateway still pulls would load it during the next sections: end them from
     # the engine side (the slow backend is not used again).

@@ -1,4 +1,5 @@
-"""The processes a bench runs: instant backends, ``sglang_router``, the gateway; pinning, CPU and memory.
+"""The processes a bench runs: instant backends, ``sglang_router``, the gateway; pinning, CPU
+and memory.
 
 Every process runs in its own process group (``stop`` kills the group) and may be pinned to
 a set of CPUs (all of its threads, including ones started later, since they inherit the
@@ -229,7 +230,7 @@ def sglang_router(
     cpus: set[int] | None,
     priority: int = 0,
 ) -> Managed:
-    """SGLang's Rust PD router (``sglang_router`` 0.3.2 from the engine venv), ready on /readiness."""
+    """SGLang's Rust PD router (``sglang_router`` 0.3.2, engine venv), ready on /readiness."""
     for attempt in range(3):
         port = free_ports(port, count=2)  # the router's port and its Prometheus port
         command = _router_command(prefill_url, bootstrap_port, decode_url, port)
@@ -361,7 +362,8 @@ def start_gateway(
     priority: int = 0,
     root: Path | None = None,
 ) -> tuple[GatewayProcess, str]:
-    """``python -m gateway serve`` (``gateway.dev.harness.GatewayProcess``), pinned; returns it and a tenant key.
+    """``python -m gateway serve`` (``gateway.dev.harness.GatewayProcess``), pinned; returns it
+    and a tenant key.
 
     ``root``: run the ``gateway`` package of that directory instead of this checkout's.
     """

@@ -183,8 +183,9 @@ def tokenize_rows(rig: Rig, log=print) -> list[TokenizeRow]:
             )
             rows.append(row)
             log(
-                f"  {row.tokens:>9,} tokens ({row.megabytes:6.2f} MB): encode {row.encode_ms:8.1f} ms  "
-                f"admission {row.admission_us:6.1f} us  via gateway {row.http_ms:8.1f} ms (HTTP {row.http_status})"
+                f"  {row.tokens:>9,} tokens ({row.megabytes:6.2f} MB): "
+                f"encode {row.encode_ms:8.1f} ms  admission {row.admission_us:6.1f} us  "
+                f"via gateway {row.http_ms:8.1f} ms (HTTP {row.http_status})"
             )
     return rows
 
@@ -208,8 +209,8 @@ def refusal_rows(rig: Rig, log=print) -> list[RefusalRow]:
         rows.append(row)
         log(
             f"  refuse {megabytes:>3} MB: HTTP {row.status} {row.code}  p50 {row.p50_ms:7.1f} ms  "
-            f"min {row.min_ms:7.1f} ms  max {row.max_ms:7.1f} ms  (floor: upload + parse at the instant "
-            f"backend {row.floor_p50_ms:.1f} ms)"
+            f"min {row.min_ms:7.1f} ms  max {row.max_ms:7.1f} ms  "
+            f"(floor: upload + parse at the instant backend {row.floor_p50_ms:.1f} ms)"
         )
     return rows
 
@@ -221,7 +222,7 @@ def _over_limit_body(megabytes: int) -> bytes:
 
 
 def _refused(gateway_url: str, key: str, megabytes: int, body: bytes, repeats: int) -> RefusalRow:
-    """``body`` POSTed ``repeats`` times to a gateway: the times, and the last answer's status and code."""
+    """``body`` POSTed ``repeats`` times to a gateway: the times, the last status and code."""
     headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
     times, status, answer = [], 0, b""
     for _ in range(repeats):
@@ -269,7 +270,8 @@ def capped_refusal(rig: Rig, megabytes: int = 50, log=print) -> RefusalRow:
     finally:
         gateway.stop()
     log(
-        f"  refuse {megabytes:>3} MB with a {CAPPED_BODY_BYTES / 2**20:.0f} MiB body cap: HTTP {row.status} {row.code}  "
+        f"  refuse {megabytes:>3} MB with a {CAPPED_BODY_BYTES / 2**20:.0f} MiB body cap: "
+        f"HTTP {row.status} {row.code}  "
         f"p50 {row.p50_ms:7.1f} ms  min {row.min_ms:7.1f} ms  max {row.max_ms:7.1f} ms"
     )
     return row
@@ -317,9 +319,10 @@ def blocking(rig: Rig, big_tokens: int = 1_000_000, log=print) -> BlockingResult
         max(during, default=0.0),
     )
     log(
-        f"  1M-token prompt in flight {result.big_ms:.0f} ms (HTTP {result.big_status}); small requests: "
-        f"baseline p50 {result.baseline_p50_ms:.2f} ms p99 {result.baseline_p99_ms:.2f} ms; during "
-        f"n={result.during_requests} p50 {result.during_p50_ms:.2f} ms p99 {result.during_p99_ms:.2f} ms "
+        f"  1M-token prompt in flight {result.big_ms:.0f} ms (HTTP {result.big_status}); "
+        f"small requests: baseline p50 {result.baseline_p50_ms:.2f} ms "
+        f"p99 {result.baseline_p99_ms:.2f} ms; during n={result.during_requests} "
+        f"p50 {result.during_p50_ms:.2f} ms p99 {result.during_p99_ms:.2f} ms "
         f"max {result.during_max_ms:.1f} ms"
     )
     return result

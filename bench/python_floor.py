@@ -4,14 +4,15 @@ Why: the CPU-per-request target (≤ 2× ``sglang_router``) asks whether the gat
 is what costs. This measures a proxy that does none of it: a bare ASGI app on the same uvicorn
 (uvloop + httptools) that reads the body and sends it to prefill and decode with the
 gateway's own upstream client (``gateway.upstream``), both in flight together as
-``gateway.dispatch`` does, and returns decode's answer. No Starlette, no auth, tokenizer, admission, limits,
-verification, audit, metrics or logs. Whatever it costs per request, no Python gateway on
-this stack can cost less, and the gateway's cost above it is its own work.
+``gateway.dispatch`` does, and returns decode's answer. No Starlette, no auth, tokenizer,
+admission, limits, verification, audit, metrics or logs. Whatever it costs per request, no
+Python gateway on this stack can cost less, and the gateway's cost above it is its own work.
 
     python -m bench.python_floor [--seconds 6]
 
 Same pinning as the suite's routing section: the proxy alone on the last CPU, wrk and the
-instant backends on the others. Prints one JSON line per concurrency: req/s, p50/p99, CPU µs per request.
+instant backends on the others. Prints one JSON line per concurrency: req/s, p50/p99, CPU µs
+per request.
 """
 
 from __future__ import annotations
@@ -123,7 +124,8 @@ def measure(seconds: float, work_dir: Path) -> list[dict[str, float]]:
     rows = []
     try:
         wait_http(f"http://127.0.0.1:{port}/health", 20, proxy.process, proxy.log_path)
-        # The SGLang /generate body the gateway sends for the suite's short prompt (4 output tokens).
+        # The SGLang /generate body the gateway sends for the suite's short prompt (4 output
+        # tokens).
         body = json.dumps(
             {
                 "input_ids": list(range(1, 40)),

@@ -7,8 +7,9 @@ same ``/v1/completions`` body with bootstrap fields to prefill and decode at onc
 router does, with one ``rid`` for both. sglang_router 0.3.2 does not give the two halves a
 common rid, and engine_patch (which, without the gateway's tags, binds prefill and decode by
 rid) refuses such a pair as ``foreign_generation``; so the client gives each request to the
-router its own ``rid``, which the router forwards to both. Nothing is pinned here: the workers need both cores. The pair is started only
-when at least 7 GiB are available, and always stopped.
+router its own ``rid``, which the router forwards to both. Nothing is pinned here: the workers
+need both cores. The pair is started only when at least 7 GiB are available, and always
+stopped.
 """
 
 from __future__ import annotations
@@ -81,7 +82,9 @@ def run_real_engine_bench(config: BenchConfig, work_dir: Path, log=print) -> dic
     free = available_gib()
     if free < MIN_AVAILABLE_GIB:
         return {
-            "skipped": f"only {free:.1f} GiB available (< {MIN_AVAILABLE_GIB} GiB needed for a PD pair)"
+            "skipped": (
+                f"only {free:.1f} GiB available (< {MIN_AVAILABLE_GIB} GiB needed for a PD pair)"
+            )
         }
     ports = config.ports
     spec = default_cluster_spec(
@@ -158,8 +161,8 @@ def run_real_engine_bench(config: BenchConfig, work_dir: Path, log=print) -> dic
                     cell = _cell(name, mode, concurrency, asyncio.run(run))
                     cells.append(cell)
                     log(
-                        f"  real {mode:6} c={concurrency} {name:14} n={cell.requests:<3} p50 {cell.p50_ms:7.1f} ms  "
-                        f"p99 {cell.p99_ms:7.1f} ms"
+                        f"  real {mode:6} c={concurrency} {name:14} n={cell.requests:<3} "
+                        f"p50 {cell.p50_ms:7.1f} ms  p99 {cell.p99_ms:7.1f} ms"
                         + (f"  ttft p50 {cell.ttft_p50_ms:7.1f} ms" if stream else "")
                         + f"  errors {cell.errors}"
                     )

@@ -29,7 +29,7 @@ def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
         "| " + " | ".join(_f(c) if not isinstance(c, str) else c for c in row) + " |"
         for row in rows
     ]
-    return lines + [""]
+    return [*lines, ""]
 
 
 def _cells(routing: list[dict], mode: str) -> dict[tuple[int, str], dict]:
@@ -127,8 +127,10 @@ def target_lines(results: dict[str, Any]) -> list[str]:
         if best["sglang_router"]:
             ratio = best["gateway"] / best["sglang_router"]
             lines.append(
-                f"| saturation throughput ≥ ½ sglang_router's | gateway {best['gateway']:,.0f} req/s, "
-                f"sglang_router {best['sglang_router']:,.0f} req/s (×{ratio:.2f}) | {verdict(ratio >= 0.5)} |"
+                f"| saturation throughput ≥ ½ sglang_router's | "
+                f"gateway {best['gateway']:,.0f} req/s, "
+                f"sglang_router {best['sglang_router']:,.0f} req/s (×{ratio:.2f}) | "
+                f"{verdict(ratio >= 0.5)} |"
             )
         cpu = {
             t: min(
@@ -145,7 +147,8 @@ def target_lines(results: dict[str, Any]) -> list[str]:
             ratio = cpu["gateway"] / cpu["sglang_router"]
             lines.append(
                 f"| CPU per request ≤ 2× sglang_router's | gateway {cpu['gateway']:,.0f} µs, "
-                f"sglang_router {cpu['sglang_router']:,.0f} µs (×{ratio:.1f}) | {verdict(ratio <= 2)} |"
+                f"sglang_router {cpu['sglang_router']:,.0f} µs (×{ratio:.1f}) | "
+                f"{verdict(ratio <= 2)} |"
             )
     prompt = results.get("prompt") or {}
     refusal = {r["megabytes"]: r for r in prompt.get("refusal", [])}
@@ -160,8 +163,9 @@ def target_lines(results: dict[str, Any]) -> list[str]:
     if capped:
         cap_mib = prompt["capped_body_bytes"] / 2**20
         lines.append(
-            f"| refuse a 50 MB prompt ≤ {TARGET_REFUSE_50MB_MS:.0f} ms, with a {cap_mib:.0f} MiB body cap "
-            f"(`ISOGATE_MAX_BODY_BYTES`) | p50 {capped['p50_ms']:.1f} ms, min {capped['min_ms']:.1f} ms "
+            f"| refuse a 50 MB prompt ≤ {TARGET_REFUSE_50MB_MS:.0f} ms, "
+            f"with a {cap_mib:.0f} MiB body cap (`ISOGATE_MAX_BODY_BYTES`) | "
+            f"p50 {capped['p50_ms']:.1f} ms, min {capped['min_ms']:.1f} ms "
             f"(HTTP {capped['status']} {capped['code']}, before reading the body) | "
             f"{verdict(capped['p50_ms'] <= TARGET_REFUSE_50MB_MS and capped['status'] == 413)} |"
         )
@@ -169,17 +173,20 @@ def target_lines(results: dict[str, Any]) -> list[str]:
     if block:
         ok = block["during_max_ms"] < block["big_ms"] / 4 and block["during_requests"] > 1
         lines.append(
-            f"| tokenizing 1M tokens does not block | small requests while it ran ({block['big_ms']:.0f} ms): "
+            f"| tokenizing 1M tokens does not block | "
+            f"small requests while it ran ({block['big_ms']:.0f} ms): "
             f"n={block['during_requests']}, p50 {block['during_p50_ms']:.1f} ms, max "
-            f"{block['during_max_ms']:.1f} ms (before: p50 {block['baseline_p50_ms']:.1f} ms) | {verdict(ok)} |"
+            f"{block['during_max_ms']:.1f} ms (before: p50 {block['baseline_p50_ms']:.1f} ms) | "
+            f"{verdict(ok)} |"
         )
     memory = results.get("memory")
     if memory and memory.get("streams"):
         row = next((r for r in memory["streams"] if r["streams"] == 1000), memory["streams"][0])
+        met = row["rss_mb"] <= TARGET_STREAMS_MB and row["opened"] >= 0.99 * row["streams"]
         lines.append(
             f"| 1,000 streams ≤ {TARGET_STREAMS_MB:.0f} MB RSS | {row['rss_mb']:.0f} MB with "
             f"{row['opened']} streams flowing (idle {memory['idle_before_mb']:.0f} MB) | "
-            f"{verdict(row['rss_mb'] <= TARGET_STREAMS_MB and row['opened'] >= 0.99 * row['streams'])} |"
+            f"{verdict(met)} |"
         )
     floor = next(
         (
@@ -196,8 +203,10 @@ def target_lines(results: dict[str, Any]) -> list[str]:
     )
     if floor16:
         lines.append(
-            f"| (context) a bare Python PD proxy on the same stack, 16 in flight (`bench/python_floor.py`) | "
-            f"{floor16['cpu_us_per_request']:,.0f} µs CPU per request, {floor16['rps']:,.0f} req/s | - |"
+            "| (context) a bare Python PD proxy on the same stack, 16 in flight "
+            "(`bench/python_floor.py`) | "
+            f"{floor16['cpu_us_per_request']:,.0f} µs CPU per request, "
+            f"{floor16['rps']:,.0f} req/s | - |"
         )
     audit = next(
         (run.get("results") for run in results.get("peers") or [] if run.get("name") == "audit"),
@@ -209,8 +218,9 @@ def target_lines(results: dict[str, Any]) -> list[str]:
         rate = row.get("audit_log_events_per_s")
         if rate is not None:
             lines.append(
-                f"| audit: ≥ {TARGET_AUDIT_EVENTS_PER_S:,} events/s into PostgreSQL | {rate:,.0f} events/s "
-                f"through the audit log ({row.get('store_insert_events_per_s', 0):,.0f} by the store alone) | "
+                f"| audit: ≥ {TARGET_AUDIT_EVENTS_PER_S:,} events/s into PostgreSQL | "
+                f"{rate:,.0f} events/s through the audit log "
+                f"({row.get('store_insert_events_per_s', 0):,.0f} by the store alone) | "
                 f"{verdict(rate >= TARGET_AUDIT_EVENTS_PER_S)} |"
             )
         p99 = row.get("query_tenant_newest_100_p99_ms")
@@ -221,31 +231,38 @@ def target_lines(results: dict[str, Any]) -> list[str]:
                 f"p50 {row.get('query_tenant_newest_100_p50_ms', 0):.2f} ms | "
                 f"{verdict(p99 <= TARGET_AUDIT_QUERY_P99_MS)} |"
             )
-    return lines + [""]
+    return [*lines, ""]
 
 
 def render(results: dict[str, Any]) -> str:
     out = ["# isogate benchmark results", ""]
     config = results.get("config", {})
     out += [
-        f"Run: {results.get('started_at')} ({'BENCH_QUICK smoke run' if config.get('quick') else 'full run'}, "
-        f"{results.get('seconds', 0):.0f} s). Produced by `make bench` (`scripts/bench`); how to read it: "
-        "`bench/README.md`.",
+        f"Run: {results.get('started_at')} "
+        f"({'BENCH_QUICK smoke run' if config.get('quick') else 'full run'}, "
+        f"{results.get('seconds', 0):.0f} s). Produced by `make bench` (`scripts/bench`); "
+        "how to read it: `bench/README.md`.",
         "",
     ]
-    out += ["## Machine", ""] + _table(
-        ["", ""], [[k, str(v)] for k, v in results.get("machine", {}).items()]
-    )
-    out += ["## Targets (issue 7)", ""] + target_lines(results)
+    out += [
+        "## Machine",
+        "",
+        *_table(["", ""], [[k, str(v)] for k, v in results.get("machine", {}).items()]),
+    ]
+    out += ["## Targets (issue 7)", "", *target_lines(results)]
     if results.get("routing"):
         out += [
-            "## 1. Routing cost: direct vs sglang_router 0.3.2 (PD) vs isogate gateway, instant backend",
+            "## 1. Routing cost: direct vs sglang_router 0.3.2 (PD) vs isogate gateway, "
+            "instant backend",
             "",
-            "Same client request to all three (`POST /v1/completions`, short prompt, 4 output tokens). "
-            "`direct` = straight to the decode instant backend (the floor). Added = target − direct at the "
+            "Same client request to all three (`POST /v1/completions`, short prompt, "
+            "4 output tokens). "
+            "`direct` = straight to the decode instant backend (the floor). "
+            "Added = target − direct at the "
             "same concurrency. CPU µs/req = the router process's CPU time ÷ requests served. "
             f"Each figure is the median of {config.get('routing_rounds', 1)} runs of "
-            f"{config.get('wrk_duration_s')} s (wrk; the three targets interleaved in every round). "
+            f"{config.get('wrk_duration_s')} s "
+            "(wrk; the three targets interleaved in every round). "
             f"Pinning: {config.get('pinning')}",
             "",
         ]
@@ -301,10 +318,14 @@ def render(results: dict[str, Any]) -> str:
         capped = prompt.get("refusal_capped")
         if capped:
             out += [
-                f"With a body cap (`ISOGATE_MAX_BODY_BYTES={prompt['capped_body_bytes']}`, a second gateway): "
-                f"the 50 MB prompt got HTTP {capped['status']} {capped['code']} from its declared length, "
-                f"p50 {capped['p50_ms']:.1f} ms, min {capped['min_ms']:.1f} ms, max {capped['max_ms']:.1f} ms. "
-                "Client: one plain socket, head and body in two `sendall` calls (`bench.prompt_bench.raw_post`).",
+                f"With a body cap (`ISOGATE_MAX_BODY_BYTES={prompt['capped_body_bytes']}`, "
+                "a second gateway): "
+                f"the 50 MB prompt got HTTP {capped['status']} {capped['code']} "
+                "from its declared length, "
+                f"p50 {capped['p50_ms']:.1f} ms, min {capped['min_ms']:.1f} ms, "
+                f"max {capped['max_ms']:.1f} ms. "
+                "Client: one plain socket, head and body in two `sendall` calls "
+                "(`bench.prompt_bench.raw_post`).",
                 "",
             ]
         b = prompt["blocking"]
@@ -336,7 +357,8 @@ def render(results: dict[str, Any]) -> str:
             out += [f"### {run['name']}: {run['status']} ({run['seconds']:.0f} s)", ""]
             if run["name"] == "pipeline_costs" and run.get("results"):
                 out += [
-                    "What each step costs, by taking it out (`bench/pipeline_costs.py`: in process, no "
+                    "What each step costs, by taking it out "
+                    "(`bench/pipeline_costs.py`: in process, no "
                     "uvicorn, 16 in flight, A/B alternating; medians):",
                     "",
                 ]
@@ -384,8 +406,10 @@ def render(results: dict[str, Any]) -> str:
         if memory.get("upstream_open_after_close") is not None:
             out += [
                 f"Engine streams the gateway still held open to the decode backend "
-                f"{memory.get('upstream_release_s', 3.0):.1f} s after every client had closed its stream: "
-                f"{memory['upstream_open_after_close']} (about 0 when client disconnects are noticed).",
+                f"{memory.get('upstream_release_s', 3.0):.1f} s "
+                "after every client had closed its stream: "
+                f"{memory['upstream_open_after_close']} "
+                "(about 0 when client disconnects are noticed).",
                 "",
             ]
     real = results.get("real_engine")
@@ -393,7 +417,8 @@ def render(results: dict[str, Any]) -> str:
         out += ["## Real SGLang 0.5.23 CPU PD pair (tiny model, small n)", ""]
         if real.get("cells"):
             out += [
-                f"engine_patch tags verified: {real.get('engine_tags')}. Latency is dominated by the model "
+                f"engine_patch tags verified: {real.get('engine_tags')}. "
+                "Latency is dominated by the model "
                 "on the CPU; compare the three paths, not the absolute numbers.",
                 "",
             ]

@@ -154,8 +154,8 @@ def run_routing_bench(rig: Rig, log=print) -> list[Cell]:
 
 def _logged(log, cell: Cell) -> Cell:  # type: ignore[no-untyped-def]
     log(
-        f"  {cell.mode:6} c={cell.concurrency:<3} {cell.target:14} {cell.rps:8.0f} req/s  p50 {cell.p50_ms:7.3f} ms  "
-        f"p99 {cell.p99_ms:7.3f} ms  errors {cell.errors}"
+        f"  {cell.mode:6} c={cell.concurrency:<3} {cell.target:14} {cell.rps:8.0f} req/s  "
+        f"p50 {cell.p50_ms:7.3f} ms  p99 {cell.p99_ms:7.3f} ms  errors {cell.errors}"
         + (
             f"  cpu {cell.cpu_us_per_request:.0f} us/req ({cell.cpu_utilisation:.0%} of a core)"
             if cell.cpu_us_per_request is not None and cell.cpu_utilisation is not None

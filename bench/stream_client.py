@@ -211,7 +211,7 @@ async def run_pd_direct(
     total_requests: int,
     path: str = "/v1/completions",
 ) -> RunResult:
-    """Send each request to a prefill and a decode worker at once (what a PD router does), no router."""
+    """No router: each request to a prefill and a decode worker at once, as a PD router sends it."""
     result = RunResult()
     remaining = [total_requests]
 
@@ -219,7 +219,8 @@ async def run_pd_direct(
         prefill, decode = Connection(prefill_url), Connection(decode_url)
         while remaining[0] > 0:
             remaining[0] -= 1
-            # One rid on both sides: engine_patch binds the pair by it (a router would have to do the same).
+            # One rid on both sides: engine_patch binds the pair by it (a router would have to do
+            # the same).
             payload = dict(
                 body,
                 bootstrap_host=urlsplit(prefill_url).hostname,

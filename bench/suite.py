@@ -2,11 +2,13 @@
 
     .venv/bin/python -m bench.suite          # full (~12 min); BENCH_QUICK=1: ~2-3 min smoke run
 
-Environment: BENCH_QUICK, BENCH_DURATION_S (seconds per wrk cell), BENCH_ROUNDS (runs per section-1 cell), BENCH_PIN (default on),
+Environment: BENCH_QUICK, BENCH_DURATION_S (seconds per wrk cell), BENCH_ROUNDS (runs per
+section-1 cell), BENCH_PIN (default on),
 BENCH_PRIORITY (autogroup nice of the bench's processes, e.g. -10 on a busy shared machine),
 BENCH_REAL_ENGINE (default on in a full run), BENCH_REAL_REQUESTS, BENCH_PEERS,
 BENCH_AUDIT_ROWS, BENCH_SECTIONS (comma list of routing,memory,prompt,peers,real; default all),
-BENCH_GATEWAY_ROOT (run a patched copy of the gateway). Writes ``bench/results/latest.md`` and ``latest.json``.
+BENCH_GATEWAY_ROOT (run a patched copy of the gateway). Writes ``bench/results/latest.md`` and
+``latest.json``.
 """
 
 from __future__ import annotations
@@ -64,8 +66,9 @@ def main() -> int:
     boost(os.getpid(), config.priority)
     started = time.monotonic()
     pinning = (
-        f"sglang_router and the gateway each on CPU {sorted(config.router_cpus)} (one core, one at a time "
-        f"under load); instant backends, wrk (1 thread) and the runner on CPUs {sorted(config.helper_cpus)}"
+        f"sglang_router and the gateway each on CPU {sorted(config.router_cpus)} "
+        "(one core, one at a time under load); instant backends, wrk (1 thread) and the runner "
+        f"on CPUs {sorted(config.helper_cpus)}"
         if config.router_cpus
         else "none (fewer than 2 CPUs, or BENCH_PIN=0)"
     )

@@ -36,7 +36,7 @@ from typing import Any
 
 import orjson
 
-from gateway.canary import MARKER_PREFIX, CanaryScanner, new_marker
+from gateway.scanner import MARKER_PREFIX, CanaryScanner, new_marker
 from gateway.verify import Expectation, StreamGuard, check_meta, check_text
 
 DATA = Path(__file__).resolve().parent.parent / "tests" / "data"
@@ -82,7 +82,7 @@ def scanner_with(markers: int) -> CanaryScanner:
 
 
 def best_ns(run: Callable[[], object], budget_s: float, repeats: int = 5) -> float:
-    """Nanoseconds per call: the fastest of ``repeats`` timed loops, each about ``budget_s`` long."""
+    """Nanoseconds per call: the fastest of ``repeats`` timed loops of about ``budget_s`` each."""
     start = time.perf_counter_ns()
     run()
     once_ns = max(1, time.perf_counter_ns() - start)
@@ -174,11 +174,13 @@ def print_table(results: dict[str, Any]) -> None:
         print(f"  {markers:>6} live markers            {row}")
     print("\nstream (1 chunk per 4-char token, 100 live markers)")
     print(
-        f"  {'text/length':<22}{'chunks':>8}{'verify µs':>12}{'µs/KB':>10}{'µs/chunk':>10}{'parse µs/KB':>13}"
+        f"  {'text/length':<22}{'chunks':>8}{'verify µs':>12}{'µs/KB':>10}"
+        f"{'µs/chunk':>10}{'parse µs/KB':>13}"
     )
     for name, row in results["stream"].items():
         print(
-            f"  {name:<22}{row['chunks']:>8}{row['verify_us']:>12.1f}{row['verify_us_per_kb']:>10.1f}"
+            f"  {name:<22}{row['chunks']:>8}{row['verify_us']:>12.1f}"
+            f"{row['verify_us_per_kb']:>10.1f}"
             f"{row['verify_us_per_chunk']:>10.2f}{row['parse_us_per_kb']:>13.1f}"
         )
 

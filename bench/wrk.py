@@ -1,4 +1,4 @@
-"""Run ``wrk`` (the load generator of the routing bench) with ``wrk_post.lua`` and read its numbers."""
+"""Run ``wrk`` (the routing bench's load generator) with ``wrk_post.lua`` and read its numbers."""
 
 from __future__ import annotations
 
@@ -44,7 +44,8 @@ def run_wrk(
     cpus: set[int] | None = None,
     timeout_s: float = 10.0,
 ) -> WrkResult:
-    """``connections`` keep-alive connections in closed loop for ``duration_s`` (one wrk thread by default)."""
+    """``connections`` keep-alive connections in closed loop for ``duration_s`` (one wrk thread
+    by default)."""
     with tempfile.NamedTemporaryFile(suffix=".json") as body_file:
         body_file.write(body)
         body_file.flush()
@@ -71,7 +72,7 @@ def run_wrk(
             preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
         )
         stdout, stderr = process.communicate(timeout=duration_s + timeout_s + 30)
-    line = next((l for l in stdout.decode().splitlines() if l.startswith("WRK_JSON ")), None)
+    line = next((ln for ln in stdout.decode().splitlines() if ln.startswith("WRK_JSON ")), None)
     if process.returncode != 0 or line is None:
         raise RuntimeError(
             f"wrk failed ({process.returncode}): {stderr.decode()[-500:]} {stdout.decode()[-500:]}"
