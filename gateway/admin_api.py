@@ -1,13 +1,13 @@
 """``/admin/...``: tenants and their API keys. The admin key only.
 
-    POST   /admin/tenants                      {"id", "name"?}        → 201 tenant (409 if it exists)
-    GET    /admin/tenants                                             → list of tenants
-    GET    /admin/tenants/{tenant_id}                                 → tenant
-    POST   /admin/tenants/{tenant_id}/disable | /enable               → tenant
-    POST   /admin/tenants/{tenant_id}/keys     {"name"?}              → 201 key, with the raw "key" (shown once)
-    GET    /admin/tenants/{tenant_id}/keys                            → list of that tenant's keys
-    GET    /admin/keys[?tenant=...]                                   → list of keys
-    GET    /admin/keys/{key_id}                                       → key
+    POST   /admin/tenants                   {"id", "name"?}  → 201 tenant (409 if it exists)
+    GET    /admin/tenants                                    → list of tenants
+    GET    /admin/tenants/{tenant_id}                        → tenant
+    POST   /admin/tenants/{tenant_id}/disable | /enable      → tenant
+    POST   /admin/tenants/{tenant_id}/keys  {"name"?}        → 201 key, the raw "key" (shown once)
+    GET    /admin/tenants/{tenant_id}/keys                   → list of that tenant's keys
+    GET    /admin/keys[?tenant=...]                          → list of keys
+    GET    /admin/keys/{key_id}                              → key
     POST   /admin/keys/{key_id}/revoke  (or DELETE /admin/keys/{key_id}) → key, revoked
 
 Disabling a tenant and revoking a key take effect at once in this process and within
@@ -55,7 +55,10 @@ async def create_tenant(request: Request) -> Response:
     tenant_id = body.get("id")
     if not isinstance(tenant_id, str) or not TENANT_ID_PATTERN.match(tenant_id):
         raise bad_request(
-            "'id' must be 1-64 characters of a-z, 0-9, '_', '.', '-', starting with a letter or digit.",
+            (
+                "'id' must be 1-64 characters of a-z, 0-9, '_', '.', '-', "
+                "starting with a letter or digit."
+            ),
             param="id",
         )
     name = _optional_name(body)

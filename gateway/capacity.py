@@ -3,8 +3,9 @@
 Each worker is polled every ``capacity_poll_interval_s`` on ``/v1/loads`` (pool size and
 tokens in use, read from shared memory: cheap even on a busy worker), and every ten seconds or
 after an error on ``/server_info`` and ``/v1/models`` (``max_req_input_len``, page size, context
-length, whether ``engine_patch`` is loaded). An observation older than ``capacity_stale_after_s`` is no
-observation: ``CapacityRegistry.get`` returns ``None`` and the worker is not routed to.
+length, whether ``engine_patch`` is loaded). An observation older than
+``capacity_stale_after_s`` is no observation: ``CapacityRegistry.get`` returns ``None`` and the
+worker is not routed to.
 Numbers are never guessed.
 
 With Redis configured, one replica per interval polls each worker (a short Redis lease),
@@ -144,9 +145,10 @@ async def poll_worker(
     not how long another, slower worker's poll kept the batch waiting.
     """
     if config is None:
-        config, loads = await asyncio.gather(
+        fetched, loads = await asyncio.gather(
             fetch_config(client, url), client.get(f"{url}/v1/loads", params={"include": "core"})
         )
+        config = fetched
     else:
         loads = await client.get(f"{url}/v1/loads", params={"include": "core"})
     loads.raise_for_status()
@@ -222,10 +224,10 @@ class CapacityRegistry:
         """
         workers = list(self._workers.items())
         if self._redis is not None:
-            workers = await self._claim_polls(workers)
+            workers = await self._claim_polls(self._redis, workers)
         await asyncio.gather(*(self._observe(url, role) for url, role in workers))
         if self._redis is not None:
-            await self._adopt_shared()
+            await self._adopt_shared(self._redis)
         self._refreshed.set()
 
     async def _observe(self, url: str, role: Role) -> None:
@@ -255,7 +257,11 @@ class CapacityRegistry:
             return None
         return config
 
-    async def _claim_polls(self, workers: list[tuple[str, Role]]) -> list[tuple[str, Role]]:
+    # ``redis`` is the client (redis.asyncio.Redis) as Any: redis-py types its async replies as
+    # ``Awaitable[Any] | Any``, which cannot be awaited type-safely.
+    async def _claim_polls(
+        self, redis: Any, workers: list[tuple[str, Role]]
+    ) -> list[tuple[str, Role]]:
         """One replica polls each worker per interval (a Redis lease); the others read its record.
 
         So every replica decides on the same observation instead of each on its own. If Redis
@@ -263,23 +269,23 @@ class CapacityRegistry:
         """
         lease_ms = max(1, int(self._poll_interval_s * 900))
         try:
-            async with self._redis.pipeline(transaction=False) as pipe:
+            async with redis.pipeline(transaction=False) as pipe:
                 for url, _ in workers:
                     pipe.set(f"{self._key(url)}:poller", "1", nx=True, px=lease_ms)
                 won = await pipe.execute()
         except Exception:
             return workers
-        return [worker for worker, mine in zip(workers, won) if mine]
+        return [worker for worker, mine in zip(workers, won, strict=False) if mine]
 
-    async def _adopt_shared(self) -> None:
+    async def _adopt_shared(self, redis: Any) -> None:
         """Adopt the newest observation of every worker that Redis holds."""
         keys = [self._key(url) for url in self._workers]
         try:
-            replies = await self._redis.mget(keys)
+            replies = await redis.mget(keys)
         except Exception as exc:
             log.warning("capacity: redis unavailable, deciding on local observations: %s", exc)
             return
-        for url, raw in zip(self._workers, replies):
+        for url, raw in zip(self._workers, replies, strict=False):
             if raw is None:
                 continue
             state = WorkerCapacity.from_json(raw)

@@ -1,4 +1,5 @@
-"""``isogate``: serve the gateway, gate a deployment on its pools, administer tenants and the audit log."""
+"""``isogate``: serve the gateway, gate a deployment on its pools, administer tenants and the
+audit log."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ from pathlib import Path
 
 import httpx
 
-from .capacity import WorkerCapacity, poll_worker
+from .capacity import Role, WorkerCapacity, poll_worker
 from .components import workers_of
 from .policies import PolicyError, load_policies
 from .settings import Settings
+
+_ROLES: dict[str, Role] = {"prefill": "prefill", "decode": "decode"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -79,11 +82,13 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _check_pools(args: argparse.Namespace) -> int:
+    workers: list[tuple[str, Role]]
     if args.worker:
         workers = []
         for item in args.worker:
-            role, _, url = item.partition("=")
-            if role not in ("prefill", "decode") or not url:
+            name, _, url = item.partition("=")
+            role = _ROLES.get(name)
+            if role is None or not url:
                 print(
                     f"isogate check-pools: --worker wants ROLE=URL, got {item!r}", file=sys.stderr
                 )
@@ -100,12 +105,14 @@ def _check_pools(args: argparse.Namespace) -> int:
     return print_pool_table(results)
 
 
-async def _poll_all(workers: list[tuple[str, str]]) -> list[tuple[str, str, WorkerCapacity | str]]:
+async def _poll_all(
+    workers: list[tuple[str, Role]],
+) -> list[tuple[str, str, WorkerCapacity | str]]:
     async with httpx.AsyncClient(timeout=5.0) as client:
 
-        async def one(url: str, role: str) -> tuple[str, str, WorkerCapacity | str]:
+        async def one(url: str, role: Role) -> tuple[str, str, WorkerCapacity | str]:
             try:
-                state, _ = await poll_worker(client, url, role)  # type: ignore[arg-type]
+                state, _ = await poll_worker(client, url, role)
                 return url, role, state
             except Exception as exc:  # report, don't crash: an unreachable worker fails the gate
                 return url, role, f"unreachable: {type(exc).__name__}"
@@ -156,11 +163,13 @@ def print_pool_table(results: list[tuple[str, str, WorkerCapacity | str]]) -> in
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     for row in rows:
-        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+        print(
+            "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        )
     if failed:
         print(
-            f"\n{failed} worker(s) fail the pool gate: a prompt under the advertised context length "
-            "could exceed a KV pool (or the worker is unreachable).",
+            f"\n{failed} worker(s) fail the pool gate: a prompt under the advertised context "
+            "length could exceed a KV pool (or the worker is unreachable).",
             file=sys.stderr,
         )
         return 1

@@ -57,7 +57,10 @@ class Metrics:
         )
         self.canary_hits = Counter(
             "isogate_canary_hits",
-            "Outputs that carried another tenant's canary marker, by the tenant they were withheld from.",
+            (
+                "Outputs that carried another tenant's canary marker, "
+                "by the tenant they were withheld from."
+            ),
             ["tenant"],
             registry=self.registry,
         )

@@ -12,7 +12,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeVar, overload
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -145,7 +145,14 @@ def load_policies(directory: Path) -> Policies:
     return Policies(models, tenants_file.defaults, dict(tenants_file.tenants), directory)
 
 
-def _load(path: Path, schema: type[_Strict], *, required: bool):
+_File = TypeVar("_File", bound="_Strict")
+
+
+@overload
+def _load(path: Path, schema: type[_File], *, required: Literal[True]) -> _File: ...
+@overload
+def _load(path: Path, schema: type[_File], *, required: bool) -> _File | None: ...
+def _load(path: Path, schema: type[_File], *, required: bool) -> _File | None:
     if not path.exists():
         if required:
             raise PolicyError(f"{path}: missing")

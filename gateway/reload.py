@@ -95,7 +95,10 @@ class PolicyReloader:
             previous = current
 
     async def reload(self, reason: str, seen: Fingerprint | None = None) -> bool:
-        """Load, validate and adopt the policy files; False (and the old policies kept) if refused."""
+        """Load, validate and adopt the policy files.
+
+        False (and the old policies kept) if they are refused.
+        """
         async with self._lock:
             seen = (
                 seen if seen is not None else await asyncio.to_thread(fingerprint, self.directory)

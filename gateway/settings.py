@@ -51,8 +51,9 @@ class Settings(BaseSettings):
     audit_spool_dir: Path = REPO_ROOT / ".run" / "audit-spool"
     audit_batch_size: int = 500
     # Short on purpose: a batch is inserted on the event loop's core (SQLite: on the loop, 64
-    # rows per turn), so a long interval means a long burst (260 rows, ~4 ms at 1,300 req/s) that
-    # requests arriving meanwhile wait out. 20 ms keeps bursts under ~0.5 ms; a hard kill loses less.
+    # rows per turn), so a long interval means a long burst (260 rows, ~4 ms at 1,300 req/s)
+    # that requests arriving meanwhile wait out. 20 ms keeps bursts under ~0.5 ms; a hard kill
+    # loses less.
     audit_flush_interval_s: float = 0.02
     auth_cache_ttl_s: float = 5.0
     # While the key store cannot be reached, a key this process saw valid within this long

@@ -31,7 +31,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import orjson
 from sqlalchemy import (
@@ -59,6 +59,10 @@ from sqlalchemy import (
 )
 from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, StatementError
+
+if TYPE_CHECKING:  # imported where used: only migrations and PostgreSQL need them
+    import psycopg
+    from alembic.config import Config
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
 
@@ -194,7 +198,8 @@ _SQLITE_ROWS_PER_INSERT = 64  # x 15 columns, well under SQLite's 32,766 variabl
 def _sqlite_audit_insert(rows: int) -> str:
     values = "(" + ", ".join("?" for _ in AUDIT_COLUMNS) + ")"
     return (
-        f"INSERT INTO audit_events ({', '.join(AUDIT_COLUMNS)}) VALUES {', '.join([values] * rows)} "
+        f"INSERT INTO audit_events ({', '.join(AUDIT_COLUMNS)}) "
+        f"VALUES {', '.join([values] * rows)} "
         "ON CONFLICT (generation_id) DO NOTHING"
     )
 
@@ -233,6 +238,11 @@ def _sqlite_audit_params(row: dict[str, Any]) -> list[Any]:
     )
     values[_STREAM] = 1 if values[_STREAM] else 0
     return values
+
+
+def _psycopg_connection(conn: Connection) -> psycopg.Connection[Any]:
+    """The psycopg connection under ``conn`` (on PostgreSQL the driver is always psycopg)."""
+    return cast("psycopg.Connection[Any]", conn.connection.driver_connection)
 
 
 def _insert_sqlite_audit_rows(conn: Connection, rows: Sequence[dict[str, Any]]) -> None:
@@ -572,11 +582,12 @@ class Store:
         # statement per row (about twice the client CPU per event).
         import psycopg
 
-        columns = [list(column) for column in zip(*(_audit_values(row) for row in rows))]
+        columns = [
+            list(column) for column in zip(*(_audit_values(row) for row in rows), strict=True)
+        ]
         try:
-            with self.engine.begin() as conn:
-                with conn.connection.driver_connection.cursor() as cursor:
-                    cursor.execute(_PG_UNNEST_INSERT, columns)
+            with self.engine.begin() as conn, _psycopg_connection(conn).cursor() as cursor:
+                cursor.execute(_PG_UNNEST_INSERT, columns)
         except (psycopg.errors.DataError, psycopg.errors.IntegrityError) as exc:
             raise AuditRowsRefused(str(exc)) from exc
 
@@ -695,8 +706,8 @@ def normalize_url(database_url: str) -> str:
     return database_url
 
 
-def head_revision() -> str:
-    """The newest migration's revision id."""
+def head_revision() -> str | None:
+    """The newest migration's revision id (None only if there were no migrations)."""
     from alembic.config import Config
     from alembic.script import ScriptDirectory
 
@@ -705,7 +716,7 @@ def head_revision() -> str:
     return ScriptDirectory.from_config(config).get_current_head()
 
 
-def alembic_config(engine: Engine):
+def alembic_config(engine: Engine) -> Config:
     from alembic.config import Config
 
     config = Config()

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio.to_thread
+from jinja2 import Template
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
@@ -96,7 +97,8 @@ class ModelTokenizer:
         for index, token in enumerate(ids):
             if not 0 <= token < self.vocab_size:
                 raise bad_request(
-                    f"Token id {token} at position {index} is outside the vocabulary (0..{self.vocab_size - 1}).",
+                    f"Token id {token} at position {index} is outside the vocabulary "
+                    f"(0..{self.vocab_size - 1}).",
                     code="invalid_value",
                     param="prompt",
                 )
@@ -167,7 +169,7 @@ class _TurnBatch:
 _TURN_CHARS = 65_536
 
 
-def _compile_template(source: str):
+def _compile_template(source: str) -> Template:
     def raise_exception(message: str) -> None:
         raise TemplateError(message)
 
