@@ -22,8 +22,9 @@ import asyncio
 import logging
 import secrets
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from gateway.errors import rate_limited
 from gateway.policies import TenantLimits
@@ -33,30 +34,46 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("isogate.limits")
 
+_T = TypeVar("_T")
+
 _WINDOW_MS = 60_000.0
 # Retry hint when the concurrency limit is reached: when a slot frees is unknown.
 _CONCURRENCY_RETRY_S = 1.0
 # After Redis failed, the in-memory limiter alone is used for this long before Redis is tried again.
 _REDIS_RETRY_S = 1.0
 
+# The scripts are composed from parts so that the refill is written once for both. ``now`` is
+# Redis's clock (so replicas share one), in milliseconds; ``refill`` is the bucket's state at
+# ``now`` and the in-memory ``_Bucket.refill`` is the same arithmetic in the same order
+# (tests/tenancy/test_limits.py drives both with one clock and compares every decision).
+_REDIS_NOW_LUA = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
+"""
+
+# Each allowance grows by its limit every minute, continuously, and never past the limit.
+# Returns the requests and tokens the bucket hash `key` holds at `now` (a missing one is full).
+_REFILL_LUA = """
+local function refill(key, rpm, tpm, now)
+  local state = redis.call('HMGET', key, 'r', 't', 'ts')
+  local r = tonumber(state[1]) or rpm
+  local tokens = tonumber(state[2]) or tpm
+  local ts = tonumber(state[3]) or now
+  local elapsed = math.max(0, now - ts)
+  return math.min(rpm, r + elapsed * rpm / 60000), math.min(tpm, tokens + elapsed * tpm / 60000)
+end
+"""
+
 # KEYS: bucket hash, in-flight zset. ARGV: rpm, tpm, max_concurrent, reserved, lease id,
 # lease ttl (ms). Returns {0, 0} when admitted, else {which (1 concurrency, 2 rpm, 3 tpm),
 # retry after (ms)}.
-_ACQUIRE_LUA = """
+_ACQUIRE_BODY_LUA = """
 local rpm = tonumber(ARGV[1])
 local tpm = tonumber(ARGV[2])
 local max_concurrent = tonumber(ARGV[3])
 local reserved = tonumber(ARGV[4])
 local lease_ttl = tonumber(ARGV[6])
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
-local state = redis.call('HMGET', KEYS[1], 'r', 't', 'ts')
-local r = tonumber(state[1]) or rpm
-local tokens = tonumber(state[2]) or tpm
-local ts = tonumber(state[3]) or now
-local elapsed = math.max(0, now - ts)
-r = math.min(rpm, r + elapsed * rpm / 60000)
-tokens = math.min(tpm, tokens + elapsed * tpm / 60000)
+local r, tokens = refill(KEYS[1], rpm, tpm, now)
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
 if redis.call('ZCARD', KEYS[2]) >= max_concurrent then
   return {1, 1000}
@@ -74,24 +91,27 @@ redis.call('PEXPIRE', KEYS[2], lease_ttl + 60000)
 return {0, 0}
 """
 
-# KEYS: bucket hash. ARGV: rpm, tpm, tokens to give back (negative: to take).
-_SETTLE_LUA = """
+# KEYS: bucket hash. ARGV: rpm, tpm, tokens to give back (negative: to take). The bucket is
+# refilled first and the correction applied after, as in memory: giving back never fills it
+# past the limit, and an overshoot is taken from what the bucket holds now.
+_SETTLE_BODY_LUA = """
 local rpm = tonumber(ARGV[1])
 local tpm = tonumber(ARGV[2])
 local delta = tonumber(ARGV[3])
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
-local state = redis.call('HMGET', KEYS[1], 'r', 't', 'ts')
-local r = tonumber(state[1]) or rpm
-local tokens = tonumber(state[2]) or tpm
-local ts = tonumber(state[3]) or now
-local elapsed = math.max(0, now - ts)
-r = math.min(rpm, r + elapsed * rpm / 60000)
-tokens = math.min(tpm, tokens + elapsed * tpm / 60000 + delta)
-redis.call('HSET', KEYS[1], 'r', r, 't', tokens, 'ts', now)
+local r, tokens = refill(KEYS[1], rpm, tpm, now)
+redis.call('HSET', KEYS[1], 'r', r, 't', math.min(tpm, tokens + delta), 'ts', now)
 redis.call('PEXPIRE', KEYS[1], 600000)
 return 0
 """
+
+
+def limiter_scripts(now: str = _REDIS_NOW_LUA) -> tuple[str, str]:
+    """The acquire and settle scripts: ``now`` (Lua that sets ``now``, in ms), the one refill,
+    then each script's body. Production reads Redis's clock; a test may give another clock."""
+    return now + _REFILL_LUA + _ACQUIRE_BODY_LUA, now + _REFILL_LUA + _SETTLE_BODY_LUA
+
+
+_ACQUIRE_LUA, _SETTLE_LUA = limiter_scripts()
 
 
 @dataclass(slots=True)
@@ -102,6 +122,7 @@ class _Bucket:
     inflight: dict[str, float] = field(default_factory=dict)  # lease id → expiry (ms)
 
     def refill(self, limits: TenantLimits, now_ms: float) -> None:
+        # The Lua ``refill`` of the Redis path, term for term (held equal by a test).
         elapsed = max(0.0, now_ms - self.at_ms)
         rpm, tpm = limits.requests_per_minute, limits.tokens_per_minute
         self.requests = min(rpm, self.requests + elapsed * rpm / _WINDOW_MS)
@@ -186,7 +207,7 @@ class TenantLimiter:
                 60.0,
             )
         lease_id = secrets.token_hex(8)
-        if self._redis is not None and time.monotonic() >= self._redis_down_until:
+        if self._acquire_script is not None and time.monotonic() >= self._redis_down_until:
             try:
                 verdict, retry_ms = await self._with_timeout(
                     self._acquire_script(
@@ -243,7 +264,7 @@ class TenantLimiter:
 
     async def _settle(self, lease: LimitLease, delta: int) -> None:
         limits = lease._limits
-        if lease._in_redis and self._redis is not None:
+        if lease._in_redis and self._settle_script is not None:
             try:
                 await self._with_timeout(
                     self._settle_script(
@@ -282,7 +303,7 @@ class TenantLimiter:
         # The hash tag keeps a tenant's keys in one slot of a Redis Cluster (one script).
         return f"{self._prefix}:{{{tenant_id}}}:{what}"
 
-    async def _with_timeout(self, call):
+    async def _with_timeout(self, call: Awaitable[_T]) -> _T:
         # A partitioned Redis must not hang admission; a refused connection fails at once.
         return await asyncio.wait_for(call, timeout=self._redis_timeout_s)
 
