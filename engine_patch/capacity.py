@@ -78,7 +78,7 @@ def gate_after_worker_info(settings: EngineSettings, result: Any, worker: Any) -
     return result
 
 
-def report_in_init_info(result: dict, scheduler: Any) -> dict:
+def report_in_init_info(result: dict[str, Any], scheduler: Any) -> dict[str, Any]:
     """AFTER Scheduler.get_init_info: hand the capacity (and any clamp) to the main process.
 
     ``/server_info`` merges this dict over the server arguments, so a clamped

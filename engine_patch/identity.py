@@ -32,7 +32,7 @@ def generation_of(req: Any) -> str:
     both sides of a PD pair derive the same value. An untagged request (e.g. sent through
     sglang_router, which mints a separate rid on each side) shares only its bootstrap room
     between prefill and decode, so that is its identity."""
-    tagged = getattr(req, "isolation_generation", None)
+    tagged: str | None = getattr(req, "isolation_generation", None)
     if tagged:
         return tagged
     room = getattr(req, "bootstrap_room", None)

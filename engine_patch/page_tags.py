@@ -11,7 +11,7 @@ a page never written for it, or overwritten since -- fails the request.
 from __future__ import annotations
 
 from http import HTTPStatus
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 from sglang.srt.disaggregation.utils import _is_fake_transfer, prepare_abort
@@ -66,9 +66,13 @@ class PageOwnerTable:
         return int((self.tenant[pages] != tenant).sum().item())
 
 
+@overload
+def table_for(allocator: Any, *, create: Literal[True]) -> PageOwnerTable: ...
+@overload
+def table_for(allocator: Any, *, create: bool) -> PageOwnerTable | None: ...
 def table_for(allocator: Any, *, create: bool) -> PageOwnerTable | None:
     """The table of one KV pool, kept on its allocator; created by decode only."""
-    table = getattr(allocator, _TABLE_ATTRIBUTE, None)
+    table: PageOwnerTable | None = getattr(allocator, _TABLE_ATTRIBUTE, None)
     if table is None and create:
         page_size = int(allocator.page_size)
         table = PageOwnerTable(int(allocator.size) // page_size + 2, device=allocator.device)
@@ -111,9 +115,7 @@ def mark_decode_writes(result: Any, batch: Any) -> Any:
     return result
 
 
-def foreign_page_problem(
-    scheduler: Any, req: Any, table: PageOwnerTable | None
-) -> str | None:
+def foreign_page_problem(scheduler: Any, req: Any, table: PageOwnerTable | None) -> str | None:
     """Why ``req`` must not read its pages, or None when every page is its own."""
     seq_len = int(req.kv.kv_committed_len)
     prefix_len = min(int(req.kv.cache_protected_len), seq_len)
@@ -122,7 +124,10 @@ def foreign_page_problem(
     generation, tenant = req_fingerprints(req)
     foreign = table.pages_not_written_by(_pages(scheduler, req, prefix_len, seq_len), generation)
     if foreign:
-        return f"{foreign} of the positions [{prefix_len},{seq_len}) sit in pages last written by another generation"
+        return (
+            f"{foreign} of the positions [{prefix_len},{seq_len}) sit in pages last written by "
+            "another generation"
+        )
     other_tenant = table.pages_not_of_tenant(_pages(scheduler, req, 0, prefix_len), tenant)
     if other_tenant:
         return f"{other_tenant} reused prefix positions sit in pages of another tenant"

@@ -34,7 +34,8 @@ ECHO_KEYS = (META_TENANT, META_GENERATION, META_VERIFIED)
 _TAG_PATTERN = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
 
 
-class TaggedGenerateReqInput(TokenizedGenerateReqInput, kw_only=True):
+# SGLang is untyped (Any base); kw_only is a msgspec.Struct class option mypy cannot see.
+class TaggedGenerateReqInput(TokenizedGenerateReqInput, kw_only=True):  # type: ignore[misc, call-arg]
     """The scheduler-bound request, with the isolation tags appended.
 
     A tail-appended msgspec subclass: registered with SGLang's IPC decoder in
@@ -133,14 +134,17 @@ def tag_req(result: Any, scheduler: Any, recv_req: Any, *args: Any, **kwargs: An
     return result
 
 
-def echo_tags(streamer: Any, reqs: list) -> dict[str, list]:
+EchoInfo = dict[str, list[list[str]] | list[list[bool]]]
+
+
+def echo_tags(streamer: Any, reqs: list[Any]) -> EchoInfo:
     """REPLACE SchedulerOutputStreamer.build_additional_customized_info.
 
     SGLang's extension point for per-request output fields: one entry per
     emitted request, attached to every output batch (each stream chunk too)."""
-    tenants: list = []
-    generations: list = []
-    verified: list = []
+    tenants: list[list[str]] = []
+    generations: list[list[str]] = []
+    verified: list[list[bool]] = []
     for req in reqs:
         generation = getattr(req, "isolation_generation", None)
         if generation is None:
@@ -157,9 +161,9 @@ def echo_tags(streamer: Any, reqs: list) -> dict[str, list]:
 def place_echo_in_meta_info(
     original: Any,
     tokenizer_manager: Any,
-    meta_info: dict,
+    meta_info: dict[str, Any],
     state: Any,
-    customized_info: dict,
+    customized_info: dict[str, list[Any]],
     index: int,
     finish_reason: Any,
 ) -> None:
@@ -167,7 +171,7 @@ def place_echo_in_meta_info(
 
     The echo keys are request-level scalars: set them as plain values on each
     chunk instead of letting SGLang accumulate them into growing lists."""
-    passthrough = {}
+    passthrough: dict[str, list[Any]] = {}
     for key, values in customized_info.items():
         if key in ECHO_KEYS:
             value = values[index]
