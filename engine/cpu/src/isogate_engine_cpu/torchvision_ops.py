@@ -33,7 +33,7 @@ def define_missing_torchvision_ops() -> None:
     if torchvision.extension._has_ops() or _defined_library:
         return
     library = torch.library.Library("torchvision", "DEF")
-    for name, schema in _SCHEMAS.items():
+    for schema in _SCHEMAS.values():
         try:
             library.define(schema)
         except RuntimeError:
