@@ -130,12 +130,12 @@ def _assert_acyclic(services: dict) -> None:
     state: dict[str, str] = {}
 
     def visit(name: str, path: tuple[str, ...]) -> None:
-        assert state.get(name) != "open", f"depends_on cycle: {' -> '.join(path + (name,))}"
+        assert state.get(name) != "open", f"depends_on cycle: {' -> '.join((*path, name))}"
         if state.get(name) == "done":
             return
         state[name] = "open"
         for dependency in depends_on(services[name]):
-            visit(dependency, path + (name,))
+            visit(dependency, (*path, name))
         state[name] = "done"
 
     for name in services:

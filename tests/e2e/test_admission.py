@@ -88,7 +88,8 @@ def key(incident_gateway: GatewayProcess) -> str:
 
 
 def generate_requests_seen(cluster: PDCluster) -> dict[str, int]:
-    """What SGLang itself recorded: access-log lines for /generate and scheduler counters, per worker."""
+    """What SGLang itself recorded, per worker: access-log lines for /generate and scheduler
+    counters."""
     seen: dict[str, int] = {}
     for role, url in (("prefill", cluster.prefill_url), ("decode", cluster.decode_url)):
         log = cluster.logs[role].read_text(errors="replace")
@@ -164,12 +165,12 @@ def test_prompts_one_token_under_and_over_the_limit_land_on_the_right_side(
     assert served.usage.prompt_tokens == limit
     before = generate_requests_seen(incident_cluster)
     with pytest.raises(openai.BadRequestError) as refused:
-        client.completions.create(model=MODEL, prompt=at_limit + [9], max_tokens=MAX_TOKENS)
+        client.completions.create(model=MODEL, prompt=[*at_limit, 9], max_tokens=MAX_TOKENS)
     assert refused.value.body["code"] == "context_length_exceeded"
     assert generate_requests_seen(incident_cluster) == before
     # A smaller max_tokens leaves room for exactly that many more prompt tokens.
     served = client.completions.create(
-        model=MODEL, prompt=at_limit + [9], max_tokens=MAX_TOKENS - 1, temperature=0
+        model=MODEL, prompt=[*at_limit, 9], max_tokens=MAX_TOKENS - 1, temperature=0
     )
     assert served.usage.prompt_tokens == limit + 1
 

@@ -1,4 +1,5 @@
-"""The walking skeleton, end to end: the official OpenAI SDK → gateway → real SGLang PD pair (CPU)."""
+"""The walking skeleton, end to end: the official OpenAI SDK → gateway → real SGLang PD pair
+(CPU)."""
 
 from __future__ import annotations
 
@@ -143,17 +144,26 @@ def test_greedy_output_equals_sglang_router_for_the_same_input_ids(
             "model_not_found",
         ),
         (
-            b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "max_tokens": -1}',
+            (
+                b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], '
+                b'"max_tokens": -1}'
+            ),
             400,
             "invalid_value",
         ),
         (
-            b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "rid": "mine"}',
+            (
+                b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], '
+                b'"rid": "mine"}'
+            ),
             400,
             "reserved_parameter",
         ),
         (
-            b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "extra_key": "salt"}',
+            (
+                b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], '
+                b'"extra_key": "salt"}'
+            ),
             400,
             "reserved_parameter",
         ),

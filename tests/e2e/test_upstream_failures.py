@@ -186,7 +186,8 @@ def test_a_client_that_leaves_before_its_body_arrived_is_audited_as_cancelled(
         address = urlsplit(gateway.url)
         with socket.create_connection((address.hostname, address.port), timeout=10) as client:
             client.sendall(
-                b"POST /v1/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
+                b"POST /v1/completions HTTP/1.1\r\nHost: gateway\r\n"
+                b"Content-Type: application/json\r\n"
                 b"Authorization: Bearer "
                 + key.encode()
                 + b'\r\nContent-Length: 1000\r\n\r\n{"model"'
