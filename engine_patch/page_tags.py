@@ -82,7 +82,7 @@ def table_for(allocator: Any, *, create: bool) -> PageOwnerTable | None:
 
 def _pages(scheduler: Any, req: Any, start: int, end: int) -> torch.Tensor:
     page_size = int(scheduler.token_to_kv_pool_allocator.page_size)
-    slots = scheduler.req_to_token_pool.req_to_token[req.kv.req_pool_idx, start:end]
+    slots: torch.Tensor = scheduler.req_to_token_pool.req_to_token[req.kv.req_pool_idx, start:end]
     return slots.to(torch.int64) // page_size
 
 
