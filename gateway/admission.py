@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from .capacity import WorkerCapacity
 from .errors import APIError, bad_request
+from .pairs import WorkerPair
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +51,24 @@ def prompt_limit(
             candidates.append((worker.max_req_input_len, f"{worker.role} max_req_input_len"))
     tokens, bound = min(candidates, key=lambda candidate: candidate[0])
     return PromptLimit(max(0, tokens), bound)
+
+
+def refuse_if_over(prompt_tokens: int, limit: PromptLimit, max_tokens: int) -> None:
+    """Gate 1 on a counted prompt: over the limit is a 400, before any worker is contacted."""
+    if prompt_tokens > limit.tokens:
+        raise context_length_exceeded(prompt_tokens, limit, max_tokens)
+
+
+def fits_now(
+    ledger: ClaimLedger, pair: WorkerPair, limit: PromptLimit, prompt_tokens: int, need: int
+) -> bool:
+    """Whether a request fits ``pair`` at this moment: under its prompt limit, and ``need``
+    tokens free in both pools once what is claimed in flight is counted."""
+    return (
+        prompt_tokens <= limit.tokens
+        and ledger.free_now(pair.prefill_state) >= need
+        and ledger.free_now(pair.decode_state) >= need
+    )
 
 
 def context_length_exceeded(

@@ -20,7 +20,8 @@ from .pipeline import Kind, handle_generation
 
 
 def _components(request: Request) -> Components:
-    return request.app.state.components
+    components: Components = request.app.state.components
+    return components
 
 
 def _json(payload: object, status: int = 200) -> Response:
@@ -107,9 +108,8 @@ async def metrics(request: Request) -> Response:
     """Prometheus metrics, admin key only: the series name tenants and their traffic."""
     components = _components(request)
     await components.authenticator.require_admin(request.headers.get("authorization"))
-    body = await asyncio.to_thread(
-        components.metrics.export, components.capacity, components.workers()
-    )
+    workers: list[tuple[str, str]] = list(components.workers())
+    body = await asyncio.to_thread(components.metrics.export, components.capacity, workers)
     return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 

@@ -15,13 +15,15 @@ from typing import Any
 from .admission import ClaimLedger
 from .audit import AuditLog
 from .auth import Authenticator
-from .canary import CanaryMetrics, CanaryProber, CanaryScanner, alert_on_hit
+from .canary import CanaryMetrics, CanaryProber
 from .capacity import CapacityRegistry, Role
 from .dispatch import PDDispatcher
+from .generation import GenerationCore
 from .limits import TenantLimiter
 from .metrics import Metrics
 from .policies import Policies, load_policies
 from .routing import RoutingCache
+from .scanner import CanaryScanner, alert_on_hit
 from .settings import Settings
 from .store import Store, create_store
 from .tokenize import ModelTokenizer
@@ -48,6 +50,21 @@ class Components:
     scanner: ContentScanner = field(default_factory=NoScanner)
     redis: Any | None = None
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
+    core: GenerationCore = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.core = GenerationCore(
+            catalog=self,
+            routes=self.routes,
+            ledger=self.ledger,
+            limiter=self.limiter,
+            dispatcher=self.dispatcher,
+            scanner=self.scanner,
+            audit=self.audit,
+            metrics=self.metrics,
+            margin_tokens=self.settings.admission_safety_margin_tokens,
+            cache_salt_secret=self.settings.cache_salt_secret,
+        )
 
     def workers(self) -> list[tuple[str, Role]]:
         return workers_of(self.policies)
@@ -104,6 +121,10 @@ async def build_components(settings: Settings) -> Components:
     )
     capacity.set_workers(workers_of(policies))
     store = create_store(settings.database_url)
+    metrics = Metrics()
+    scanner: ContentScanner = NoScanner()
+    if settings.canary_scan:
+        scanner = CanaryScanner(redis_client, settings.canary_redis_key, alert_on_hit(metrics))
     components = Components(
         settings=settings,
         policies=policies,
@@ -121,7 +142,8 @@ async def build_components(settings: Settings) -> Components:
         authenticator=Authenticator(store, settings),
         audit=AuditLog(store, settings),
         limiter=TenantLimiter(redis_client, settings.redis_key_prefix),
-        metrics=Metrics(),
+        metrics=metrics,
+        scanner=scanner,
         redis=redis_client,
     )
     await components.audit.start()
@@ -131,14 +153,10 @@ async def build_components(settings: Settings) -> Components:
 
 
 def start_canaries(components: Components) -> None:
-    """The canary scanner on the response path and, when an interval is set, the prober."""
-    settings = components.settings
-    if not settings.canary_scan:
-        return
-    scanner = CanaryScanner(
-        components.redis, settings.canary_redis_key, alert_on_hit(components.metrics)
-    )
-    components.scanner = scanner
+    """The canary scanner's refresh and, when an interval is set, the prober."""
+    settings, scanner = components.settings, components.scanner
+    if not isinstance(scanner, CanaryScanner):
+        return  # canary scanning is off
     canary_metrics = CanaryMetrics(components.metrics.registry, scanner)
     # Drops expired markers and, with Redis, adopts the other replicas'.
     components.tasks.append(
@@ -146,7 +164,9 @@ def start_canaries(components: Components) -> None:
     )
     if settings.canary_interval_s > 0:
         prober = CanaryProber(
+            components.core,
             components,
+            components.capacity,
             scanner,
             ttl_s=settings.canary_marker_ttl_s,
             max_tokens=settings.canary_max_tokens,

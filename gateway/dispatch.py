@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -23,8 +23,8 @@ import orjson
 
 from .errors import APIError, unavailable, upstream_failed, upstream_timeout
 from .ids import bootstrap_room
-from .routing import WorkerPair
-from .upstream import UpstreamClient, UpstreamError, UpstreamTimeout
+from .pairs import WorkerPair
+from .upstream import UpstreamClient, UpstreamConnection, UpstreamError, UpstreamTimeout
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ class PDDispatcher:
         headers = isolation_headers(request)
         body = generate_body(pair, request, stream=False)  # the same for both roles
         client = self._client
-        exchanges: list[tuple[str, Any]] = []
+        exchanges: list[tuple[str, UpstreamConnection]] = []
         try:
             for role, url in (("prefill", pair.prefill.url), ("decode", pair.decode.url)):
                 exchanges.append((role, await self._send(role, url, body, headers)))
@@ -96,14 +96,15 @@ class PDDispatcher:
             for role, connection in exchanges:
                 if connection.answered:  # else abandoned: the other one failed
                     _raise_unless_ok(role, connection)
-            return orjson.loads(exchanges[1][1].body())
+            answer: dict[str, Any] = orjson.loads(exchanges[1][1].body())
+            return answer
         finally:
             for _, connection in exchanges:
                 client.finish(connection)
 
     async def stream(
         self, pair: WorkerPair, request: EngineRequest
-    ) -> AsyncIterator[list[dict[str, Any]]]:
+    ) -> AsyncGenerator[list[dict[str, Any]]]:
         """Decode's chunks, parsed, in batches of those that arrived together; raises APIError
         before the first batch, UpstreamStreamError after.
 
@@ -122,9 +123,10 @@ class PDDispatcher:
             "prefill", pair.prefill.url, generate_body(pair, request, stream=False), headers
         )
         chunks = self._decode_chunks(pair, request, headers)
-        first = None
+        first: asyncio.Future[list[dict[str, Any]]] | None = None
         try:
             first = asyncio.ensure_future(chunks.__anext__())
+            assert prefill.done is not None  # set by send()
             await asyncio.wait((first, prefill.done), return_when=asyncio.FIRST_COMPLETED)
             if not first.done():
                 _raise_unless_ok("prefill", prefill)
@@ -147,7 +149,7 @@ class PDDispatcher:
 
     async def _decode_chunks(
         self, pair: WorkerPair, request: EngineRequest, headers: dict[str, str]
-    ) -> AsyncIterator[list[dict[str, Any]]]:
+    ) -> AsyncGenerator[list[dict[str, Any]]]:
         lines = self._client.stream(
             f"{pair.decode.url}/generate", generate_body(pair, request, stream=True), headers
         )
@@ -160,7 +162,7 @@ class PDDispatcher:
                     b"\n".join([line async for _, batch in lines for line in batch]),
                 )
             async for _, batch in lines:
-                chunks = []
+                chunks: list[dict[str, Any]] = []
                 for line in batch:
                     if not line.startswith(b"data:"):
                         continue
@@ -182,7 +184,9 @@ class PDDispatcher:
         finally:
             await lines.aclose()
 
-    async def _send(self, role: str, url: str, body: bytes, headers: dict[str, str]) -> Any:
+    async def _send(
+        self, role: str, url: str, body: bytes, headers: dict[str, str]
+    ) -> UpstreamConnection:
         try:
             return await self._client.send(f"{url}/generate", body, headers)
         except (UpstreamError, OSError) as exc:
@@ -192,7 +196,7 @@ class PDDispatcher:
         await self._client.aclose()
 
 
-def _raise_unless_ok(role: str, connection: Any) -> None:
+def _raise_unless_ok(role: str, connection: UpstreamConnection) -> None:
     """The error an answered exchange stands for, if it failed or did not answer 200."""
     if connection.failure is not None:
         raise _transport_error(role, connection.failure) from connection.failure
@@ -200,7 +204,7 @@ def _raise_unless_ok(role: str, connection: Any) -> None:
         raise _engine_error(role, connection.status, connection.body())
 
 
-def _transport_error(role: str, exc: Exception) -> APIError:
+def _transport_error(role: str, exc: BaseException) -> APIError:
     if isinstance(exc, UpstreamTimeout):
         return upstream_timeout(f"The {role} worker did not answer in time.")
     return unavailable(f"The {role} worker is unavailable.", code="worker_unavailable")

@@ -10,40 +10,21 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from .admission import ClaimLedger, PromptLimit, prompt_limit
-from .capacity import CapacityRegistry, WorkerCapacity
+from .admission import ClaimLedger, PromptLimit, fits_now, prompt_limit
+from .capacity import CapacityRegistry
 from .errors import APIError, unavailable
-from .policies import DecodeWorker, ModelPolicy, Policies, PrefillWorker
+from .pairs import WorkerPair
+from .policies import ModelPolicy, Policies, WorkerPool
 
 
-@dataclass(frozen=True, slots=True)
-class WorkerPair:
-    pool: str
-    prefill: PrefillWorker
-    decode: DecodeWorker
-    prefill_state: WorkerCapacity
-    decode_state: WorkerCapacity
-
-    @property
-    def urls(self) -> tuple[str, str]:
-        return (self.prefill.url, self.decode.url)
-
-
-def candidate_pairs(
-    policies: Policies, model: ModelPolicy, tenant_id: str, registry: CapacityRegistry
+def pairs_of(
+    pools: Iterable[WorkerPool], model: ModelPolicy, registry: CapacityRegistry
 ) -> list[WorkerPair]:
-    """Pairs this tenant may use right now; 503 when there are none."""
-    pools = policies.pools_for(model, tenant_id)
-    if not pools:
-        raise APIError(
-            403,
-            f"No worker pool of model '{model.name}' serves this tenant's isolation class.",
-            "permission_error",
-            "no_pool_for_tenant",
-            "model",
-        )
+    """Every (prefill, decode) pair of ``pools`` whose workers both have fresh capacity data
+    and, where the model requires it, run engine_patch."""
     pairs: list[WorkerPair] = []
     for pool in pools:
         prefills = [(w, registry.get(w.url)) for w in pool.prefill]
@@ -57,6 +38,23 @@ def candidate_pairs(
                 ):
                     continue
                 pairs.append(WorkerPair(pool.name, prefill, decode, prefill_state, decode_state))
+    return pairs
+
+
+def candidate_pairs(
+    policies: Policies, model: ModelPolicy, tenant_id: str, registry: CapacityRegistry
+) -> list[WorkerPair]:
+    """Pairs this tenant may use right now; 403 when no pool serves it, 503 when none is fresh."""
+    pools = policies.pools_for(model, tenant_id)
+    if not pools:
+        raise APIError(
+            403,
+            f"No worker pool of model '{model.name}' serves this tenant's isolation class.",
+            "permission_error",
+            "no_pool_for_tenant",
+            "model",
+        )
+    pairs = pairs_of(pools, model, registry)
     if not pairs:
         raise unavailable(
             f"No prefill/decode pair of model '{model.name}' has fresh capacity data"
@@ -101,19 +99,20 @@ class Candidates:
         """The least loaded pair where the request fits now; None if it fits nowhere now."""
         need = prompt_tokens + max_tokens + margin
         best: tuple[int, WorkerPair] | None = None
-        for pair, limit in zip(self.pairs, self.limits(max_tokens, margin)):
-            if prompt_tokens > limit.tokens:
+        for pair, limit in zip(self.pairs, self.limits(max_tokens, margin), strict=True):
+            if not fits_now(ledger, pair, limit, prompt_tokens, need):
                 continue
-            free_prefill = ledger.free_now(pair.prefill_state)
-            free_decode = ledger.free_now(pair.decode_state)
-            if free_prefill < need or free_decode < need:
-                continue
-            load = (pair.prefill_state.max_total_num_tokens - free_prefill) + (
-                pair.decode_state.max_total_num_tokens - free_decode
-            )
+            load = _tokens_in_use(ledger, pair)
             if best is None or load < best[0]:
                 best = (load, pair)
         return best[1] if best else None
+
+
+def _tokens_in_use(ledger: ClaimLedger, pair: WorkerPair) -> int:
+    prefill, decode = pair.prefill_state, pair.decode_state
+    return (prefill.max_total_num_tokens - ledger.free_now(prefill)) + (
+        decode.max_total_num_tokens - ledger.free_now(decode)
+    )
 
 
 _LIMITS_PER_ENTRY = 64
@@ -121,7 +120,7 @@ _MAX_ENTRIES = 10_000
 
 
 class RoutingCache:
-    """``candidate_pairs`` and the pairs' prompt limits, kept until what they were derived from changes.
+    """``candidate_pairs`` and the pairs' prompt limits, kept until what they come from changes.
 
     Why: they are functions of the policies, the tenant and the capacity observations, which
     change once per poll, while requests arrive thousands of times a second; recomputed for

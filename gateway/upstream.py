@@ -18,8 +18,8 @@ import asyncio
 import collections
 import logging
 import ssl
-from collections.abc import AsyncIterator, Sequence
-from typing import NamedTuple
+from collections.abc import AsyncGenerator, Sequence
+from typing import NamedTuple, cast
 from urllib.parse import urlsplit
 
 import httptools
@@ -41,7 +41,13 @@ class UpstreamTimeout(UpstreamError):
     pass
 
 
-class _Connection(asyncio.Protocol):
+class UpstreamConnection(asyncio.Protocol):
+    """One pooled HTTP/1.1 connection to a worker, carrying one exchange at a time.
+
+    What the dispatcher reads of an exchange: ``done`` (the answer is complete or failed),
+    ``answered``, ``failure``, ``status`` and ``body()``.
+    """
+
     def __init__(self) -> None:
         self.origin: Origin | None = None  # set by the client that opened it
         self.transport: asyncio.Transport | None = None
@@ -56,8 +62,9 @@ class _Connection(asyncio.Protocol):
         self.readable: asyncio.Future[None] | None = None
 
     # -- protocol --
-    def connection_made(self, transport) -> None:  # type: ignore[no-untyped-def]
-        self.transport = transport
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # A stream connection's transport (uvloop's is not an ``asyncio.Transport`` subclass).
+        self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -158,12 +165,12 @@ class UpstreamClient:
         self._connect_timeout_s = connect_timeout_s
         self._timeout_s = timeout_s
         self._max_idle = max_idle_per_origin
-        self._idle: dict[Origin, list[_Connection]] = {}
+        self._idle: dict[Origin, list[UpstreamConnection]] = {}
         # URL → (origin, request line and Host header): parsed once per URL, not per request.
         self._targets: dict[str, tuple[Origin, bytes]] = {}
         self._tls = ssl.create_default_context()
 
-    async def _acquire(self, origin: Origin) -> _Connection:
+    async def _acquire(self, origin: Origin) -> UpstreamConnection:
         idle = self._idle.get(origin)
         while idle:
             connection = idle.pop()
@@ -174,7 +181,10 @@ class UpstreamClient:
         try:
             async with asyncio.timeout(self._connect_timeout_s):
                 _, connection = await loop.create_connection(
-                    _Connection, origin.host, origin.port, ssl=self._tls if origin.tls else None
+                    UpstreamConnection,
+                    origin.host,
+                    origin.port,
+                    ssl=self._tls if origin.tls else None,
                 )
         except TimeoutError as exc:
             raise UpstreamTimeout("connect timed out") from exc
@@ -183,7 +193,7 @@ class UpstreamClient:
         connection.origin = origin
         return connection
 
-    def finish(self, connection: _Connection) -> None:
+    def finish(self, connection: UpstreamConnection) -> None:
         """Done with an exchange: its connection is pooled if the whole answer arrived, else
         closed (the rest of an abandoned answer must never be read as the next request's)."""
         if connection.complete:
@@ -191,7 +201,7 @@ class UpstreamClient:
         else:
             connection.close()
 
-    def _release(self, origin: Origin, connection: _Connection) -> None:
+    def _release(self, origin: Origin, connection: UpstreamConnection) -> None:
         idle = self._idle.setdefault(origin, [])
         if connection.keep_alive and not connection.closed and len(idle) < self._max_idle:
             idle.append(connection)
@@ -211,7 +221,7 @@ class UpstreamClient:
             body,
         )
 
-    async def send(self, url: str, body: bytes, headers: dict[str, str]) -> _Connection:
+    async def send(self, url: str, body: bytes, headers: dict[str, str]) -> UpstreamConnection:
         """Send a POST; its answer arrives on the returned connection (``wait_for_answers``).
         Hand the connection to ``finish`` when done with it, whatever happened."""
         origin, raw = self._request(url, body, headers)
@@ -219,7 +229,7 @@ class UpstreamClient:
         connection.begin(raw)
         return connection
 
-    async def wait_for_answers(self, connections: Sequence[_Connection]) -> None:
+    async def wait_for_answers(self, connections: Sequence[UpstreamConnection]) -> None:
         """Until every answer has arrived, or one failed or came with a status other than 200.
 
         Why stop at the first bad answer: prefill and decode of one request wait on each other
@@ -248,7 +258,7 @@ class UpstreamClient:
 
     async def stream(
         self, url: str, body: bytes, headers: dict[str, str]
-    ) -> AsyncIterator[tuple[int, list[bytes]]]:
+    ) -> AsyncGenerator[tuple[int, list[bytes]]]:
         """Yields ``(status, [])`` once the head arrives, then ``(status, lines)`` for the body
         lines that arrived together (one batch per read, never empty).
 
@@ -284,7 +294,7 @@ class UpstreamClient:
             self.finish(connection)
 
     async def _wait(
-        self, connection: _Connection, future: asyncio.Future[None] | None, message: str
+        self, connection: UpstreamConnection, future: asyncio.Future[None] | None, message: str
     ) -> None:
         # A timer that fails the connection's futures: one handle per wait (once per streamed
         # chunk), where ``asyncio.timeout`` costs a context manager and task bookkeeping too.
@@ -303,7 +313,7 @@ class UpstreamClient:
         self._idle.clear()
 
 
-def _time_out(connections: Sequence[_Connection]) -> None:
+def _time_out(connections: Sequence[UpstreamConnection]) -> None:
     for connection in connections:
         if not connection.answered:
             connection.time_out("upstream did not answer in time")

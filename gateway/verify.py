@@ -7,7 +7,7 @@ exactly the prompt the gateway tokenized, and it generated no more than was aske
 mismatch fails the request closed (HTTP 502 ``isolation_check_failed``; for a stream, an error
 event and nothing more), never a 200.
 
-Canary scanning (``gateway.canary``) adds the content check: no output carries a live marker
+Canary scanning (``gateway.scanner``) adds the content check: no output carries a live marker
 of another tenant. Streamed text is held back by the longest marker's length minus one, so a
 marker split across chunks is caught before any byte of it is sent.
 """
@@ -72,7 +72,8 @@ def check_meta(meta: Any, expected: Expectation) -> None:
     prompt_tokens = meta.get("prompt_tokens")
     if prompt_tokens != expected.prompt_tokens:
         raise IsolationFailure(
-            f"engine counted {prompt_tokens} prompt tokens, the gateway sent {expected.prompt_tokens}"
+            f"engine counted {prompt_tokens} prompt tokens, "
+            f"the gateway sent {expected.prompt_tokens}"
         )
     completion_tokens = meta.get("completion_tokens", 0)
     if not isinstance(completion_tokens, int) or not 0 <= completion_tokens <= expected.max_tokens:
@@ -85,7 +86,7 @@ def check_meta(meta: Any, expected: Expectation) -> None:
 
 
 class ContentScanner(Protocol):
-    """Finds another tenant's live canary marker in output text (see ``gateway.canary``)."""
+    """Finds another tenant's live canary marker in output text (see ``gateway.scanner``)."""
 
     @property
     def holdback_chars(self) -> int: ...

@@ -1,4 +1,5 @@
-"""How the pipeline reads a request (headers in one pass, the body from ASGI) and writes a served one."""
+"""How the pipeline reads a request (headers in one pass, the body from ASGI) and writes a served
+one."""
 
 from __future__ import annotations
 

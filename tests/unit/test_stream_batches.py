@@ -1,7 +1,8 @@
 """How the pipeline turns decode's stream into SSE writes when chunks arrive together.
 
 ``gateway.pipeline._sse_events`` receives decode's chunks in batches (those that arrived in one
-read) and yields the bytes of one client write at a time.
+read), checked by ``gateway.generation.CheckedStream``, and yields the bytes of one client write
+at a time.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from typing import Any
 import orjson
 import pytest
 
-from gateway.pipeline import Trace, _sse_events
+from gateway.generation import CheckedStream, StreamStep, Trace
+from gateway.pipeline import _sse_events
 from gateway.verify import Expectation, IsolationFailure, NoScanner, StreamGuard
 
 GID = "gen_01JTESTTESTTESTTESTTESTTES"
@@ -40,7 +42,8 @@ async def batches_of(*batches: list[dict[str, Any]]) -> AsyncIterator[list[dict[
 def writes_of(
     first: dict[str, Any], *later: list[dict[str, Any]]
 ) -> tuple[list[bytes], BaseException | None]:
-    """The writes ``_sse_events`` makes for a stream whose first chunk was ``first``, and what it raised."""
+    """The writes ``_sse_events`` makes for a stream whose first chunk was ``first``, and what it
+    raised."""
     guard = StreamGuard(NoScanner(), "acme")
     first_delta = guard.feed(first["text"])
     trace = Trace(GID, datetime.now(UTC), time.perf_counter(), stream=True, model="m")
@@ -48,16 +51,9 @@ def writes_of(
     async def collect() -> tuple[list[bytes], BaseException | None]:
         writes: list[bytes] = []
         try:
-            async for write in _sse_events(
-                trace,
-                batches_of(*later),
-                first_delta,
-                first["meta_info"],
-                guard,
-                EXPECTED,
-                "completion",
-                False,
-            ):
+            first_step = StreamStep(first_delta, first["meta_info"])
+            checked = CheckedStream(EXPECTED, None, trace, batches_of(*later), guard, first_step)
+            async for write in _sse_events(trace, checked, "completion", False):
                 writes.append(write)
         except IsolationFailure as failure:
             return writes, failure

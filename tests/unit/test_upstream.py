@@ -84,8 +84,8 @@ class ScriptedServer:
     @staticmethod
     def whole_stream(writer: asyncio.StreamWriter) -> None:
         writer.write(
-            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
-            + _chunked(SSE)
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n" + _chunked(SSE)
         )
 
 

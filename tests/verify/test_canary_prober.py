@@ -15,9 +15,10 @@ from typing import Any
 import pytest
 from tokenizers import Tokenizer
 
-from gateway.canary import CANARY_TENANT_ID, MARKER_LENGTH, MARKER_PREFIX
+from gateway.canary import CANARY_TENANT_ID
 from gateway.dev.model import DEFAULT_MODEL_DIR, ensure_tiny_model
 from gateway.ids import is_generation_id
+from gateway.scanner import MARKER_LENGTH, MARKER_PREFIX
 from tests.standin_worker import Behaviour
 from tests.verify.stack import MODEL, POOL_TOKENS, LyingStack, lying_stack, wait_until
 
@@ -47,7 +48,7 @@ def marker_of(request: dict[str, Any]) -> str:
     tokenizer = Tokenizer.from_file(str(ensure_tiny_model(DEFAULT_MODEL_DIR) / "tokenizer.json"))
     prompt = tokenizer.decode(request["input_ids"])
     found = re.search(
-        re.escape(MARKER_PREFIX) + ".{%d}" % (MARKER_LENGTH - len(MARKER_PREFIX)), prompt
+        re.escape(MARKER_PREFIX) + f".{{{MARKER_LENGTH - len(MARKER_PREFIX)}}}", prompt
     )
     assert found, prompt
     return found.group(0)

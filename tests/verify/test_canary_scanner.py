@@ -1,4 +1,5 @@
-"""The canary scanner and the stream guard, in-process: markers are found wherever chunks split them."""
+"""The canary scanner and the stream guard, in-process: markers are found wherever chunks split
+them."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.canary import MARKER_LENGTH, MARKER_PREFIX, CanaryHit, CanaryScanner, new_marker
+from gateway.scanner import MARKER_LENGTH, MARKER_PREFIX, CanaryHit, CanaryScanner, new_marker
 from gateway.verify import IsolationFailure, StreamGuard, check_text
 
 pytestmark = pytest.mark.anyio

@@ -1,4 +1,5 @@
-"""``check_meta`` in-process: each field of the engine's ``meta_info`` that can betray a foreign answer."""
+"""``check_meta`` in-process: each field of the engine's ``meta_info`` that can betray a foreign
+answer."""
 
 from __future__ import annotations
 

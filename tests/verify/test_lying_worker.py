@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.canary import MARKER_PREFIX, CanaryScanner, new_marker
+from gateway.scanner import MARKER_PREFIX, CanaryScanner, new_marker
 from tests.standin_worker import Behaviour
 from tests.verify.stack import (
     MODEL,
@@ -126,9 +126,11 @@ def test_a_stream_whose_first_chunk_lies_is_a_502_before_any_byte(
 ) -> None:
     behaviour, reason = LIES[lie]
     behave(stack, replace(behaviour, text_chunks=(LEAK + " ", LEAK), lie_from_chunk=0))
-    with stack.client(tenant_key) as client:
-        with client.stream("POST", "/v1/chat/completions", json=body(stream=True)) as response:
-            response.read()
+    with (
+        stack.client(tenant_key) as client,
+        client.stream("POST", "/v1/chat/completions", json=body(stream=True)) as response,
+    ):
+        response.read()
     assert_withheld_502(response)
     assert b"data:" not in response.content
     event = audited_failure(stack, tenant_key, response)
@@ -143,10 +145,12 @@ def test_a_stream_that_lies_midway_ends_with_one_error_event_and_no_done(
 ) -> None:
     behaviour, reason = LIES[lie]
     behave(stack, replace(behaviour, text_chunks=(HONEST, LEAK, " and more"), lie_from_chunk=1))
-    with stack.client(tenant_key) as client:
-        with client.stream("POST", "/v1/chat/completions", json=body(stream=True)) as response:
-            raw = response.read()
-            events = sse_events(response)
+    with (
+        stack.client(tenant_key) as client,
+        client.stream("POST", "/v1/chat/completions", json=body(stream=True)) as response,
+    ):
+        raw = response.read()
+        events = sse_events(response)
     assert response.status_code == 200
     assert LEAK.encode() not in raw
     assert HONEST.startswith(
@@ -160,7 +164,8 @@ def test_a_stream_that_lies_midway_ends_with_one_error_event_and_no_done(
 
 
 def test_the_honest_stand_in_is_served(stack: LyingStack, tenant_key: str) -> None:
-    """The control: the same stack, with nothing lying, serves both ways (so the tests above can fail)."""
+    """The control: the same stack, with nothing lying, serves both ways (so the tests above can
+    fail)."""
     behave(stack, Behaviour(text_chunks=(HONEST, "done.")))
     with stack.client(tenant_key) as client:
         whole = client.post("/v1/chat/completions", json=body(stream=False))
@@ -209,10 +214,12 @@ def test_another_tenants_canary_split_across_two_chunks_ends_the_stream(
         Behaviour(text_chunks=(HONEST, "as I recall " + marker[:cut], marker[cut:] + " the end")),
     )
     hits_before = stack.metric("isogate_canary_hits_total")
-    with stack.client(tenant_key) as client:
-        with client.stream("POST", "/v1/chat/completions", json=body(stream=True)) as response:
-            raw = response.read()
-            events = sse_events(response)
+    with (
+        stack.client(tenant_key) as client,
+        client.stream("POST", "/v1/chat/completions", json=body(stream=True)) as response,
+    ):
+        raw = response.read()
+        events = sse_events(response)
     assert response.status_code == 200
     content = streamed_content(events)
     assert (HONEST + "as I recall ").startswith(content) and content  # some honest text got out ...

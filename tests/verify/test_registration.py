@@ -49,7 +49,8 @@ def test_the_same_worker_is_used_once_it_runs_engine_patch(stack: LyingStack) ->
     stack.decode.behaviour = Behaviour(pool_tokens=POOL_TOKENS)  # now publishes the marker
     try:
         with stack.client(key) as client:
-            # /server_info is re-read every 10 s (CapacityRegistry.config_refresh_s); allow for a busy machine.
+            # /server_info is re-read every 10 s (CapacityRegistry.config_refresh_s); allow for a
+            # busy machine.
             assert wait_until(
                 lambda: client.post("/v1/chat/completions", json=CHAT).status_code == 200,
                 timeout_s=30,
