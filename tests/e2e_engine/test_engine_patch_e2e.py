@@ -195,7 +195,7 @@ def test_with_engine_patch_an_admitted_incident_fails_with_500_and_is_logged(
         earlier, incident = replay(cluster)
         streamed = generate_pd(
             cluster,
-            input_ids=incident_prompt(PROMPT_BETWEEN_POOLS)[1:] + [7],
+            input_ids=[*incident_prompt(PROMPT_BETWEEN_POOLS)[1:], 7],
             generation="gen_B2",
             tenant="tenant-b",
             bootstrap_room=1003,

@@ -63,7 +63,7 @@ def make_metadata_buffers(size: int = 4) -> MetadataBuffers:
 def ship_metadata_row(source: MetadataBuffers, target: MetadataBuffers, src: int, dst: int) -> None:
     """What the KV transfer does with the metadata: copy each buffer's row as bytes."""
     ptrs_src = source.get_buf_infos()
-    for src_buf, dst_buf in zip(_buffers(source), _buffers(target)):
+    for src_buf, dst_buf in zip(_buffers(source), _buffers(target), strict=True):
         dst_buf[dst].copy_(src_buf[src])
     assert ptrs_src  # the layout SGLang registers for transfer is non-empty
 

@@ -178,9 +178,7 @@ def test_coverage_rule(sent_from, sent_end, written_end, reserved, prefix, reaso
     assert (problem[0] if problem else None) == reason
 
 
-def test_untagged_pd_halves_with_separate_rids_share_their_generation_through_the_bootstrap_room() -> (
-    None
-):
+def test_untagged_pd_halves_with_separate_rids_share_a_generation_by_bootstrap_room() -> None:
     """sglang_router mints one rid per worker; prefill and decode must still agree on who wrote."""
     from types import SimpleNamespace
 

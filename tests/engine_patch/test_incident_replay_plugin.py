@@ -12,13 +12,16 @@ isogate_incident_replay = pytest.importorskip("isogate_incident_replay")
 
 PROBE = (
     "from sglang.srt.plugins import load_plugins\n"
-    "import sglang.srt.disaggregation.prefill as prefill, sglang.srt.disaggregation.decode as decode\n"
+    "import sglang.srt.disaggregation.prefill as prefill, "
+    "sglang.srt.disaggregation.decode as decode\n"
     "import sglang.srt.disaggregation.utils as utils\n"
     # Kept in a dict: SGLang's registry rebinds every module global that holds the original.
     "saved = {'fix': utils.is_unadmitted_reject, 'aborted': utils.is_aborted}\n"
     "load_plugins()\n"
-    "print('admission_undone', prefill.is_unadmitted_reject is not saved['fix'], decode.is_unadmitted_reject is not saved['fix'])\n"
-    "print('retire_undone', prefill.is_aborted is not saved['aborted'], utils.is_aborted is saved['aborted'])\n"
+    "print('admission_undone', prefill.is_unadmitted_reject is not saved['fix'], "
+    "decode.is_unadmitted_reject is not saved['fix'])\n"
+    "print('retire_undone', prefill.is_aborted is not saved['aborted'], "
+    "utils.is_aborted is saved['aborted'])\n"
 )
 
 

@@ -1,4 +1,5 @@
-"""The incident soak: several tenants, each with its own canary marker, against a PD pair in the incident's shape.
+"""The incident soak: several tenants, each with its own canary marker, against a PD pair in the
+incident's shape.
 
 Shape (as in September 2026): the prefill KV pool is smaller than the context length, the
 decode pool larger, and some prompts fall between the two. Every tenant thread sends, in a

@@ -1,4 +1,5 @@
-"""Client load for fault tests: tenants sending requests in threads, every answer recorded and judged."""
+"""Client load for fault tests: tenants sending requests in threads, every answer recorded and
+judged."""
 
 from __future__ import annotations
 
@@ -71,7 +72,8 @@ class Load:
 
 
 def send_chat(body: dict[str, Any]) -> Callable[[httpx.Client, str], Answer]:
-    """A sender for ``Load``: one chat completion (streamed if ``body['stream']``), judged on the spot."""
+    """A sender for ``Load``: one chat completion (streamed if ``body['stream']``), judged on the
+    spot."""
 
     def send(client: httpx.Client, tenant: str) -> Answer:
         started = time.monotonic()

@@ -1,4 +1,5 @@
-"""Which TCP connections a process holds, from /proc: for leak checks on the gateway's upstream pool."""
+"""Which TCP connections a process holds, from /proc: for leak checks on the gateway's upstream
+pool."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""A real gateway process in front of stand-in workers: the fast stack for input, auth and fault tests.
+"""A real gateway process in front of stand-in workers: the fast stack for input, auth and fault
+tests.
 
 The gateway runs exactly as deployed (``isogate serve`` in its own process, real HTTP, real
 SQLite or PostgreSQL, real Redis when given); only the SGLang workers are stand-ins, because
@@ -219,6 +220,7 @@ def two_pool_policies(
         ],
         max_context_tokens=max_context_tokens,
         require_engine_tags=require_engine_tags,
-        # A tenant entry does not inherit the file's default limits: give the victim the same large ones.
+        # A tenant entry does not inherit the file's default limits: give the victim the same large
+        # ones.
         tenants={victim: {"isolation": "dedicated", "limits": dict(UNLIMITED)}},
     )
