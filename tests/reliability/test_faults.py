@@ -1,4 +1,5 @@
-"""Faults the gateway must ride out: a hanging worker, capacity data gone stale, Redis and PostgreSQL restarted.
+"""Faults the gateway must ride out: a hanging worker, capacity data gone stale, Redis and
+PostgreSQL restarted.
 
 For each: the client gets a clear OpenAI error within the configured timeout (never a hang),
 the other tenants' requests keep being served, and no audit event is lost: every request
@@ -131,12 +132,15 @@ def _bystander_load(stack: TwoPoolStack, body: dict[str, Any] | None = None) -> 
 def _assert_every_request_audited(
     stack: TwoPoolStack, answers: list[Answer], tenants: tuple[str, ...]
 ) -> None:
-    """One event per request, per tenant; every served response id among them. Waits for the batched writer."""
+    """One event per request, per tenant; every served response id among them.
+
+    Waits for the batched writer."""
     for tenant in tenants:
         sent = by_tenant(answers, tenant)
-        assert wait_until(lambda: len(stack.audit_events(tenant)) >= len(sent), timeout_s=30), (
-            f"{tenant}: {len(stack.audit_events(tenant))} events for {len(sent)} requests"
-        )
+        assert wait_until(
+            lambda tenant=tenant, sent=sent: len(stack.audit_events(tenant)) >= len(sent),
+            timeout_s=30,
+        ), f"{tenant}: {len(stack.audit_events(tenant))} events for {len(sent)} requests"
         events = stack.audit_events(tenant)
         assert len(events) == len(sent), f"{tenant}: {len(events)} events for {len(sent)} requests"
         audited = {event["generation_id"] for event in events}
@@ -173,8 +177,8 @@ def test_a_hanging_worker_costs_its_tenant_a_504_within_the_timeout_and_nobody_e
         for answer in victim_answers:
             assert answer.seconds < UPSTREAM_TIMEOUT_S + SLACK_S, answer
             assert answer.code == "upstream_timeout", answer
-            # Before the first byte the status says it; after it (a prefill that never finishes while
-            # decode streamed), the stream ends with the error event instead of [DONE].
+            # Before the first byte the status says it; after it (a prefill that never finishes
+            # while decode streamed), the stream ends with the error event instead of [DONE].
             assert answer.status == 504 or answer.stream_error, answer
         _assert_all_served(by_tenant(answers, BYSTANDERS[0]) + by_tenant(answers, BYSTANDERS[1]))
         _assert_every_request_audited(stack, answers, (VICTIM, *BYSTANDERS))
@@ -248,7 +252,8 @@ def test_redis_killed_and_restarted_under_load_serves_through_and_loses_no_audit
         after = answers[-max(1, len(answers) // 10) :]
         assert during > 0, "no request completed while Redis was down: the gateway stalled on it"
         _assert_clear_and_timely(answers, UPSTREAM_TIMEOUT_S + SLACK_S)
-        # Limits fall back to memory and capacity to local observations: Redis is not in the request's path.
+        # Limits fall back to memory and capacity to local observations: Redis is not in the
+        # request's path.
         _assert_all_served(answers)
         assert all(a.status == 200 for a in after)
         _assert_every_request_audited(stack, answers, (VICTIM, *BYSTANDERS))

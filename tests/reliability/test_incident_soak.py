@@ -67,8 +67,9 @@ LAYER_ENV = {
 
 @contextlib.contextmanager
 def incident_cluster(log_dir: Path, layer: str) -> Iterator[PDCluster]:
-    """The pair, started; retried once when a port of ours was taken by someone's random port meanwhile
-    (start-up takes minutes on this machine; the ports lie below the ephemeral range, but any program may bind them)."""
+    """The pair, started; retried once when a port of ours was taken by someone's random port
+    meanwhile (start-up takes minutes on this machine; the ports lie below the ephemeral range,
+    but any program may bind them)."""
     for attempt in (1, 2):
         cluster = _incident_cluster(log_dir / f"attempt-{attempt}", layer)
         try:
@@ -109,7 +110,8 @@ def _incident_cluster(log_dir: Path, layer: str) -> PDCluster:
 def memory_for_a_pair() -> None:
     if _available_gib() < MIN_AVAILABLE_GIB:
         pytest.fail(
-            f"less than {MIN_AVAILABLE_GIB} GiB available: not starting a PD pair on the shared machine"
+            f"less than {MIN_AVAILABLE_GIB} GiB available: "
+            "not starting a PD pair on the shared machine"
         )
     # A prefill that cannot bind its bootstrap port still answers /health_generate, and every
     # PD handshake then fails: wait for the previous pair's ports to be released first.

@@ -1,4 +1,5 @@
-"""Soak for leaks: sustained mixed load on one gateway process; its memory, descriptors and threads stay flat.
+"""Soak for leaks: sustained mixed load on one gateway process; its memory, descriptors and
+threads stay flat.
 
 The load mixes the ways a request ends: served, streamed, a 400, a 401, a 404. After a
 warm-up (caches, connection pools and lazy imports fill up), the gateway's VmRSS, open file
@@ -22,6 +23,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from itertools import pairwise
 from pathlib import Path
 
 import httpx
@@ -41,7 +43,8 @@ from tests.standin_worker import Behaviour
 ROUNDS = int(os.environ.get("ISOGATE_LEAK_SOAK_ROUNDS", "5"))
 REQUESTS_PER_ROUND = 400
 CLIENTS = 8
-# A leak of one object per request would grow far beyond these over ROUNDS * REQUESTS_PER_ROUND requests.
+# A leak of one object per request would grow far beyond these over ROUNDS * REQUESTS_PER_ROUND
+# requests.
 RSS_TOLERANCE_KB = 12 * 1024
 FD_TOLERANCE = 8
 THREAD_TOLERANCE = 4
@@ -148,8 +151,8 @@ def test_sustained_mixed_load_leaves_memory_descriptors_and_threads_flat(
         "bad_key": "401",
         "unknown_model": "404",
     }
-    # Availability is the fault tests' subject; here a rare 503 (a capacity poll of a stand-in starved
-    # by the client threads on this loaded machine) is tolerated, anything else is not.
+    # Availability is the fault tests' subject; here a rare 503 (a capacity poll of a stand-in
+    # starved by the client threads on this loaded machine) is tolerated, anything else is not.
     busy = sum(v for k, v in totals.items() if k.endswith(":503"))
     unexpected = {
         k: v for k, v in totals.items() if k.split(":")[1] not in (expected[k.split(":")[0]], "503")
@@ -162,7 +165,7 @@ def test_sustained_mixed_load_leaves_memory_descriptors_and_threads_flat(
     assert last["Threads"] - first["Threads"] <= THREAD_TOLERANCE, samples
     # Not growing round over round either (a slow leak hiding under the tolerance at the end).
     rss = [s["VmRSS"] for s in samples]
-    assert not all(later > earlier + 512 for earlier, later in zip(rss, rss[1:])), rss
+    assert not all(later > earlier + 512 for earlier, later in pairwise(rss)), rss
 
 
 def test_streams_dropped_by_the_client_leave_no_upstream_connection_behind(
