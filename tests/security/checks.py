@@ -1,4 +1,5 @@
-"""What every answer to a bad request must look like: a 4xx in the OpenAI error format, nothing more."""
+"""What every answer to a bad request must look like: a 4xx in the OpenAI error format, nothing
+more."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import orjson
 
 # What a leaked stack trace or internal detail looks like in a body.
 _LEAK_PATTERNS = re.compile(
-    rb"Traceback \(most recent call last\)|File \"/|\.py\", line \d+|sqlalchemy\.|psycopg|pydantic_core|"
+    rb"Traceback \(most recent call last\)|File \"/|\.py\", line \d+|"
+    rb"sqlalchemy\.|psycopg|pydantic_core|"
     rb"orjson\.JSONDecodeError|<class '|site-packages",
 )
 
@@ -17,7 +19,8 @@ _LEAK_PATTERNS = re.compile(
 def assert_clean_error(
     status: int, body: bytes, *, statuses: tuple[int, ...] | None = None
 ) -> dict[str, Any]:
-    """The answer is a 4xx (or one of ``statuses``) whose body is exactly one OpenAI error object."""
+    """The answer is a 4xx (or one of ``statuses``) whose body is exactly one OpenAI error
+    object."""
     allowed = statuses or tuple(range(400, 500))
     assert status in allowed, f"status {status} not in {allowed}: {body[:300]!r}"
     assert not _LEAK_PATTERNS.search(body), f"internal detail leaked: {body[:500]!r}"

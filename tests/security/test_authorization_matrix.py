@@ -1,4 +1,5 @@
-"""The authorization matrix: every endpoint × every kind of caller, the expected status of each, in one table.
+"""The authorization matrix: every endpoint × every kind of caller, the expected status of each,
+in one table.
 
 Callers: no key; a malformed ``Authorization`` header; a well-formed key nobody issued; a revoked
 key; the key of a disabled tenant; the key of another tenant (B) than the one that owns the
@@ -28,7 +29,8 @@ CALLERS = ("none", "malformed", "unknown", "revoked", "disabled", "other_tenant"
 
 @dataclass
 class World:
-    """Tenants A (own), B (other) and D (disabled), a revoked key of A, and one of A's audit events."""
+    """Tenants A (own), B (other) and D (disabled), a revoked key of A, and one of A's audit
+    events."""
 
     stack: StandInStack
     own_tenant: str

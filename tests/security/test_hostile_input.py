@@ -1,4 +1,5 @@
-"""Hostile bytes at the generation routes: what a schema cannot describe, and every field set to anything.
+"""Hostile bytes at the generation routes: what a schema cannot describe, and every field set to
+anything.
 
 Schema-driven fuzzing sends JSON. These send what a hostile or broken client does: arbitrary
 bytes, invalid UTF-8, NaN, 100,000-deep nesting, integers past 64 bits, bodies past the size
@@ -101,14 +102,20 @@ def _valid_body(route: str, **extra: Any) -> dict[str, Any]:
         ("overlong utf-8 encoding", b'{"model": "\xc0\xaftiny-llama", "prompt": "x"}'),
         (
             "lone surrogate escape",
-            b'{"model": "tiny-llama", "prompt": "\\ud800", "messages": [{"role": "user", "content": "\\udfff"}]}',
+            (
+                b'{"model": "tiny-llama", "prompt": "\\ud800", '
+                b'"messages": [{"role": "user", "content": "\\udfff"}]}'
+            ),
         ),
         ("utf-16 body", '{"model": "tiny-llama", "prompt": "x"}'.encode("utf-16")),
         ("nan", b'{"model": "tiny-llama", "prompt": "x", "temperature": NaN}'),
         ("infinity", b'{"model": "tiny-llama", "prompt": "x", "top_p": Infinity}'),
         (
             "integer past 64 bits",
-            b'{"model": "tiny-llama", "prompt": "x", "max_tokens": 1000000000000000000000000000000}',
+            (
+                b'{"model": "tiny-llama", "prompt": "x", '
+                b'"max_tokens": 1000000000000000000000000000000}'
+            ),
         ),
         (
             "deep nesting",
@@ -201,7 +208,8 @@ def test_out_of_range_and_wrongly_typed_fields_get_a_4xx(
             400,
             "invalid_value",
         ),  # more messages than allowed
-        # ~120,000 tokens in 2,048 messages, under the body limit: far over the pool, refused before dispatch.
+        # ~120,000 tokens in 2,048 messages, under the body limit: far over the pool, refused
+        # before dispatch.
         ([{"role": "user", "content": "word " * 60}] * 2048, 400, "context_length_exceeded"),
         ([{"role": "tool", "content": "x"}], 400, "invalid_value"),
         ([{"role": "user"}], 400, "missing_required_parameter"),
@@ -279,8 +287,10 @@ def test_a_lying_content_length_header_is_refused_without_a_crash(
     import socket
 
     request = (
-        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: {client.headers['authorization']}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {content_length}\r\nConnection: close\r\n\r\n{{}}"
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+        f"Authorization: {client.headers['authorization']}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {content_length}\r\n"
+        "Connection: close\r\n\r\n{}"
     )
     with socket.create_connection(("127.0.0.1", stack.gateway.port), timeout=10) as sock:
         sock.sendall(request.encode())

@@ -1,4 +1,5 @@
-"""Schema-driven fuzzing: every operation of the gateway's own OpenAPI document, valid and invalid data.
+"""Schema-driven fuzzing: every operation of the gateway's own OpenAPI document, valid and invalid
+data.
 
 Schemathesis reads the document the gateway serves at ``GET /openapi.json`` and sends, per
 operation, requests built from the schema (positive mode) and requests that break it on
@@ -84,8 +85,9 @@ def test_every_fuzzed_request_gets_a_conforming_answer_and_never_a_server_error(
                 and path in GENERATION_ROUTES
                 and isinstance(case.body, dict)
             ):
-                # Valid bodies name the served model, so they travel the whole path (tokenize, admit,
-                # dispatch, verify), not just to the model lookup; unknown models are negative cases.
+                # Valid bodies name the served model, so they travel the whole path (tokenize,
+                # admit, dispatch, verify), not just to the model lookup; unknown models are
+                # negative cases.
                 case.body["model"] = MODEL
             response = case.call(headers={"Authorization": f"Bearer {key}"}, timeout=30)
             sent += 1
