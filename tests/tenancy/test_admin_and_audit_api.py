@@ -173,7 +173,9 @@ def seed_two_tenants(store: Store) -> dict[str, list[dict]]:
                     detail=None,
                 )
             )
-    store.insert_audit_rows([row for pair in zip(rows["acme"], rows["beta"]) for row in pair])
+    store.insert_audit_rows(
+        [row for pair in zip(rows["acme"], rows["beta"], strict=True) for row in pair]
+    )
     return rows
 
 
@@ -215,7 +217,9 @@ async def test_tenant_key_never_reads_another_tenants_events_on_any_filter(
     }
     checked = 0
     for values in itertools.product(*filters.values()):
-        params = {name: value for name, value in zip(filters, values) if value is not None}
+        params = {
+            name: value for name, value in zip(filters, values, strict=True) if value is not None
+        }
         for tenant, key in (("acme", acme_key), ("beta", beta_key)):
             events = await collect(api, key_headers(key), params)
             assert all(e["tenant"] == tenant for e in events), (tenant, params)

@@ -150,7 +150,7 @@ def test_audit_rows_are_stored_exactly_as_the_table_types_store_them(store: Stor
     stream_flags = [True, False, True]
     direct = [
         audit_row(f"direct-{i}", "acme", at=m) | {"stream": s}
-        for i, (m, s) in enumerate(zip(moments, stream_flags))
+        for i, (m, s) in enumerate(zip(moments, stream_flags, strict=True))
     ]
     with store.engine.begin() as conn:
         conn.execute(audit_events.insert(), direct)
@@ -160,7 +160,8 @@ def test_audit_rows_are_stored_exactly_as_the_table_types_store_them(store: Stor
     with store.engine.connect() as conn:
         stored = conn.execute(
             text(
-                "SELECT generation_id, CAST(created_at AS TEXT), stream FROM audit_events ORDER BY created_at, generation_id"
+                "SELECT generation_id, CAST(created_at AS TEXT), stream FROM audit_events "
+                "ORDER BY created_at, generation_id"
             )
         ).all()
     assert [(g.split("-")[1], t, s) for g, t, s in stored][::2] == [

@@ -1,4 +1,5 @@
-"""The log handler batches writes; a line is late by at most its flush interval, never lost or reordered."""
+"""The log handler batches writes; a line is late by at most its flush interval, never lost or
+reordered."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The gateway's tokenizer: exact counts, a valid byte bound, and long prompts off the event loop."""
+"""The gateway's tokenizer: exact counts, a valid byte bound, and long prompts off the event
+loop."""
 
 from __future__ import annotations
 
