@@ -1,10 +1,15 @@
 """The gateway's OpenAPI 3.1 document, served at ``GET /openapi.json``.
 
-Request bodies of the generation routes are generated from the pydantic models in
-``gateway.protocol`` (the same models that validate requests), so the document cannot drift
-from what the gateway accepts. Everything else is written out here, next to the handlers'
-docstrings it mirrors (``admin_api``, ``audit_api``). Every failure response is the one
-OpenAI error shape of ``gateway.errors``.
+Every schema in it is generated from a pydantic model, so the document cannot drift from what
+the gateway accepts or sends: request bodies from the models that validate them
+(``gateway.protocol``; the admin bodies below mirror ``admin_api``'s checks), answers from
+models that describe exactly the dicts the gateway builds (``gateway.protocol``'s response
+models, the admin and audit models below). Those answers are built as plain dicts, never
+through the models; tests validate each builder's and each route's real output with its model,
+strictly, and with this document (``tests/unit/test_openapi_models.py``,
+``tests/tenancy/test_answer_schemas.py``). The paths are written out here, next to the
+handlers' docstrings they mirror (``admin_api``, ``audit_api``). Every failure response is the
+one OpenAI error shape of ``gateway.errors`` (``ErrorResponse``).
 
 Schema-driven fuzzing (``tests/security``) reads this document, so a route missing here is a
 route nobody fuzzes: keep it complete.
@@ -14,19 +19,32 @@ from __future__ import annotations
 
 import functools
 from importlib import metadata
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import orjson
+from pydantic import AfterValidator, AwareDatetime, BaseModel, ConfigDict, Field, WithJsonSchema
 from pydantic.json_schema import models_json_schema
 from starlette.requests import Request
 from starlette.responses import Response
 
-from .protocol import ChatCompletionRequest, CompletionRequest
+from .admin_api import _MAX_NAME_CHARS, TENANT_ID_PATTERN
+from .capacity import Role
+from .protocol import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    Completion,
+    CompletionChunk,
+    CompletionRequest,
+    ErrorResponse,
+    ModelList,
+    UsageChunk,
+)
 from .store import OUTCOMES
 
 _REF = "#/components/schemas/{model}"
-_ERROR = {"$ref": "#/components/schemas/Error"}
-_BEARER = [{"bearer": []}]
+_ERROR = {"$ref": "#/components/schemas/ErrorResponse"}
+_BEARER: list[dict[str, list[str]]] = [{"bearer": []}]
 
 
 def _version() -> str:
@@ -48,8 +66,8 @@ def _errors(*statuses: int) -> dict[str, Any]:
     descriptions = {
         400: "Invalid request (OpenAI error format).",
         401: "Missing, malformed, unknown or revoked API key.",
-        403: "The key may not use this endpoint (admin key on a generation route, tenant key on /admin, "
-        "another tenant named, tenant disabled).",
+        403: "The key may not use this endpoint (admin key on a generation route, tenant key on "
+        "/admin, another tenant named, tenant disabled).",
         404: "No such model, tenant, key or audit event.",
         405: "Method not allowed.",
         409: "Already exists.",
@@ -69,251 +87,169 @@ _AUTHENTICATED = (401, 403)
 _GENERATION_ERRORS = _errors(400, *_AUTHENTICATED, 404, 413, 429, 502, 503, 504)
 
 
-def _request_schemas() -> dict[str, Any]:
+# ---- the admin and audit routes' bodies ------------------------------------------------
+#
+# What ``admin_api``, ``audit_api`` and ``api.workers`` send and accept, as models: not the
+# OpenAI wire format (that is ``gateway.protocol``), so they are here, beside the routes'
+# description. Like protocol's response models they are never built on a request's path;
+# tests validate each route's real answers with them (strict, no field missing or extra).
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class Tenant(_Body):
+    object: Literal["tenant"]
+    id: str
+    name: str
+    disabled: bool
+    created_at: AwareDatetime
+
+
+class TenantList(_Body):
+    object: Literal["list"]
+    data: list[Tenant]
+
+
+class ApiKey(_Body):
+    object: Literal["api_key"]
+    id: str
+    tenant: str
+    name: str
+    created_at: AwareDatetime
+    revoked_at: AwareDatetime | None
+
+
+class ApiKeyCreated(ApiKey):
+    """The answer that created a key: the only one that carries the raw key."""
+
+    key: str = Field(description="The raw key; only in the answer that created it.")
+
+
+class ApiKeyList(_Body):
+    object: Literal["list"]
+    data: list[ApiKey]
+
+
+def _known_outcome(outcome: str) -> str:
+    if outcome not in OUTCOMES:
+        raise ValueError(f"not an outcome: {outcome!r}")
+    return outcome
+
+
+# The outcomes are gateway.store's tuple; an enum of the schema, not a second list.
+AuditOutcome = Annotated[
+    str,
+    AfterValidator(_known_outcome),
+    WithJsonSchema({"type": "string", "enum": list(OUTCOMES)}),
+]
+
+
+class AuditEvent(_Body):
+    """One request's audit record."""
+
+    object: Literal["audit.event"]
+    id: str
+    generation_id: str
+    tenant: str
+    key_id: str | None
+    model: str | None
+    outcome: AuditOutcome
+    status: int
+    code: str | None
+    prefill_worker: str | None
+    decode_worker: str | None
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    stream: bool
+    latency_ms: float  # never null: the column is NOT NULL
+    created_at: AwareDatetime
+    detail: str | None
+
+
+class AuditEventList(_Body):
+    object: Literal["list"]
+    data: list[AuditEvent]
+    next_cursor: str | None
+
+
+class WorkerCapacity(_Body):
+    """The capacity record of a worker, as last polled (``gateway.capacity.WorkerCapacity``)."""
+
+    url: str
+    role: Role
+    observed_at: float
+    max_total_num_tokens: int
+    max_req_input_len: int | None
+    context_length: int | None
+    page_size: int
+    used_tokens: int
+    engine_patch: str | None
+
+
+class Worker(_Body):
+    url: str
+    role: Role
+    fresh: bool
+    capacity: WorkerCapacity | None
+    claimed_tokens: int = Field(ge=0)
+    error: str | None
+
+
+class WorkerList(_Body):
+    object: Literal["list"]
+    data: list[Worker]
+
+
+class TenantCreate(_Body):
+    id: str = Field(pattern=TENANT_ID_PATTERN.pattern)
+    name: str | None = Field(default=None, max_length=_MAX_NAME_CHARS)
+
+
+class KeyCreate(_Body):
+    name: str | None = Field(default=None, max_length=_MAX_NAME_CHARS)
+
+
+# Request bodies are described as they are validated, answers as they are sent.
+_REQUEST_MODELS: tuple[type[BaseModel], ...] = (
+    ChatCompletionRequest,
+    CompletionRequest,
+    TenantCreate,
+    KeyCreate,
+)
+_RESPONSE_MODELS: tuple[type[BaseModel], ...] = (
+    ErrorResponse,
+    ChatCompletion,
+    Completion,
+    ChatCompletionChunk,
+    CompletionChunk,
+    UsageChunk,
+    ModelList,
+    AuditEventList,
+    AuditEvent,
+    Tenant,
+    TenantList,
+    ApiKey,
+    ApiKeyCreated,
+    ApiKeyList,
+    WorkerList,
+)
+
+
+def _schemas() -> dict[str, Any]:
+    """Every component schema, generated from the models in one pass (so each model has one
+    name, and the models they nest are components too)."""
     _, generated = models_json_schema(
-        [(ChatCompletionRequest, "validation"), (CompletionRequest, "validation")],
+        [(model, "validation") for model in _REQUEST_MODELS]
+        + [(model, "serialization") for model in _RESPONSE_MODELS],
         ref_template=_REF,
     )
-    return generated["$defs"]
+    schemas: dict[str, Any] = generated["$defs"]
+    return schemas
 
 
-def _response_schemas() -> dict[str, Any]:
-    nullable_int = {"type": ["integer", "null"]}
-    nullable_str = {"type": ["string", "null"]}
-    usage = {
-        "type": "object",
-        "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
-        "properties": {
-            "prompt_tokens": {"type": "integer", "minimum": 0},
-            "completion_tokens": {"type": "integer", "minimum": 0},
-            "total_tokens": {"type": "integer", "minimum": 0},
-            "prompt_tokens_details": {
-                "type": "object",
-                "properties": {"cached_tokens": {"type": "integer"}},
-            },
-        },
-    }
-    finish_reason = {"type": ["string", "null"], "enum": ["stop", "length", None]}
-    return {
-        "Error": {
-            "type": "object",
-            "required": ["error"],
-            "additionalProperties": False,
-            "properties": {
-                "error": {
-                    "type": "object",
-                    "required": ["message", "type", "param", "code"],
-                    "additionalProperties": False,
-                    "properties": {
-                        "message": {"type": "string", "minLength": 1},
-                        "type": {"type": "string", "minLength": 1},
-                        "param": nullable_str,
-                        "code": nullable_str,
-                    },
-                }
-            },
-        },
-        "Usage": usage,
-        "ChatCompletion": {
-            "type": "object",
-            "required": ["id", "object", "created", "model", "choices", "usage"],
-            "properties": {
-                "id": {"type": "string"},
-                "object": {"const": "chat.completion"},
-                "created": {"type": "integer"},
-                "model": {"type": "string"},
-                "choices": {
-                    "type": "array",
-                    "minItems": 1,
-                    "maxItems": 1,
-                    "items": {
-                        "type": "object",
-                        "required": ["index", "message", "finish_reason"],
-                        "properties": {
-                            "index": {"type": "integer"},
-                            "message": {
-                                "type": "object",
-                                "required": ["role", "content"],
-                                "properties": {
-                                    "role": {"const": "assistant"},
-                                    "content": {"type": "string"},
-                                },
-                            },
-                            "logprobs": {"type": "null"},
-                            "finish_reason": finish_reason,
-                        },
-                    },
-                },
-                "usage": _ref("Usage"),
-            },
-        },
-        "Completion": {
-            "type": "object",
-            "required": ["id", "object", "created", "model", "choices", "usage"],
-            "properties": {
-                "id": {"type": "string"},
-                "object": {"const": "text_completion"},
-                "created": {"type": "integer"},
-                "model": {"type": "string"},
-                "choices": {
-                    "type": "array",
-                    "minItems": 1,
-                    "maxItems": 1,
-                    "items": {
-                        "type": "object",
-                        "required": ["index", "text", "finish_reason"],
-                        "properties": {
-                            "index": {"type": "integer"},
-                            "text": {"type": "string"},
-                            "logprobs": {"type": "null"},
-                            "finish_reason": finish_reason,
-                        },
-                    },
-                },
-                "usage": _ref("Usage"),
-            },
-        },
-        "Model": {
-            "type": "object",
-            "required": ["id", "object", "owned_by"],
-            "properties": {
-                "id": {"type": "string"},
-                "object": {"const": "model"},
-                "created": {"type": "integer"},
-                "owned_by": {"type": "string"},
-                "max_context_tokens": nullable_int,
-                "max_context_bound": nullable_str,
-            },
-        },
-        "ModelList": {
-            "type": "object",
-            "required": ["object", "data"],
-            "properties": {
-                "object": {"const": "list"},
-                "data": {"type": "array", "items": _ref("Model")},
-            },
-        },
-        "AuditEvent": {
-            "type": "object",
-            "required": [
-                "object",
-                "id",
-                "generation_id",
-                "tenant",
-                "outcome",
-                "status",
-                "created_at",
-            ],
-            "properties": {
-                "object": {"const": "audit.event"},
-                "id": {"type": "string"},
-                "generation_id": {"type": "string"},
-                "tenant": {"type": "string"},
-                "key_id": nullable_str,
-                "model": nullable_str,
-                "outcome": {"type": "string", "enum": list(OUTCOMES)},
-                "status": {"type": "integer"},
-                "code": nullable_str,
-                "prefill_worker": nullable_str,
-                "decode_worker": nullable_str,
-                "prompt_tokens": nullable_int,
-                "completion_tokens": nullable_int,
-                "stream": {"type": "boolean"},
-                "latency_ms": {"type": ["number", "null"]},
-                "created_at": {"type": "string", "format": "date-time"},
-                "detail": nullable_str,
-            },
-        },
-        "AuditEventList": {
-            "type": "object",
-            "required": ["object", "data", "next_cursor"],
-            "properties": {
-                "object": {"const": "list"},
-                "data": {"type": "array", "items": _ref("AuditEvent")},
-                "next_cursor": nullable_str,
-            },
-        },
-        "Tenant": {
-            "type": "object",
-            "required": ["object", "id", "disabled", "created_at"],
-            "properties": {
-                "object": {"const": "tenant"},
-                "id": {"type": "string"},
-                "name": nullable_str,
-                "disabled": {"type": "boolean"},
-                "created_at": {"type": "string", "format": "date-time"},
-            },
-        },
-        "TenantList": {
-            "type": "object",
-            "required": ["object", "data"],
-            "properties": {
-                "object": {"const": "list"},
-                "data": {"type": "array", "items": _ref("Tenant")},
-            },
-        },
-        "ApiKey": {
-            "type": "object",
-            "required": ["object", "id", "tenant", "created_at", "revoked_at"],
-            "properties": {
-                "object": {"const": "api_key"},
-                "id": {"type": "string"},
-                "tenant": {"type": "string"},
-                "name": nullable_str,
-                "created_at": {"type": "string", "format": "date-time"},
-                "revoked_at": {"type": ["string", "null"], "format": "date-time"},
-                "key": {
-                    "type": "string",
-                    "description": "The raw key; only in the answer that created it.",
-                },
-            },
-        },
-        "ApiKeyList": {
-            "type": "object",
-            "required": ["object", "data"],
-            "properties": {
-                "object": {"const": "list"},
-                "data": {"type": "array", "items": _ref("ApiKey")},
-            },
-        },
-        "Worker": {
-            "type": "object",
-            "required": ["url", "role", "fresh", "capacity", "claimed_tokens", "error"],
-            "properties": {
-                "url": {"type": "string"},
-                "role": {"type": "string", "enum": ["prefill", "decode"]},
-                "fresh": {"type": "boolean"},
-                "capacity": {"type": ["object", "null"]},
-                "claimed_tokens": {"type": "integer", "minimum": 0},
-                "error": nullable_str,
-            },
-        },
-        "WorkerList": {
-            "type": "object",
-            "required": ["object", "data"],
-            "properties": {
-                "object": {"const": "list"},
-                "data": {"type": "array", "items": _ref("Worker")},
-            },
-        },
-        "TenantCreate": {
-            "type": "object",
-            "required": ["id"],
-            "additionalProperties": False,
-            "properties": {
-                "id": {"type": "string", "pattern": "^[a-z0-9][a-z0-9_.-]{0,63}$"},
-                "name": {"type": ["string", "null"], "maxLength": 200},
-            },
-        },
-        "KeyCreate": {
-            "type": "object",
-            "additionalProperties": False,
-            "properties": {"name": {"type": ["string", "null"], "maxLength": 200}},
-        },
-    }
-
-
-def _generation(summary: str, body: str, result: str) -> dict[str, Any]:
+def _generation(summary: str, body: str, result: str, chunk: str) -> dict[str, Any]:
     return {
         "post": {
             "summary": summary,
@@ -321,9 +257,10 @@ def _generation(summary: str, body: str, result: str) -> dict[str, Any]:
             "requestBody": {"required": True, "content": _json_content(_ref(body))},
             "responses": {
                 "200": {
-                    "description": f'A {result}, or with "stream": true an SSE stream of chunks ending in '
-                    '"data: [DONE]" (a failure after the first byte ends the stream with one '
-                    "error event and no [DONE]).",
+                    "description": f'A {result}, or with "stream": true an SSE stream of '
+                    f"{chunk} events (then a UsageChunk with stream_options.include_usage) "
+                    'ending in "data: [DONE]" (a failure after the first byte ends the stream '
+                    "with one ErrorResponse event and no [DONE]).",
                     "content": {
                         **_json_content(_ref(result)),
                         "text/event-stream": {"schema": _SSE_EVENT},
@@ -419,9 +356,14 @@ def _paths() -> dict[str, Any]:
     ]
     return {
         "/v1/chat/completions": _generation(
-            "Create a chat completion", "ChatCompletionRequest", "ChatCompletion"
+            "Create a chat completion",
+            "ChatCompletionRequest",
+            "ChatCompletion",
+            "ChatCompletionChunk",
         ),
-        "/v1/completions": _generation("Create a completion", "CompletionRequest", "Completion"),
+        "/v1/completions": _generation(
+            "Create a completion", "CompletionRequest", "Completion", "CompletionChunk"
+        ),
         "/v1/models": {
             "get": {
                 "summary": "Models, with their effective context as of now",
@@ -474,7 +416,7 @@ def _paths() -> dict[str, Any]:
                 "post",
                 "Create a key (the raw key is in this answer only)",
                 "201",
-                "ApiKey",
+                "ApiKeyCreated",
                 params=[tenant_id],
                 body="KeyCreate",
                 errors=(400, 404),
@@ -547,12 +489,12 @@ def openapi_document() -> dict[str, Any]:
         "info": {
             "title": "isogate",
             "version": _version(),
-            "description": "OpenAI-compatible, multi-tenant gateway in front of SGLang prefill/decode "
-            "clusters that checks tenant isolation end to end.",
+            "description": "OpenAI-compatible, multi-tenant gateway in front of SGLang "
+            "prefill/decode clusters that checks tenant isolation end to end.",
         },
         "paths": _paths(),
         "components": {
-            "schemas": {**_request_schemas(), **_response_schemas()},
+            "schemas": _schemas(),
             "securitySchemes": {
                 "bearer": {
                     "type": "http",

@@ -3,7 +3,9 @@
 Requests are parsed strictly: an unknown field is a 400 naming it, never silently dropped,
 and fields that steer isolation (``rid``, ``extra_key``, ``cache_salt``, ``bootstrap_*``) are
 refused outright because a client must never choose them. Responses are built as plain dicts
-and serialised with orjson (the hot path does not need models for its own output).
+and serialised with orjson (the hot path does not need models for its own output); the
+response models at the end describe exactly those dicts, for ``/openapi.json`` and for the
+tests that hold each builder to its model.
 """
 
 from __future__ import annotations
@@ -12,7 +14,10 @@ import time
 from typing import Annotated, Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, with_config
+
+# pydantic needs typing_extensions' TypedDict (a dependency of its own) before Python 3.12.
+from typing_extensions import TypedDict
 
 from .errors import APIError, bad_request
 
@@ -289,3 +294,168 @@ def model_card(
 
 def now() -> int:
     return int(time.time())
+
+
+# ---- response models -------------------------------------------------------------------
+#
+# The builders above return plain dicts, and the hot path never builds these models. They
+# describe exactly what each builder returns, for the OpenAPI document (``gateway.openapi``)
+# and for tests that validate every builder's output with them (strict, no field missing or
+# extra), so a change to one without the other fails a test. Docstrings become the
+# document's descriptions; the comment above each model names its builder.
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class PromptTokensDetails(_Response):
+    cached_tokens: int = Field(ge=0)
+
+
+# usage()
+class Usage(_Response):
+    """Tokens of one request: the prompt's (of them, those found in the prefix cache) and the
+    completion's."""
+
+    prompt_tokens: int = Field(ge=0)
+    completion_tokens: int = Field(ge=0)
+    total_tokens: int = Field(ge=0)
+    prompt_tokens_details: PromptTokensDetails
+
+
+class AssistantMessage(_Response):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatCompletionChoice(_Response):
+    index: Literal[0]
+    message: AssistantMessage
+    logprobs: None
+    finish_reason: FinishReason
+
+
+# chat_completion()
+class ChatCompletion(_Response):
+    """The answer to a chat completion request without ``stream``."""
+
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: Annotated[list[ChatCompletionChoice], Field(min_length=1, max_length=1)]
+    usage: Usage
+
+
+class CompletionChoice(_Response):
+    index: Literal[0]
+    text: str
+    logprobs: None
+    finish_reason: FinishReason
+
+
+# completion()
+class Completion(_Response):
+    """The answer to a completion request without ``stream``."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: Annotated[list[CompletionChoice], Field(min_length=1, max_length=1)]
+    usage: Usage
+
+
+@with_config(ConfigDict(extra="forbid", strict=True))
+class ChatDelta(TypedDict, total=False):
+    """What a chat chunk adds: the role (the first chunk, with empty content), text, or nothing
+    (the last chunk, which carries the finish reason). A key is there or absent, never null."""
+
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChunkChoice(_Response):
+    index: Literal[0]
+    delta: ChatDelta
+    logprobs: None
+    finish_reason: FinishReason | None  # only on the last chunk
+
+
+# chat_chunk()
+class ChatCompletionChunk(_Response):
+    """One event of a chat completion stream."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: Annotated[list[ChatChunkChoice], Field(min_length=1, max_length=1)]
+
+
+class CompletionChunkChoice(_Response):
+    index: Literal[0]
+    text: str
+    logprobs: None
+    finish_reason: FinishReason | None  # only on the last chunk
+
+
+# completion_chunk()
+class CompletionChunk(_Response):
+    """One event of a completion stream."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: Annotated[list[CompletionChunkChoice], Field(min_length=1, max_length=1)]
+
+
+# usage_chunk()
+class UsageChunk(_Response):
+    """The last event before ``[DONE]`` of a stream with ``stream_options.include_usage``."""
+
+    id: str
+    object: Literal["chat.completion.chunk", "text_completion"]
+    created: int
+    model: str
+    choices: tuple[()]
+    usage: Usage
+
+
+# model_card()
+class ModelCard(_Response):
+    """One model, with its effective context as of now."""
+
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: Literal["isogate"]
+    max_context_tokens: int | None = Field(
+        description="The largest prompt plus completion admitted now (live pools included); "
+        "null when no worker pair is available."
+    )
+    max_context_bound: str | None = Field(description="What sets max_context_tokens.")
+
+
+# model_list()
+class ModelList(_Response):
+    """Every model the gateway serves."""
+
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class ErrorInfo(_Response):
+    message: str = Field(min_length=1)
+    type: str = Field(min_length=1)
+    param: str | None
+    code: str | None
+
+
+# gateway.errors.APIError.body()
+class ErrorResponse(_Response):
+    """Every failure the gateway answers, in the OpenAI error format."""
+
+    error: ErrorInfo
