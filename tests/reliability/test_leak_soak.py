@@ -124,7 +124,7 @@ def test_sustained_mixed_load_leaves_memory_descriptors_and_threads_flat(
     stack: StandInStack, tmp_path: Path
 ) -> None:
     key = stack.key("soak-tenant")
-    pid = stack.gateway.process.pid  # type: ignore[union-attr]
+    pid = stack.gateway.process.pid  # type: ignore[union-attr]  # started by the fixture
     rng = random.Random(7)
     _round(stack, key, rng, REQUESTS_PER_ROUND)  # warm-up
     time.sleep(1)  # let closed connections finish closing
@@ -172,7 +172,7 @@ def test_streams_dropped_by_the_client_leave_no_upstream_connection_behind(
     stack: StandInStack,
 ) -> None:
     key = stack.key("dropping-tenant")
-    pid = stack.gateway.process.pid  # type: ignore[union-attr]
+    pid = stack.gateway.process.pid  # type: ignore[union-attr]  # started by the fixture
     _round(stack, key, random.Random(11), DROPPED_STREAMS, ((("dropped_stream",), (1,))))
     # Idle pooled connections expire after httpx's keep-alive expiry (5 s) and are closed on the
     # next use of the pool; a connection still held after that was never given back.

@@ -353,7 +353,7 @@ async def test_a_responses_id_finds_its_event_at_once(
     # A flush interval far longer than the test: only the read-your-writes flush can help.
     audit = AuditLog(store, settings.model_copy(update={"audit_flush_interval_s": 60.0}))
     await audit.start()
-    api.components.audit = audit  # type: ignore[attr-defined]
+    api.components.audit = audit  # type: ignore[attr-defined]  # set by the api fixture
     try:
         audit.record(
             AuditEvent(

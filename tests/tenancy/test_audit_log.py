@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -328,7 +328,9 @@ async def test_an_event_the_database_refuses_is_set_aside_and_later_events_still
 # -- SQLite: batches are written from the event loop ---------------------------------------
 
 
-async def _loop_turns_while(awaitable, interval_s: float = 0.001) -> tuple[int, float]:  # type: ignore[no-untyped-def]
+async def _loop_turns_while(
+    awaitable: Awaitable[object], interval_s: float = 0.001
+) -> tuple[int, float]:
     """How often the event loop came round while ``awaitable`` ran, and how long it ran."""
     turns = 0
 

@@ -108,7 +108,7 @@ def _count_turns(tokenizer: ModelTokenizer) -> list[int]:
         waiting.append(len(batch._pending))
         encode_pending(loop)
 
-    batch._encode_pending = counting  # type: ignore[method-assign]
+    batch._encode_pending = counting  # type: ignore[method-assign]  # a counting stand-in
     return waiting
 
 
