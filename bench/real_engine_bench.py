@@ -32,6 +32,7 @@ from bench.processes import (
     write_bench_policies,
 )
 from bench.routing_bench import PROMPT
+from bench.serving_bench import ServingTarget, run_serving_bench_from_env
 from bench.stream_client import RunResult, Target, run_load, run_pd_direct
 from gateway.capacity import ENGINE_PATCH_MARKER
 from gateway.dev.cluster import ClusterStartError, PDCluster, default_cluster_spec
@@ -166,9 +167,22 @@ def run_real_engine_bench(config: BenchConfig, work_dir: Path, log=print) -> dic
                         + (f"  ttft p50 {cell.ttft_p50_ms:7.1f} ms" if stream else "")
                         + f"  errors {cell.errors}"
                     )
+        # SGLang's own bench_serving (both OpenAI backends) on the same pair, router, gateway.
+        serving = run_serving_bench_from_env(
+            [
+                ServingTarget("sglang_router", f"http://127.0.0.1:{router.port}"),
+                ServingTarget("gateway", gateway.url, key),
+            ],
+            worker_urls=(cluster.prefill_url, cluster.decode_url),
+            model_dir=spec.model_dir,
+            work_dir=work_dir / "bench-serving",
+            priority=config.priority,
+            log=log,
+        )
         return {
             "engine_tags": tags,
             "cells": [asdict(c) for c in cells],
+            "serving": serving,
             "startup_s": time.monotonic() - started,
         }
     except Exception as exc:  # report, never leave the pair running

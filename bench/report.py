@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from bench.serving_bench import serving_tables
+
 TARGET_ADDED_P50_MS = 0.5
 TARGET_ADDED_P99_MS = 1.0
 TARGET_REFUSE_50MB_MS = 50.0
@@ -438,6 +440,9 @@ def render(results: dict[str, Any]) -> str:
                     for c in real["cells"]
                 ],
             )
+            if real.get("serving"):
+                out += ["### `sglang.bench_serving` through each router", ""]
+                out += serving_tables(real["serving"])
         else:
             out += [f"Not run: {real.get('skipped') or real.get('failed')}", ""]
     if results.get("errors"):

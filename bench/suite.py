@@ -5,7 +5,8 @@
 Environment: BENCH_QUICK, BENCH_DURATION_S (seconds per wrk cell), BENCH_ROUNDS (runs per
 section-1 cell), BENCH_PIN (default on),
 BENCH_PRIORITY (autogroup nice of the bench's processes, e.g. -10 on a busy shared machine),
-BENCH_REAL_ENGINE (default on in a full run), BENCH_REAL_REQUESTS, BENCH_PEERS,
+BENCH_REAL_ENGINE (default on in a full run), BENCH_REAL_REQUESTS, BENCH_SERVING (0: no
+sglang.bench_serving in the real section), BENCH_SERVING_PROMPTS, BENCH_SERVING_RATE, BENCH_PEERS,
 BENCH_AUDIT_ROWS, BENCH_SECTIONS (comma list of routing,memory,prompt,peers,real; default all),
 BENCH_GATEWAY_ROOT (run a patched copy of the gateway). Writes ``bench/results/latest.md`` and
 ``latest.json``.
