@@ -1,25 +1,49 @@
 """Session-wide fixtures: ONE real SGLang PD pair on the CPU and one gateway in front of it.
 
-A PD pair takes about 35 s and 4.5 GB to start, so every end-to-end test shares this one;
-tests that need another shape (the incident's) start their own and stop it.
+A PD pair takes about 35 s and 4.5 GB to start, so every end-to-end test of this shape shares
+this one (tests/reliability/test_engine_faults.py too: it kills and restarts its workers, and
+puts back any it leaves dead); tests that need another shape (the incident's) start their own
+and stop it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
 
-from gateway.dev.cluster import ClusterSpec, PDCluster, default_cluster_spec, default_engine_python
+from gateway.dev.cluster import (
+    ClusterSpec,
+    PDCluster,
+    RouterProcess,
+    default_cluster_spec,
+    default_engine_python,
+)
 from gateway.dev.harness import GatewayProcess
 from tests.harness import PoolSpec, write_policies
 
 MODEL = "tiny-llama"
 # Ports of the shared session cluster (other suites use other ranges).
 SESSION_PREFILL_PORT, SESSION_DECODE_PORT, SESSION_BOOTSTRAP_PORT = 32000, 32001, 32002
+SESSION_ROUTER_PORT, SESSION_ROUTER_PROMETHEUS_PORT = 32003, 32004
 SESSION_POOL_TOKENS = 8192
+# Decode gives up on a prefill that never bootstraps, or on KV that never comes, after this long
+# (SGLang's default is 300 s): the engine fault tests kill workers of this pair mid-transfer.
+SESSION_DISAGG_TIMEOUTS = {
+    "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "15",
+    "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "15",
+}
+
+# Every SGLang server a test starts inherits this process's environment. On SIGTERM (every
+# PDCluster.stop) SGLang 0.5.23's tokenizer manager sees its scheduler die and, before it
+# exits, sleeps 5 s "to let GPU activity settle" for a py-spy dump and a CUDA coredump
+# (SGLANG_PYSPY_DUMP_BEFORE_CRASH / SGLANG_CUDA_COREDUMP_BEFORE_CRASH, both on by default):
+# 5 s of every stop, and neither dump exists on this CPU-only machine (no py-spy installed).
+os.environ.setdefault("SGLANG_PYSPY_DUMP_BEFORE_CRASH", "0")
+os.environ.setdefault("SGLANG_CUDA_COREDUMP_BEFORE_CRASH", "0")
 
 
 @dataclass(frozen=True)
@@ -54,8 +78,32 @@ def pd_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDCluster |
         # A safe deployment: no prompt under the context length can exceed a pool.
         context_length=SESSION_POOL_TOKENS,
     )
+    spec = dataclasses.replace(
+        spec,
+        prefill=dataclasses.replace(spec.prefill, env=dict(SESSION_DISAGG_TIMEOUTS)),
+        decode=dataclasses.replace(spec.decode, env=dict(SESSION_DISAGG_TIMEOUTS)),
+    )
     with PDCluster(spec) as cluster:
         yield cluster
+
+
+@pytest.fixture(scope="session")
+def pd_router(pd_cluster: PDCluster) -> Iterator[RouterProcess]:
+    """sglang_router (the upstream peer) in front of the session pair, started once.
+
+    Two tests used to start and stop one each: 16-19 s per test on this machine, though the
+    router was ready within 2 s of starting and answered in under 0.5 s. On SIGTERM it logs
+    "starting graceful shutdown" and nothing after, and ManagedProcess waits 10 s for it before
+    its SIGKILL; here it gets 1 s (it holds nothing anyone reads afterwards).
+    """
+    router = RouterProcess(
+        pd_cluster, port=SESSION_ROUTER_PORT, prometheus_port=SESSION_ROUTER_PROMETHEUS_PORT
+    )
+    router.start()
+    try:
+        yield router
+    finally:
+        router.process.stop(grace_s=1.0)
 
 
 @pytest.fixture(scope="session")

@@ -115,20 +115,19 @@ def test_models_lists_the_model_with_its_effective_context(client: openai.OpenAI
 
 
 def test_greedy_output_equals_sglang_router_for_the_same_input_ids(
-    client: openai.OpenAI, pd_cluster: PDCluster, tmp_path_factory: pytest.TempPathFactory
+    client: openai.OpenAI, pd_cluster: PDCluster, pd_router: RouterProcess
 ) -> None:
     tokenizer = Tokenizer.from_file(str(pd_cluster.spec.model_dir / "tokenizer.json"))
     input_ids = tokenizer.encode("Once upon a time, in a land far away,").ids
     ours = client.completions.create(model=MODEL, prompt=input_ids, max_tokens=12, temperature=0)
-    with RouterProcess(pd_cluster, port=32003, prometheus_port=32004) as router:
-        theirs = httpx.post(
-            router.url + "/generate",
-            timeout=60,
-            json={
-                "input_ids": input_ids,
-                "sampling_params": {"max_new_tokens": 12, "temperature": 0},
-            },
-        ).json()
+    theirs = httpx.post(
+        pd_router.url + "/generate",
+        timeout=60,
+        json={
+            "input_ids": input_ids,
+            "sampling_params": {"max_new_tokens": 12, "temperature": 0},
+        },
+    ).json()
     assert ours.choices[0].text == theirs["text"]
     assert ours.usage.completion_tokens == theirs["meta_info"]["completion_tokens"]
 

@@ -28,8 +28,6 @@ from gateway.dev.cluster import (
 )
 from gateway.dev.model import CHAT_TEMPLATE, MODEL_FILES, ensure_tiny_model
 
-# Router ports of this module (the dev range is 30000-30099).
-ROUTER_PORT, ROUTER_PROMETHEUS_PORT = 30070, 30071
 MAX_NEW_TOKENS = 12
 PROMPT = "Hello, world! How are you today?"
 
@@ -97,20 +95,18 @@ def test_pd_pair_greedy_output_is_deterministic_across_rooms(
 
 @pytest.mark.engine
 def test_router_output_equals_direct_pd_dispatch(
-    pd_cluster: PDCluster, prompt_ids: list[int]
+    pd_cluster: PDCluster, prompt_ids: list[int], pd_router: RouterProcess
 ) -> None:
     direct = asyncio.run(generate_through_pd_pair(pd_cluster, prompt_ids))
 
-    with RouterProcess(
-        pd_cluster, port=ROUTER_PORT, prometheus_port=ROUTER_PROMETHEUS_PORT
-    ) as router:
-        # sglang_router forwards the body, rid included, to both halves; without a rid each
-        # half picks its own and the production plugin refuses the pair (foreign_generation).
-        routed = httpx.post(
-            f"{router.url}/generate",
-            json={**generate_body(prompt_ids), "rid": uuid.uuid4().hex},
-            timeout=60.0,
-        )
+    # sglang_router (the session's, tests/conftest.py) forwards the body, rid included, to both
+    # halves; without a rid each half picks its own and the production plugin refuses the pair
+    # (foreign_generation).
+    routed = httpx.post(
+        f"{pd_router.url}/generate",
+        json={**generate_body(prompt_ids), "rid": uuid.uuid4().hex},
+        timeout=60.0,
+    )
 
     assert routed.status_code == 200, routed.text
     assert routed.json()["output_ids"] == direct["output_ids"]
