@@ -25,7 +25,7 @@ import httpx
 import orjson
 import pytest
 
-from gateway.dev.cluster import PDCluster, default_cluster_spec
+from gateway.dev.cluster import ManagedProcess, PDCluster, default_cluster_spec
 from gateway.dev.harness import GatewayProcess
 from tests.reliability.load import Answer, Load, by_tenant, send_chat
 from tests.reliability.stack import (
@@ -146,12 +146,12 @@ def stack(cluster: PDCluster, tmp_path_factory: pytest.TempPathFactory) -> Itera
             yield running
 
 
-def _kill_group(process: object) -> None:
+def _kill_group(process: ManagedProcess) -> None:
     """SIGKILL a worker's whole process group at once (a crash, not a shutdown), then reap it."""
-    pid = process.pid  # type: ignore[attr-defined]
+    pid = process.pid
     assert pid is not None
     os.killpg(pid, signal.SIGKILL)
-    process.stop()  # type: ignore[attr-defined]  # reaps the leader, waits for the group to be gone
+    process.stop()  # reaps the leader, waits for the group to be gone
 
 
 def _restart(cluster: PDCluster, role: str) -> None:
@@ -187,8 +187,10 @@ def _assert_victim_served_again(cluster: PDCluster, stack: TwoPoolStack, timeout
     if wait_until(lambda: _victim_served(stack, seen), timeout_s=timeout_s, interval_s=1):
         return
     pytest.fail(
-        f"the victim's pool did not serve again within {timeout_s:.0f} s; last answers {seen[-3:]}\n"
-        f"--- prefill:\n{cluster.prefill.log_tail(3000)}\n--- decode:\n{cluster.decode.log_tail(3000)}"
+        f"the victim's pool did not serve again within {timeout_s:.0f} s; "
+        f"last answers {seen[-3:]}\n"
+        f"--- prefill:\n{cluster.prefill.log_tail(3000)}\n"
+        f"--- decode:\n{cluster.decode.log_tail(3000)}"
     )
 
 
@@ -284,7 +286,7 @@ def test_prefill_killed_during_transfers_fails_those_requests_cleanly_and_in_tim
         load.start()
     try:
         assert wait_until(
-            lambda: sum(len(l.answers) for l in (victims, *extra)) >= 2,
+            lambda: sum(len(group.answers) for group in (victims, *extra)) >= 2,
             timeout_s=120,
             interval_s=0.2,
         )
