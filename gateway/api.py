@@ -1,22 +1,30 @@
 """The OpenAI-compatible routes and the health endpoints.
 
-Handlers are thin: generation routes hand over to ``gateway.pipeline``; the rest read state.
+Handlers are thin: generation routes hand over to ``gateway.pipeline``, tokenize and detokenize
+to ``gateway.tokenize_api``; the rest read state.
 """
 
 from __future__ import annotations
 
 import asyncio
+from typing import Any, TypeVar, cast
 
 import orjson
-from starlette.requests import Request
+from pydantic import BaseModel
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
-from . import protocol
+from . import protocol, tokenize_api
+from .auth import Principal
 from .components import Components
 from .errors import APIError
 from .openapi import openapi_json
-from .pipeline import Kind, handle_generation
+from .pipeline import Kind, handle_generation, read_body
+from .policies import ModelPolicy
+from .tokenize_api import DetokenizeRequest, TokenizeRequest
+
+_Body = TypeVar("_Body", bound=BaseModel)
 
 
 def _components(request: Request) -> Components:
@@ -25,7 +33,11 @@ def _components(request: Request) -> Components:
 
 
 def _json(payload: object, status: int = 200) -> Response:
-    return Response(orjson.dumps(payload), status_code=status, media_type="application/json")
+    return _json_bytes(orjson.dumps(payload), status)
+
+
+def _json_bytes(body: bytes, status: int = 200) -> Response:
+    return Response(body, status_code=status, media_type="application/json")
 
 
 # The generation routes (POST). ``gateway.app.Gateway`` sends these paths straight to the
@@ -47,21 +59,89 @@ async def completions(request: Request) -> Response:
 async def models(request: Request) -> Response:
     components = _components(request)
     principal = await components.authenticator.authenticate(request.headers.get("authorization"))
-    cards = []
-    margin = components.settings.admission_safety_margin_tokens
-    for model in components.policies.models.values():
-        max_context: int | None = None
-        bound: str | None = None
-        try:
-            tenant = principal.tenant_id if not principal.is_admin else ""
-            candidates = components.routes.candidates(components.policies, model, tenant)
-            # The largest prompt admitted with a minimal completion, plus that completion.
-            limit = candidates.best_limit(1, margin)
-            max_context, bound = limit.tokens + 1, limit.bound
-        except APIError:
-            pass  # no fresh pair now: the card says so with nulls rather than guessing
-        cards.append(protocol.model_card(model.name, 0, max_context, bound))
+    cards = [_card(components, principal, m) for m in components.policies.models.values()]
     return _json(protocol.model_list(cards))
+
+
+async def retrieve_model(request: Request) -> Response:
+    """One model's card, as ``/v1/models`` lists it; 404 ``model_not_found`` as OpenAI's."""
+    components = _components(request)
+    principal = await components.authenticator.authenticate(request.headers.get("authorization"))
+    found = tokenize_api.model_named(components.policies, request.path_params["model"])
+    return _json(_card(components, principal, found))
+
+
+def _card(components: Components, principal: Principal, model: ModelPolicy) -> dict[str, Any]:
+    max_context: int | None = None
+    bound: str | None = None
+    try:
+        tenant = principal.tenant_id if not principal.is_admin else ""
+        candidates = components.routes.candidates(components.policies, model, tenant)
+        # The largest prompt admitted with a minimal completion, plus that completion.
+        limit = candidates.best_limit(1, components.settings.admission_safety_margin_tokens)
+        max_context, bound = limit.tokens + 1, limit.bound
+    except APIError:
+        pass  # no fresh pair now: the card says so with nulls rather than guessing
+    return protocol.model_card(model.name, 0, max_context, bound)
+
+
+async def tokenize(request: Request) -> Response:
+    """SGLang's ``/v1/tokenize``, plus this tenant's admission limit now (``tokenize_api``)."""
+    components = _components(request)
+    tenant_id = await _tenant(components, request)
+    ask = _parse(await _body(components, request), TokenizeRequest)
+    answer = await tokenize_api.tokenize(components, tenant_id, ask)
+    count = answer["count"]
+    # A prompt near the body limit has millions of tokens: their JSON is written off the loop.
+    if (count if isinstance(count, int) else sum(count)) >= _JSON_IN_THREAD_MIN_TOKENS:
+        return _json_bytes(await asyncio.to_thread(orjson.dumps, answer))
+    return _json(answer)
+
+
+async def detokenize(request: Request) -> Response:
+    """SGLang's ``/v1/detokenize``: token ids back to text; 400 for an id outside the vocabulary."""
+    components = _components(request)
+    await _tenant(components, request)
+    ask = _parse(await _body(components, request), DetokenizeRequest)
+    return _json(await tokenize_api.detokenize(components, ask))
+
+
+_JSON_IN_THREAD_MIN_TOKENS = 65_536
+
+
+async def _tenant(components: Components, request: Request) -> str:
+    """The tenant of a tenant key; the admin key is refused, as on the generation routes (the
+    limits these routes answer are a tenant's)."""
+    principal = await components.authenticator.authenticate(request.headers.get("authorization"))
+    if principal.is_admin:
+        raise APIError(
+            403,
+            "The admin key cannot use this endpoint; use a tenant key.",
+            "permission_error",
+            "admin_key_not_allowed",
+        )
+    return principal.tenant_id
+
+
+async def _body(components: Components, request: Request) -> bytes:
+    """The body, under the same ``max_body_bytes`` cap as a generation's (413 past it)."""
+    try:
+        return await read_body(
+            request.receive,
+            request.headers.get("content-length"),
+            components.settings.max_body_bytes,
+        )
+    except ClientDisconnect:
+        raise APIError(
+            499, "The client went away.", "invalid_request_error", "client_cancelled"
+        ) from None
+
+
+def _parse(body: bytes, schema: type[_Body]) -> _Body:
+    # ``protocol.parse_request`` is annotated for the generation requests; its parsing and its
+    # 400s (unknown, reserved, missing and invalid fields) hold for any strict model.
+    parsed: _Body = protocol.parse_request(body, cast(Any, schema))
+    return parsed
 
 
 async def workers(request: Request) -> Response:
@@ -90,7 +170,18 @@ async def healthz(request: Request) -> Response:
 
 async def readyz(request: Request) -> Response:
     """Ready when every model has at least one prefill and one decode worker answering."""
-    components = _components(request)
+    return _readiness(_components(request))
+
+
+async def health(request: Request) -> Response:
+    """``/health`` as SGLang's workers and SMG name it: 200 when the gateway can serve, 503 when
+    not (SGLang's answers are bodiless; this one says why, as ``/readyz`` does). Callers that
+    probe ``/health`` (SMG, SGLang tooling, load balancers) get readiness, not mere liveness:
+    a gateway with no worker answering cannot serve a request."""
+    return _readiness(_components(request))
+
+
+def _readiness(components: Components) -> Response:
     problems: dict[str, list[str]] = {}
     for model in components.policies.models.values():
         for role, urls in (
@@ -118,9 +209,14 @@ def openai_routes() -> list[BaseRoute]:
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
+        # A model name may contain "/" (``org/name``), as Hugging Face ids do.
+        Route("/v1/models/{model:path}", retrieve_model, methods=["GET"]),
+        Route("/v1/tokenize", tokenize, methods=["POST"]),
+        Route("/v1/detokenize", detokenize, methods=["POST"]),
         Route("/admin/workers", workers, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/openapi.json", openapi_json, methods=["GET"]),
     ]

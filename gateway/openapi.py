@@ -37,10 +37,17 @@ from .protocol import (
     CompletionChunk,
     CompletionRequest,
     ErrorResponse,
+    ModelCard,
     ModelList,
     UsageChunk,
 )
 from .store import OUTCOMES
+from .tokenize_api import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+)
 
 _REF = "#/components/schemas/{model}"
 _ERROR = {"$ref": "#/components/schemas/ErrorResponse"}
@@ -215,6 +222,8 @@ class KeyCreate(_Body):
 _REQUEST_MODELS: tuple[type[BaseModel], ...] = (
     ChatCompletionRequest,
     CompletionRequest,
+    TokenizeRequest,
+    DetokenizeRequest,
     TenantCreate,
     KeyCreate,
 )
@@ -226,6 +235,9 @@ _RESPONSE_MODELS: tuple[type[BaseModel], ...] = (
     CompletionChunk,
     UsageChunk,
     ModelList,
+    ModelCard,
+    TokenizeResponse,
+    DetokenizeResponse,
     AuditEventList,
     AuditEvent,
     Tenant,
@@ -282,6 +294,20 @@ _SSE_EVENT = {
         "id": {"type": "string"},
     },
 }
+
+
+def _tenant_post(summary: str, body: str, result: str) -> dict[str, Any]:
+    return {
+        "post": {
+            "summary": summary,
+            "security": _BEARER,
+            "requestBody": {"required": True, "content": _json_content(_ref(body))},
+            "responses": {
+                "200": {"description": "OK", "content": _json_content(_ref(result))},
+                **_errors(400, *_AUTHENTICATED, 404, 413, 503),
+            },
+        }
+    }
 
 
 def _path_param(name: str) -> dict[str, Any]:
@@ -374,6 +400,28 @@ def _paths() -> dict[str, Any]:
                 },
             }
         },
+        "/v1/models/{model}": {
+            "get": {
+                "summary": "One model's card, as /v1/models lists it",
+                "security": _BEARER,
+                "parameters": [_path_param("model")],
+                "responses": {
+                    "200": {"description": "OK", "content": _json_content(_ref("ModelCard"))},
+                    **_errors(*_AUTHENTICATED, 404, 503),
+                },
+            }
+        },
+        "/v1/tokenize": _tenant_post(
+            "Tokenize with the model's own tokenizer (SGLang's body), with this tenant's prompt "
+            "limit as of now and whether the prompt fits",
+            "TokenizeRequest",
+            "TokenizeResponse",
+        ),
+        "/v1/detokenize": _tenant_post(
+            "Token ids back to text with the model's own tokenizer (SGLang's body)",
+            "DetokenizeRequest",
+            "DetokenizeResponse",
+        ),
         "/v1/audit/events": {
             "get": {
                 "summary": "Audit events, newest first (a tenant key sees only its own tenant's)",
@@ -452,6 +500,13 @@ def _paths() -> dict[str, Any]:
         "/readyz": {
             "get": {
                 "summary": "Readiness: every model has a prefill and a decode worker answering",
+                "responses": {"200": {"description": "Ready"}, "503": {"description": "Not ready"}},
+            }
+        },
+        "/health": {
+            "get": {
+                "summary": "SGLang's and SMG's name for readiness: 200 when the gateway can serve, "
+                "as /readyz",
                 "responses": {"200": {"description": "Ready"}, "503": {"description": "Not ready"}},
             }
         },

@@ -90,19 +90,34 @@ class ModelTokenizer:
         # The template places BOS/EOS itself; adding special tokens again would double them.
         return await self._encode(self.render_chat(turns), add_special_tokens=False)
 
-    async def encode_text(self, text: str) -> list[int]:
-        return await self._encode(text, add_special_tokens=True)
+    async def encode_text(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        # A generation always adds them (as SGLang does); ``/v1/tokenize`` may be told not to.
+        return await self._encode(text, add_special_tokens=add_special_tokens)
 
-    def check_token_ids(self, ids: Sequence[int]) -> list[int]:
+    def check_token_ids(self, ids: Sequence[int], *, param: str = "prompt") -> list[int]:
         for index, token in enumerate(ids):
             if not 0 <= token < self.vocab_size:
                 raise bad_request(
                     f"Token id {token} at position {index} is outside the vocabulary "
                     f"(0..{self.vocab_size - 1}).",
                     code="invalid_value",
-                    param="prompt",
+                    param=param,
                 )
         return list(ids)
+
+    # -- decoding --------------------------------------------------------------------------
+
+    async def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        """The text of ``ids`` (``/v1/detokenize``); 400 for an id outside the vocabulary.
+        Long lists are decoded off the event loop, as long texts are encoded."""
+        checked = self.check_token_ids(ids, param="tokens")
+        if len(checked) < self._thread_min_chars:
+            return self._tokenizer.decode(checked, skip_special_tokens=skip_special_tokens)
+        return await anyio.to_thread.run_sync(
+            lambda: self._tokenizer.decode_batch(
+                [checked], skip_special_tokens=skip_special_tokens
+            )[0]
+        )
 
     async def _encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
         if len(text) < self._thread_min_chars:

@@ -168,6 +168,21 @@ MATRIX: list[tuple[str, Endpoint, tuple[int, ...]]] = [
     ),
     ("GET /v1/models", lambda w: Call("GET", "/v1/models"), (401, 401, 401, 401, 403, OK, OK, OK)),
     (
+        "GET /v1/models/{id}",
+        lambda w: Call("GET", f"/v1/models/{MODEL}"),
+        (401, 401, 401, 401, 403, OK, OK, OK),
+    ),
+    (
+        "POST /v1/tokenize",
+        lambda w: Call("POST", "/v1/tokenize", {"model": MODEL, "prompt": "hi"}),
+        (401, 401, 401, 401, 403, OK, 403, OK),
+    ),
+    (
+        "POST /v1/detokenize",
+        lambda w: Call("POST", "/v1/detokenize", {"model": MODEL, "tokens": [1, 2]}),
+        (401, 401, 401, 401, 403, OK, 403, OK),
+    ),
+    (
         "GET /v1/audit/events",
         lambda w: Call("GET", "/v1/audit/events"),
         (401, 401, 401, 401, 403, OK, OK, OK),
@@ -230,6 +245,7 @@ MATRIX: list[tuple[str, Endpoint, tuple[int, ...]]] = [
     # Public: liveness, readiness and the API description. Metrics name tenants: admin only.
     ("GET /healthz", lambda w: Call("GET", "/healthz"), (OK,) * 8),
     ("GET /readyz", lambda w: Call("GET", "/readyz"), (OK,) * 8),
+    ("GET /health", lambda w: Call("GET", "/health"), (OK,) * 8),
     ("GET /openapi.json", lambda w: Call("GET", "/openapi.json"), (OK,) * 8),
     ("GET /metrics", lambda w: Call("GET", "/metrics"), (401, 401, 401, 401, 403, 403, OK, 403)),
 ]
