@@ -142,7 +142,7 @@ class CanaryProber:
             ask = GenerationAsk(
                 tenant_id=CANARY_TENANT_ID,
                 model=model,
-                prompt=TextPrompt(f"Canary {marker}. Repeat the canary exactly: {marker}"),
+                prompts=[TextPrompt(f"Canary {marker}. Repeat the canary exactly: {marker}")],
                 max_tokens=self._max_tokens,
                 sampling_params={"max_new_tokens": self._max_tokens, "temperature": 0.0},
                 limits=None,

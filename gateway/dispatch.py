@@ -39,22 +39,28 @@ class EngineRequest:
     input_ids: list[int]
     sampling_params: dict[str, Any]
     cache_salt: str
+    # Log probabilities of the completion's tokens, with this many alternatives each; None: none.
+    top_logprobs: int | None = None
 
 
 def generate_body(pair: WorkerPair, request: EngineRequest, *, stream: bool) -> bytes:
     bootstrap_host = pair.prefill.bootstrap_host or urlsplit(pair.prefill.url).hostname
-    return orjson.dumps(
-        {
-            "input_ids": request.input_ids,
-            "sampling_params": request.sampling_params,
-            "stream": stream,
-            "rid": request.generation_id,
-            "extra_key": request.cache_salt,
-            "bootstrap_host": bootstrap_host,
-            "bootstrap_port": pair.prefill.bootstrap_port,
-            "bootstrap_room": bootstrap_room(request.generation_id),
-        }
-    )
+    body: dict[str, Any] = {
+        "input_ids": request.input_ids,
+        "sampling_params": request.sampling_params,
+        "stream": stream,
+        "rid": request.generation_id,
+        "extra_key": request.cache_salt,
+        "bootstrap_host": bootstrap_host,
+        "bootstrap_port": pair.prefill.bootstrap_port,
+        "bootstrap_room": bootstrap_room(request.generation_id),
+    }
+    if request.top_logprobs is not None:
+        # Only the completion's: the prompt's are never asked for (logprob_start_len -1).
+        body["return_logprob"] = True
+        body["top_logprobs_num"] = request.top_logprobs
+        body["logprob_start_len"] = -1
+    return orjson.dumps(body)
 
 
 def isolation_headers(request: EngineRequest) -> dict[str, str]:

@@ -23,25 +23,27 @@ The core knows nothing of HTTP: ``gateway.pipeline`` reads requests and writes r
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from .admission import ClaimLedger, PromptLimit, context_length_exceeded, refuse_if_over
 from .audit import AuditEvent, AuditLog
 from .auth import Principal
 from .dispatch import EngineRequest, PDDispatcher
 from .errors import APIError, unavailable
-from .ids import tenant_cache_salt
+from .ids import new_generation_id, tenant_cache_salt
 from .limits import LimitLease, TenantLimiter
 from .metrics import Metrics
 from .pairs import WorkerPair
 from .policies import ModelPolicy, Policies, TenantLimits
-from .protocol import utf8_length
+from .protocol import TokenLogprob, utf8_length
 from .routing import Candidates, RoutingCache
 from .tokenize import ChatTurn, ModelTokenizer
 from .verify import (
@@ -85,13 +87,18 @@ Prompt = ChatPrompt | TextPrompt | TokenPrompt
 
 @dataclass(frozen=True, slots=True)
 class GenerationAsk:
+    """One request: ``n`` choices for each of its prompts, admitted and claimed as a whole."""
+
     tenant_id: str
     model: ModelPolicy
-    prompt: Prompt
+    prompts: Sequence[Prompt]
     max_tokens: int
     sampling_params: dict[str, Any]  # SGLang's, ``max_new_tokens`` included
     # The tenant's limits; None where a generation is not the tenant's traffic (the canary).
     limits: TenantLimits | None
+    n: int = 1
+    # Log probabilities of each completion token with this many alternatives; None: none.
+    top_logprobs: int | None = None
     # A pair chosen by the caller (the canary probes every pair in turn); else routed.
     pair: WorkerPair | None = None
     # The content check, where it is not the gateway's scanner (the canary's own-marker check).
@@ -109,23 +116,34 @@ class Catalog(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
+class Choice:
+    """One PD request of an admitted generation: its own generation ID, tags and checks."""
+
+    index: int
+    request: EngineRequest
+    expected: Expectation
+
+
+@dataclass(frozen=True, slots=True)
 class Admitted:
     """A generation that passed gate 1 and holds its claims: ready to dispatch."""
 
     pair: WorkerPair
-    request: EngineRequest
-    expected: Expectation
+    choices: list[Choice]
     scanner: ContentScanner
     lease: LimitLease | None
+    tokenizer: ModelTokenizer
 
 
 @dataclass(frozen=True, slots=True)
 class Completion:
+    index: int
     text: str
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    logprobs: list[TokenLogprob] | None = None
 
 
 # ---- the audit record ----------------------------------------------------------------------
@@ -227,50 +245,67 @@ class GenerationCore:
     # -- admit and claim --------------------------------------------------------------------
 
     async def admit(self, ask: GenerationAsk, trace: Trace, held: AsyncExitStack) -> Admitted:
-        """Gate 1, then the claims (pushed onto ``held``); raises ``APIError`` on refusal."""
+        """Gate 1 for every prompt, then the claims for every choice (pushed onto ``held``),
+        on one pair; raises ``APIError`` on refusal."""
         model, margin, max_tokens = ask.model, self._margin, ask.max_tokens
         if ask.pair is None:
             candidates = self._routes.candidates(self._catalog.policies, model, ask.tenant_id)
         else:
             candidates = Candidates([ask.pair], model.max_context_tokens)
         limit = candidates.best_limit(max_tokens, margin)
-        input_ids = await self._count(ask, limit)
-        trace.prompt_tokens = prompt_tokens = len(input_ids)
-        self._refuse_if_over(model, prompt_tokens, limit, max_tokens)
+        tokenizer = self._catalog.tokenizers[model.name]
+        counted = [await self._count(ask, tokenizer, prompt, limit) for prompt in ask.prompts]
+        prompt_lengths = [len(ids) for ids in counted for _ in range(ask.n)]
+        trace.prompt_tokens = prompt_total = sum(prompt_lengths)
 
         lease = None
         if ask.limits is not None:
             lease = await self._limiter.acquire(
-                ask.tenant_id, ask.limits, prompt_tokens + max_tokens
+                ask.tenant_id, ask.limits, prompt_total + max_tokens * len(prompt_lengths)
             )
             await held.enter_async_context(lease)
 
-        pair = candidates.choose(self._ledger, prompt_tokens, max_tokens, margin)
+        pair = candidates.choose_for_all(self._ledger, prompt_lengths, max_tokens, margin)
         if pair is None:
             raise unavailable(
                 "Every worker pair that could hold this request is busy; try again shortly.",
                 code="capacity_busy",
             )
         trace.pair = pair
-        held.enter_context(self._ledger.claim(pair.urls, prompt_tokens + max_tokens + margin))
+        need = prompt_total + (max_tokens + margin) * len(prompt_lengths)
+        held.enter_context(self._ledger.claim(pair.urls, need))
 
-        request = EngineRequest(
-            generation_id=trace.generation_id,
-            tenant_id=ask.tenant_id,
-            input_ids=input_ids,
-            sampling_params=ask.sampling_params,
-            cache_salt=tenant_cache_salt(self._cache_salt_secret, ask.tenant_id),
-        )
-        expected = Expectation(
-            trace.generation_id, ask.tenant_id, prompt_tokens, max_tokens, model.require_engine_tags
-        )
-        return Admitted(pair, request, expected, ask.scanner or self._scanner, lease)
+        cache_salt = tenant_cache_salt(self._cache_salt_secret, ask.tenant_id)
+        choices: list[Choice] = []
+        for input_ids in counted:
+            for _ in range(ask.n):
+                # The first choice's ID is the request's (the response id, the audit key).
+                generation_id = new_generation_id() if choices else trace.generation_id
+                request = EngineRequest(
+                    generation_id=generation_id,
+                    tenant_id=ask.tenant_id,
+                    input_ids=input_ids,
+                    sampling_params=ask.sampling_params,
+                    cache_salt=cache_salt,
+                    top_logprobs=ask.top_logprobs,
+                )
+                expected = Expectation(
+                    generation_id,
+                    ask.tenant_id,
+                    len(input_ids),
+                    max_tokens,
+                    model.require_engine_tags,
+                    ask.top_logprobs,
+                    tokenizer.vocab_size,
+                )
+                choices.append(Choice(len(choices), request, expected))
+        return Admitted(pair, choices, ask.scanner or self._scanner, lease, tokenizer)
 
-    async def _count(self, ask: GenerationAsk, limit: PromptLimit) -> list[int]:
-        """The prompt's token ids; refuses, before tokenizing, what its byte length alone proves
-        too long (no token is longer than the vocabulary's longest entry)."""
-        tokenizer = self._catalog.tokenizers[ask.model.name]
-        prompt = ask.prompt
+    async def _count(
+        self, ask: GenerationAsk, tokenizer: ModelTokenizer, prompt: Prompt, limit: PromptLimit
+    ) -> list[int]:
+        """The prompt's token ids; refuses what is over ``limit``, and before tokenizing, what
+        its byte length alone proves too long (no token is longer than the longest entry)."""
         if isinstance(prompt, TokenPrompt):
             self._refuse_if_over(ask.model, len(prompt.ids), limit, ask.max_tokens)
             return tokenizer.check_token_ids(prompt.ids)
@@ -280,8 +315,11 @@ class GenerationCore:
             self._metrics.admission_refusals.labels(ask.model.name, limit.bound).inc()
             raise context_length_exceeded(f"at least {at_least}", limit, ask.max_tokens)
         if isinstance(prompt, ChatPrompt):
-            return await tokenizer.encode_chat(prompt.turns)
-        return await tokenizer.encode_text(prompt.text)
+            ids = await tokenizer.encode_chat(prompt.turns)
+        else:
+            ids = await tokenizer.encode_text(prompt.text)
+        self._refuse_if_over(ask.model, len(ids), limit, ask.max_tokens)
+        return ids
 
     def _refuse_if_over(
         self, model: ModelPolicy, prompt_tokens: int, limit: PromptLimit, max_tokens: int
@@ -294,33 +332,60 @@ class GenerationCore:
 
     # -- dispatch and verify ----------------------------------------------------------------
 
-    async def complete(self, admitted: Admitted, trace: Trace) -> Completion:
-        """Decode's whole answer, checked; the tenant's token count settled."""
-        output = await self._dispatcher.generate(admitted.pair, admitted.request)
+    async def complete(self, admitted: Admitted, trace: Trace) -> list[Completion]:
+        """Every choice's whole answer, checked; one failed choice fails them all (the others
+        are cancelled); the tenant's token count settled."""
+        if len(admitted.choices) == 1:
+            completions = [await self._complete_one(admitted, admitted.choices[0])]
+        else:
+            completions = await _all_or_nothing(
+                [self._complete_one(admitted, choice) for choice in admitted.choices]
+            )
+        trace.completion_tokens = completion_tokens = sum(c.completion_tokens for c in completions)
+        if admitted.lease is not None:
+            await admitted.lease.settle((trace.prompt_tokens or 0) + completion_tokens)
+        return completions
+
+    async def _complete_one(self, admitted: Admitted, choice: Choice) -> Completion:
+        output = await self._dispatcher.generate(admitted.pair, choice.request)
         meta = output.get("meta_info")
-        check_meta(meta, admitted.expected)
+        expected = choice.expected
+        check_meta(meta, expected)
         assert isinstance(meta, dict)  # check_meta refuses anything else
         text = output.get("text", "")
-        check_text(admitted.scanner, text, admitted.expected.tenant_id)
-        finish_reason = finish_reason_of(meta)
-        trace.completion_tokens = completion_tokens = meta.get("completion_tokens", 0)
-        if admitted.lease is not None:
-            await admitted.lease.settle(admitted.expected.prompt_tokens + completion_tokens)
+        check_text(admitted.scanner, text, expected.tenant_id)
+        logprobs = None
+        if expected.top_logprobs is not None:
+            logprobs = token_logprobs(meta, admitted.tokenizer)
+            check_text(admitted.scanner, "".join(t.token for t in logprobs), expected.tenant_id)
         return Completion(
+            choice.index,
             text,
-            finish_reason,
-            admitted.expected.prompt_tokens,
-            completion_tokens,
+            finish_reason_of(meta),
+            expected.prompt_tokens,
+            meta.get("completion_tokens", 0),
             meta.get("cached_tokens", 0),
+            logprobs,
         )
 
-    async def open_stream(self, admitted: Admitted, trace: Trace) -> CheckedStream:
-        """Decode's stream, once its first chunks have passed the checks, so that an early
-        failure still has its own status."""
-        batches = self._dispatcher.stream(admitted.pair, admitted.request)
-        guard = StreamGuard(admitted.scanner, admitted.expected.tenant_id)
+    async def open_stream(self, admitted: Admitted, trace: Trace) -> ChoiceStreams:
+        """Decode's stream of every choice, once each one's first chunks have passed the
+        checks, so that an early failure still has its own status."""
+        if len(admitted.choices) == 1:
+            streams = [await self._open_one(admitted, admitted.choices[0])]
+        else:
+            streams = await _all_or_nothing(
+                [self._open_one(admitted, choice) for choice in admitted.choices],
+                on_abandon=CheckedStream.aclose,
+            )
+        return ChoiceStreams(streams, trace, admitted.lease)
+
+    async def _open_one(self, admitted: Admitted, choice: Choice) -> CheckedStream:
+        batches = self._dispatcher.stream(admitted.pair, choice.request)
+        guard = StreamGuard(admitted.scanner, choice.expected.tenant_id)
+        stream = CheckedStream(choice, batches, guard, admitted.tokenizer)
         try:
-            first = checked_delta(await batches.__anext__(), admitted.expected, guard)
+            stream.take_first(await batches.__anext__())
         except StopAsyncIteration:
             raise APIError(
                 502,
@@ -331,10 +396,10 @@ class GenerationCore:
         except BaseException:
             await batches.aclose()
             raise
-        return CheckedStream(admitted.expected, admitted.lease, trace, batches, guard, first)
+        return stream
 
-    async def run(self, ask: GenerationAsk, trace: Trace) -> Completion:
-        """Admit, dispatch and verify a whole answer, releasing every claim before returning."""
+    async def run(self, ask: GenerationAsk, trace: Trace) -> list[Completion]:
+        """Admit, dispatch and verify whole answers, releasing every claim before returning."""
         async with AsyncExitStack() as held:
             return await self.complete(await self.admit(ask, trace, held), trace)
 
@@ -378,76 +443,241 @@ class GenerationCore:
 
 @dataclass(frozen=True, slots=True)
 class StreamStep:
-    """What engine chunks that arrived together add for the client, all of them checked."""
+    """What engine chunks of one choice that arrived together add for the client, all of them
+    checked: text, and the log probabilities of tokens whose text is out too."""
 
     delta: str
     meta: dict[str, Any]  # the last chunk's ``meta_info``
+    logprobs: list[TokenLogprob] | None = None
 
     @property
     def finished(self) -> bool:
         return self.meta.get("finish_reason") is not None
 
 
+@dataclass(frozen=True, slots=True)
+class StreamEnd:
+    """What is left of one choice once its stream ended: held-back text and tokens."""
+
+    tail: str
+    finish_reason: str
+    completion_tokens: int
+    cached_tokens: int
+    logprobs: list[TokenLogprob] | None
+
+
 class CheckedStream:
-    """Decode's stream of one admitted generation, a checked step at a time.
+    """Decode's stream of one choice, a checked step at a time.
 
     ``steps`` yields the first step and then one per batch of chunks; ``finish`` (after the
-    last step) gives the held-back tail and the finish reason and settles the tenant's tokens;
-    ``aclose`` closes decode's stream. A failed check raises ``IsolationFailure`` before any
-    text of its batch is handed out.
+    last step) gives what was held back and the finish reason; ``aclose`` closes decode's
+    stream. A failed check raises ``IsolationFailure`` before any of its batch is handed out.
+    Log-probability entries are held back with the text their tokens spell (the scanner's
+    hold-back), so no token reaches the client before the text it is part of was scanned.
     """
 
     def __init__(
         self,
-        expected: Expectation,
-        lease: LimitLease | None,
-        trace: Trace,
+        choice: Choice,
         batches: AsyncGenerator[list[dict[str, Any]]],
         guard: StreamGuard,
-        first: StreamStep,
+        tokenizer: ModelTokenizer | None,
     ) -> None:
-        self.expected = expected
-        self._lease = lease
-        self._trace = trace
+        self.choice = choice
         self._batches = batches
         self._guard = guard
-        self._last = first
+        self._tokenizer = tokenizer
+        self._first: StreamStep | None = None
+        self._last_meta: dict[str, Any] = {}
+        self._logprobs: list[TokenLogprob] = []
+        self._logprobs_sent = 0
+        self._logprob_chars_sent = 0
 
     @property
-    def prompt_tokens(self) -> int:
-        return self.expected.prompt_tokens
+    def index(self) -> int:
+        return self.choice.index
+
+    def take_first(self, batch: list[dict[str, Any]]) -> None:
+        self._first = self._step(batch)
 
     async def steps(self) -> AsyncGenerator[StreamStep]:
-        yield self._last
+        if self._first is not None:
+            yield self._first
         async for batch in self._batches:
-            self._last = checked_delta(batch, self.expected, self._guard)
-            yield self._last
+            yield self._step(batch)
 
-    async def finish(self) -> tuple[str, str, int, int]:
-        """The tail, the finish reason, completion and cached tokens; after the last step."""
-        meta = self._last.meta
+    def _step(self, batch: list[dict[str, Any]]) -> StreamStep:
+        expected = self.choice.expected
+        for chunk in batch:
+            check_meta(chunk.get("meta_info"), expected)
+        delta = self._guard.feed_all([chunk.get("text", "") for chunk in batch])
+        self._last_meta = meta = batch[-1]["meta_info"]
+        if expected.top_logprobs is None or self._tokenizer is None:
+            return StreamStep(delta, meta)
+        # Cumulative in every chunk: the new entries are those past the ones already taken.
+        fresh = token_logprobs(meta, self._tokenizer, start=len(self._logprobs))
+        self._logprobs.extend(fresh)
+        self._guard.scan_extra("".join(t.token for t in self._logprobs))
+        return StreamStep(delta, meta, self._release_logprobs(self._guard.sent_chars))
+
+    def _release_logprobs(self, chars: int | None) -> list[TokenLogprob]:
+        """The entries whose text is out (all of them with ``chars`` None)."""
+        released = self._logprobs_sent
+        while released < len(self._logprobs):
+            length = len(self._logprobs[released].token)
+            if chars is not None and self._logprob_chars_sent + length > chars:
+                break
+            self._logprob_chars_sent += length
+            released += 1
+        entries = self._logprobs[self._logprobs_sent : released]
+        self._logprobs_sent = released
+        return entries
+
+    def finish(self) -> StreamEnd:
+        """After the last step: the held-back tail and tokens, the finish reason and counts."""
+        meta = self._last_meta
         finish_reason = finish_reason_of(meta)
         tail = self._guard.finish()
-        completion_tokens: int = meta.get("completion_tokens", 0)
-        self._trace.completion_tokens = completion_tokens
-        if self._lease is not None:
-            await self._lease.settle(self.prompt_tokens + completion_tokens)
-        return tail, finish_reason, completion_tokens, meta.get("cached_tokens", 0)
+        logprobs = None
+        if self.choice.expected.top_logprobs is not None:
+            logprobs = self._release_logprobs(None)
+        return StreamEnd(
+            tail,
+            finish_reason,
+            meta.get("completion_tokens", 0),
+            meta.get("cached_tokens", 0),
+            logprobs,
+        )
 
     async def aclose(self) -> None:
         await self._batches.aclose()
 
 
-def checked_delta(
-    batch: list[dict[str, Any]], expected: Expectation, guard: StreamGuard
-) -> StreamStep:
-    """The text that engine chunks which arrived together add for the client, once every one
-    of them has passed the checks (none of a batch is handed out before all of it is checked)."""
-    for chunk in batch:
-        check_meta(chunk.get("meta_info"), expected)
-    return StreamStep(
-        guard.feed_all([chunk.get("text", "") for chunk in batch]), batch[-1]["meta_info"]
-    )
+class ChoiceStreams:
+    """The streams of every choice of one generation, merged as their steps arrive.
+
+    ``events`` yields ``(stream, step)`` for each checked step and ``(stream, end)`` once a
+    choice's stream ended; after the last, the tenant's token count is settled. ``aclose``
+    closes every choice's stream, however far it got.
+    """
+
+    def __init__(
+        self, streams: list[CheckedStream], trace: Trace, lease: LimitLease | None
+    ) -> None:
+        self.streams = streams
+        self._trace = trace
+        self._lease = lease
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(stream.choice.expected.prompt_tokens for stream in self.streams)
+
+    async def events(self) -> AsyncGenerator[tuple[CheckedStream, StreamStep | StreamEnd]]:
+        completion_tokens = 0
+        if len(self.streams) == 1:  # no tasks: the common case stays as cheap as it was
+            stream = self.streams[0]
+            async for step in stream.steps():
+                yield stream, step
+            end = stream.finish()
+            completion_tokens = end.completion_tokens
+            yield stream, end
+        else:
+            async for stream, item in _merged(self.streams):
+                if isinstance(item, StreamEnd):
+                    completion_tokens += item.completion_tokens
+                yield stream, item
+        self._trace.completion_tokens = completion_tokens
+        if self._lease is not None:
+            await self._lease.settle(self.prompt_tokens + completion_tokens)
+
+    async def aclose(self) -> None:
+        for stream in self.streams:
+            await stream.aclose()
+
+
+async def _merged(
+    streams: list[CheckedStream],
+) -> AsyncGenerator[tuple[CheckedStream, StreamStep | StreamEnd]]:
+    """Every stream's steps, in the order they are ready; a failure in one ends them all."""
+    iterators = {stream: stream.steps() for stream in streams}
+    pending: dict[asyncio.Future[StreamStep], CheckedStream] = {}
+    try:
+        for stream, steps in iterators.items():
+            pending[asyncio.ensure_future(steps.__anext__())] = stream
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for future in sorted(done, key=lambda f: pending[f].index):
+                stream = pending.pop(future)
+                try:
+                    step = future.result()
+                except StopAsyncIteration:
+                    yield stream, stream.finish()
+                    continue
+                yield stream, step
+                pending[asyncio.ensure_future(iterators[stream].__anext__())] = stream
+    finally:
+        for future in pending:
+            future.cancel()
+        for future in pending:
+            with contextlib.suppress(BaseException):
+                await future
+        for steps in iterators.values():
+            await steps.aclose()
+
+
+_T = TypeVar("_T")
+
+
+async def _all_or_nothing(
+    calls: Sequence[Awaitable[_T]],
+    on_abandon: Callable[[_T], Awaitable[None]] | None = None,
+) -> list[_T]:
+    """Every call's result, in order; the first failure cancels the rest and is raised (what
+    already succeeded is handed to ``on_abandon``, e.g. streams to close)."""
+    tasks = [asyncio.ensure_future(call) for call in calls]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in tasks:
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                raise _first_failure(tasks)
+        return [task.result() for task in tasks]
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        if on_abandon is not None:
+            for result in results:
+                if not isinstance(result, BaseException):
+                    await on_abandon(result)
+        raise
+
+
+def _first_failure(tasks: Sequence[asyncio.Future[Any]]) -> BaseException:
+    # The lowest-indexed failed choice: the same request fails the same way every time.
+    for task in tasks:
+        if task.done() and not task.cancelled():
+            failure = task.exception()
+            if failure is not None:
+                return failure
+    raise AssertionError("no task failed")
+
+
+def token_logprobs(
+    meta: dict[str, Any], tokenizer: ModelTokenizer, start: int = 0
+) -> list[TokenLogprob]:
+    """The completion tokens' log probabilities from ``start`` on, checked by ``check_meta``
+    already; token texts come from the gateway's own tokenizer, never from the engine."""
+    entries = meta.get("output_token_logprobs") or []
+    alternatives = meta.get("output_top_logprobs") or []
+    text = tokenizer.token_text
+    result = []
+    for position in range(start, len(entries)):
+        logprob, token = entries[position][0], entries[position][1]
+        top = alternatives[position] if position < len(alternatives) else []
+        result.append(
+            TokenLogprob(text(token), float(logprob), [(text(e[1]), float(e[0])) for e in top])
+        )
+    return result
 
 
 def finish_reason_of(meta: dict[str, Any]) -> str:

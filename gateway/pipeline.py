@@ -18,7 +18,7 @@ from collections.abc import AsyncGenerator
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 import orjson
 from starlette.requests import ClientDisconnect, Request
@@ -33,11 +33,13 @@ from .generation import (
     CLIENT_CANCELLED,
     SERVED,
     ChatPrompt,
-    CheckedStream,
+    ChoiceStreams,
+    Completion,
     GenerationAsk,
     GenerationCore,
     Outcome,
     Prompt,
+    StreamEnd,
     TextPrompt,
     TokenPrompt,
     Trace,
@@ -45,7 +47,12 @@ from .generation import (
 from .ids import new_generation_id
 from .logs import current_generation_id
 from .policies import ModelPolicy
-from .protocol import RESERVED_HEADER_PREFIXES, ChatCompletionRequest, CompletionRequest
+from .protocol import (
+    RESERVED_HEADER_PREFIXES,
+    ChatCompletionRequest,
+    CompletionRequest,
+    TokenLogprob,
+)
 from .tokenize import ChatTurn
 from .verify import IsolationFailure
 
@@ -89,7 +96,7 @@ async def handle_generation(components: Components, request: Request, kind: Kind
         parsed = protocol.parse_request(
             body, ChatCompletionRequest if kind == "chat" else CompletionRequest
         )
-        trace.stream = parsed.stream
+        trace.stream = parsed.streaming
         trace.model = parsed.model
         policies = components.policies
         model = policies.models.get(parsed.model)
@@ -98,32 +105,27 @@ async def handle_generation(components: Components, request: Request, kind: Kind
                 f"The model '{parsed.model}' does not exist.", code="model_not_found", param="model"
             )
         max_tokens = _max_tokens(parsed, model)
+        parsed.check_against(components.tokenizers[model.name].vocab_size, max_tokens)
         ask = GenerationAsk(
             tenant_id=principal.tenant_id,
             model=model,
-            prompt=_prompt(parsed),
+            prompts=_prompts(parsed),
             max_tokens=max_tokens,
-            sampling_params=_sampling_params(parsed, max_tokens),
+            sampling_params=parsed.sampling_params(max_tokens),
             limits=policies.tenant(principal.tenant_id).limits,
+            n=parsed.choices,
+            top_logprobs=parsed.top_logprobs_num,
         )
 
         # admit → claim → dispatch → verify (the core), then the response
         admitted = await core.admit(ask, trace, held)
-        if parsed.stream:
-            checked = await core.open_stream(admitted, trace)
-            events = _sse_events(trace, checked, kind, parsed.include_usage)
-            return GuardedStream(core, trace, events, checked, held.pop_all())
-        answer = await core.complete(admitted, trace)
-        usage = protocol.usage(answer.prompt_tokens, answer.completion_tokens, answer.cached_tokens)
-        build = protocol.chat_completion if kind == "chat" else protocol.completion
-        result = build(
-            trace.generation_id,
-            model.name,
-            protocol.now(),
-            answer.text,
-            answer.finish_reason,
-            usage,
-        )
+        if parsed.streaming:
+            streams = await core.open_stream(admitted, trace)
+            events = _sse_events(trace, streams, kind, parsed.include_usage)
+            return GuardedStream(core, trace, events, streams, held.pop_all())
+        completions = await core.complete(admitted, trace)
+        fingerprint = protocol.system_fingerprint(model.name, str(model.tokenizer))
+        result = _answer(kind, trace, model.name, fingerprint, completions)
         core.record(trace, SERVED)
         return JSONBodyResponse(orjson.dumps(result), trace.generation_id)
     except IsolationFailure as failure:
@@ -245,71 +247,97 @@ def _max_tokens(parsed: ChatCompletionRequest | CompletionRequest, model: ModelP
     return requested
 
 
-def _sampling_params(
-    parsed: ChatCompletionRequest | CompletionRequest, max_tokens: int
-) -> dict[str, Any]:
-    params: dict[str, Any] = {
-        "max_new_tokens": max_tokens,
-        "temperature": parsed.temperature,
-        "top_p": parsed.top_p,
-        "presence_penalty": parsed.presence_penalty,
-        "frequency_penalty": parsed.frequency_penalty,
-    }
-    if parsed.stop is not None:
-        params["stop"] = parsed.stop
-    if parsed.seed is not None:
-        params["sampling_seed"] = parsed.seed
-    return params
-
-
-def _prompt(parsed: ChatCompletionRequest | CompletionRequest) -> Prompt:
+def _prompts(parsed: ChatCompletionRequest | CompletionRequest) -> list[Prompt]:
     if isinstance(parsed, ChatCompletionRequest):
-        return ChatPrompt([ChatTurn(m.role, m.text()) for m in parsed.messages])
-    prompt = parsed.prompt
-    if isinstance(prompt, str):
-        return TextPrompt(prompt)
-    # The request model admits one prompt: a string, a list of one string, or token ids.
-    if prompt and isinstance(prompt[0], int):
-        return TokenPrompt(prompt)
-    return TextPrompt(cast(list[str], prompt)[0])
+        return [ChatPrompt([ChatTurn(m.role, m.text()) for m in parsed.messages])]
+    return [
+        TextPrompt(prompt) if isinstance(prompt, str) else TokenPrompt(prompt)
+        for prompt in parsed.prompts()
+    ]
+
+
+def _answer(
+    kind: Kind, trace: Trace, model: str, fingerprint: str, completions: list[Completion]
+) -> dict[str, Any]:
+    completions = sorted(completions, key=lambda c: c.index)
+    usage = protocol.usage(
+        sum(c.prompt_tokens for c in completions),
+        sum(c.completion_tokens for c in completions),
+        sum(c.cached_tokens for c in completions),
+    )
+    created = protocol.now()
+    if kind == "chat":
+        chat_choices = [
+            protocol.chat_choice(c.index, c.text, c.finish_reason, c.logprobs) for c in completions
+        ]
+        return protocol.chat_completion(
+            trace.generation_id, model, created, chat_choices, usage, fingerprint
+        )
+    choices = [
+        protocol.completion_choice(c.index, c.text, c.finish_reason, c.logprobs)
+        for c in completions
+    ]
+    return protocol.completion(trace.generation_id, model, created, choices, usage, fingerprint)
 
 
 # ---- streaming ---------------------------------------------------------------------------
 
 
 async def _sse_events(
-    trace: Trace, checked: CheckedStream, kind: Kind, include_usage: bool
+    trace: Trace, streams: ChoiceStreams, kind: Kind, include_usage: bool
 ) -> AsyncGenerator[bytes]:
     """The client's SSE events, written together when they are ready together: what is checked
     goes out before the next wait on decode, the end of the stream with its last text."""
     model, gid, created = trace.model or "", trace.generation_id, protocol.now()
+    offsets: dict[int, int] = {}  # characters sent per choice (completions' text_offset)
 
-    def content(delta: str) -> bytes:
+    def content(index: int, delta: str, logprobs: list[TokenLogprob] | None) -> bytes:
         if kind == "chat":
-            return _sse(protocol.chat_chunk(gid, model, created, {"content": delta}, None))
-        return _sse(protocol.completion_chunk(gid, model, created, delta, None))
+            chunk = protocol.chat_chunk(
+                gid, model, created, {"content": delta}, None, index, logprobs
+            )
+        else:
+            offset = offsets.get(index, 0)
+            offsets[index] = offset + len(delta)
+            chunk = protocol.completion_chunk(
+                gid, model, created, delta, None, index, logprobs, offset
+            )
+        return _sse(chunk)
 
     events: list[bytes] = []
     if kind == "chat":
         role = {"role": "assistant", "content": ""}
-        events.append(_sse(protocol.chat_chunk(gid, model, created, role, None)))
-    async for step in checked.steps():
-        if step.delta:
-            events.append(content(step.delta))
-        # After the chunk that carries the finish reason only the end of the stream follows,
-        # so its text waits for it and both go out in one write.
-        if events and not step.finished:
+        for stream in streams.streams:
+            chunk = protocol.chat_chunk(gid, model, created, role, None, stream.index)
+            events.append(_sse(chunk))
+    ended: list[StreamEnd] = []
+    async for stream, item in streams.events():
+        index = stream.index
+        if isinstance(item, StreamEnd):
+            ended.append(item)
+            if item.tail or item.logprobs:
+                events.append(content(index, item.tail, item.logprobs))
+            if kind == "chat":
+                chunk = protocol.chat_chunk(gid, model, created, {}, item.finish_reason, index)
+            else:
+                chunk = protocol.completion_chunk(
+                    gid, model, created, "", item.finish_reason, index
+                )
+            events.append(_sse(chunk))
+            continue
+        if item.delta or item.logprobs:
+            events.append(content(index, item.delta, item.logprobs))
+        # After the chunk that carries the finish reason only that choice's end follows, so
+        # its text waits for it and both go out in one write.
+        if events and not item.finished:
             yield b"".join(events)
             events = []
-    tail, finish_reason, completion_tokens, cached_tokens = await checked.finish()
-    if tail:
-        events.append(content(tail))
-    if kind == "chat":
-        events.append(_sse(protocol.chat_chunk(gid, model, created, {}, finish_reason)))
-    else:
-        events.append(_sse(protocol.completion_chunk(gid, model, created, "", finish_reason)))
     if include_usage:
-        usage = protocol.usage(checked.prompt_tokens, completion_tokens, cached_tokens)
+        usage = protocol.usage(
+            streams.prompt_tokens,
+            sum(end.completion_tokens for end in ended),
+            sum(end.cached_tokens for end in ended),
+        )
         object_ = "chat.completion.chunk" if kind == "chat" else "text_completion"
         events.append(_sse(protocol.usage_chunk(gid, model, created, object_, usage)))
     events.append(b"data: [DONE]\n\n")
@@ -336,7 +364,7 @@ class GuardedStream(StreamingResponse):
         core: GenerationCore,
         trace: Trace,
         events: AsyncGenerator[bytes],
-        checked: CheckedStream,
+        streams: ChoiceStreams,
         held: AsyncExitStack,
     ) -> None:
         self._guarded_events = self._guarded(events)
@@ -352,7 +380,7 @@ class GuardedStream(StreamingResponse):
         self._core = core
         self._trace = trace
         self._events = events
-        self._checked = checked
+        self._streams = streams
         self._held = held
         # Until the stream is seen to its end, the client went away.
         self._outcome = CLIENT_CANCELLED
@@ -364,7 +392,7 @@ class GuardedStream(StreamingResponse):
             try:
                 await self._guarded_events.aclose()
                 await self._events.aclose()
-                await self._checked.aclose()
+                await self._streams.aclose()
             finally:
                 await self._held.aclose()
                 self._core.record(self._trace, self._outcome)

@@ -10,11 +10,23 @@ tests that hold each builder to its model.
 
 from __future__ import annotations
 
+import hashlib
 import time
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
+import jsonschema
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, with_config
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+    with_config,
+)
+from pydantic_core import PydanticCustomError
 
 # pydantic needs typing_extensions' TypedDict (a dependency of its own) before Python 3.12.
 from typing_extensions import TypedDict
@@ -42,60 +54,322 @@ RESERVED_FIELDS = frozenset(
 RESERVED_HEADER_PREFIXES = ("x-isolation-", "x-isogate-")
 
 
-class _Request(BaseModel):
+# Upper bounds the gateway sets where OpenAI sets none: one request may not fan out without end.
+MAX_CHOICES = 16
+MAX_TOP_LOGPROBS = 20
+MAX_COMPLETION_LOGPROBS = 5
+MAX_PROMPTS = 64
+MAX_STOP = 4
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS = 300
+MAX_GRAMMAR_CHARS = 64 * 1024
+
+
+def _refuse(field: str, reason: str) -> PydanticCustomError:
+    """A documented field (or value) that cannot be honoured here: a 400 that says why."""
+    return PydanticCustomError(
+        "unsupported_parameter",
+        "'{param}' is not supported by this gateway: {reason}",
+        {"param": field, "reason": reason},
+    )
+
+
+class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = None
+    include_obfuscation: bool | None = None  # OpenAI's padding of stream events; none is sent
+
+
+class JSONSchemaFormat(_Strict):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's ``response_format``: free text, any JSON object, or JSON under a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type 'json_schema' needs 'json_schema'")
+        return self
+
+
+class _Request(_Strict):
+    """The fields both generation routes share: OpenAI's, then SGLang's extensions.
+
+    Every field OpenAI documents is here: honoured, or refused by a validator that says why.
+    An explicit ``null`` means "not given", as in OpenAI's API.
+    """
 
     model: str = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    n: Literal[1] = 1
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    n: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
-    seed: int | None = None
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
     user: str | None = Field(default=None, max_length=256)
+
+    # SGLang's sampling extensions, as its OpenAI server takes them (clients: ``extra_body``).
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    min_tokens: int | None = Field(default=None, ge=0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
+    skip_special_tokens: bool | None = None
+    no_stop_trim: bool | None = None
+    regex: str | None = Field(default=None, min_length=1, max_length=MAX_GRAMMAR_CHARS)
+    ebnf: str | None = Field(default=None, min_length=1, max_length=MAX_GRAMMAR_CHARS)
+    json_schema: str | None = Field(default=None, min_length=1, max_length=MAX_GRAMMAR_CHARS)
 
     @field_validator("stop")
     @classmethod
     def _stop_bounded(cls, stop: str | list[str] | None) -> str | list[str] | None:
-        if isinstance(stop, list) and len(stop) > 4:
-            raise ValueError("at most 4 stop sequences")
+        if isinstance(stop, list) and len(stop) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop sequences")
         return stop
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, top_k: int | None) -> int | None:
+        if top_k == 0:
+            raise ValueError("top_k must be -1 (no limit) or at least 1")
+        return top_k
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for token, value in (bias or {}).items():
+            if not token.isdigit():
+                raise ValueError(f"logit_bias keys are token ids, got {token!r}")
+            if not -100.0 <= value <= 100.0:
+                raise ValueError(f"logit_bias values are in [-100, 100], got {value}")
+        return bias
+
+    @field_validator("json_schema")
+    @classmethod
+    def _json_schema_text(cls, text: str | None) -> str | None:
+        if text is not None:
+            try:
+                parsed = orjson.loads(text)
+            except orjson.JSONDecodeError as exc:
+                raise ValueError(f"json_schema is not valid JSON: {exc}") from exc
+            check_json_schema(parsed, "json_schema")
+        return text
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def streaming(self) -> bool:
+        return bool(self.stream)
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
-    include_usage: bool = False
+    @property
+    def choices(self) -> int:
+        return self.n or 1
+
+    def grammar(self) -> dict[str, str]:
+        """The one constraint SGLang is to decode under, as its sampling parameter."""
+        grammars = {
+            key: value
+            for key, value in (("regex", self.regex), ("ebnf", self.ebnf))
+            if value is not None
+        }
+        if self.json_schema is not None:
+            grammars["json_schema"] = self.json_schema
+        return grammars
+
+    def sampling_params(self, max_tokens: int) -> dict[str, Any]:
+        """SGLang's sampling parameters for this request (``max_new_tokens`` already decided)."""
+        params: dict[str, Any] = {"max_new_tokens": max_tokens}
+        for name, value in (
+            ("temperature", self.temperature),
+            ("top_p", self.top_p),
+            ("top_k", self.top_k),
+            ("min_p", self.min_p),
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+            ("repetition_penalty", self.repetition_penalty),
+            ("min_new_tokens", self.min_tokens),
+            ("stop", self.stop),
+            ("stop_token_ids", self.stop_token_ids),
+            ("ignore_eos", self.ignore_eos),
+            ("skip_special_tokens", self.skip_special_tokens),
+            ("no_stop_trim", self.no_stop_trim),
+            ("sampling_seed", self.seed),
+        ):
+            if value is not None:
+                params[name] = value
+        if self.logit_bias:
+            params["logit_bias"] = self.logit_bias
+        grammar = self.grammar()
+        if len(grammar) > 1:
+            raise bad_request(
+                "Only one of response_format (json), json_schema, regex and ebnf may be given.",
+                code="invalid_value",
+                param=next(iter(grammar)),
+            )
+        params.update(grammar)
+        return params
+
+    def check_against(self, vocab_size: int, max_tokens: int) -> None:
+        """What only the model can bound: token ids in the vocabulary, min_tokens under the
+        completion's length (checked here, so the engine never refuses what was accepted)."""
+        for param, ids in (
+            ("logit_bias", [int(t) for t in self.logit_bias or {}]),
+            ("stop_token_ids", self.stop_token_ids or []),
+        ):
+            for token in ids:
+                if not 0 <= token < vocab_size:
+                    raise bad_request(
+                        f"Token id {token} in '{param}' is outside the vocabulary "
+                        f"(0..{vocab_size - 1}).",
+                        code="invalid_value",
+                        param=param,
+                    )
+        if self.min_tokens is not None and self.min_tokens > max_tokens:
+            raise bad_request(
+                f"min_tokens is {self.min_tokens}, more than max_tokens ({max_tokens}).",
+                code="invalid_value",
+                param="min_tokens",
+            )
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+def check_json_schema(schema: Any, param: str) -> None:
+    """A schema the engine's grammar compiler can take: a JSON Schema object, checked against
+    the metaschema, so that a bad one is a 400 here and not a failure inside the engine."""
+    if not isinstance(schema, dict):
+        raise PydanticCustomError(
+            "invalid_field", "A JSON schema must be an object.", {"param": param}
+        )
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.exceptions.SchemaError as exc:
+        raise PydanticCustomError(
+            "invalid_field", "Invalid JSON schema: {why}", {"param": param, "why": exc.message}
+        ) from exc
+
+
+class TextPart(_Strict):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
-    name: str | None = None
+ContentPart = Annotated["TextPart | RefusedPart", Field(discriminator="type")]
+
+
+class RefusedPart(BaseModel):
+    """Content parts this gateway's models cannot take (images, audio, files)."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+    type: Literal["image_url", "input_audio", "file", "refusal"]
+
+    @model_validator(mode="after")
+    def _refused(self) -> RefusedPart:
+        raise _refuse(f"content part of type {self.type}", "this model takes text only")
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[ContentPart] | None
+    name: str | None = Field(default=None, max_length=256)
+    # Assistant messages: OpenAI's fields; a model without tool calling or audio takes none.
+    refusal: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    function_call: dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _text_only(self) -> ChatMessage:
+        if self.role in ("tool", "function") or self.tool_calls is not None or self.function_call:
+            raise _refuse("tool and function messages", "this model has no tool calling")
+        if self.audio is not None:
+            raise _refuse("audio", "this model takes text only")
+        if self.content is None:
+            raise ValueError("content is required")
+        return self
 
     def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
+        content = self.content
+        if isinstance(content, str):
+            return content
+        # As SGLang's chat path flattens text parts for string-content templates.
+        return " ".join(part.text for part in content or () if isinstance(part, TextPart))
 
 
 class ChatCompletionRequest(_Request):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=4096)]
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    response_format: ResponseFormat | None = None
+    # Honoured as OpenAI defines them for a deployment that keeps nothing and has one tier.
+    metadata: dict[str, str] | None = Field(default=None, max_length=16)
+    store: bool | None = None
+    service_tier: Literal["auto", "default"] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = (
+        None
+    )
+    parallel_tool_calls: bool | None = None
+    prompt_cache_key: str | None = Field(default=None, max_length=1024)
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    safety_identifier: str | None = Field(default=None, max_length=256)
+    modalities: list[Literal["text", "audio"]] | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+    # OpenAI fields this gateway cannot honour: any value but null is refused, saying why.
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    moderation: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _refused_fields(self) -> ChatCompletionRequest:
+        if self.store:
+            raise _refuse("store", "completions are not stored here (store must be false)")
+        if self.modalities and "audio" in self.modalities:
+            raise _refuse("modalities", "this model produces text only")
+        if self.verbosity is not None:
+            raise _refuse("verbosity", "this model has no verbosity control")
+        for field, reason in (
+            ("audio", "this model produces text only"),
+            ("prediction", "predicted outputs are not supported"),
+            ("web_search_options", "there is no web search here"),
+            ("moderation", "there is no moderation model here"),
+            ("tools", "this model has no tool calling"),
+            ("functions", "this model has no tool calling"),
+            ("function_call", "this model has no tool calling"),
+        ):
+            if getattr(self, field) is not None:
+                raise _refuse(field, reason)
+        if self.tool_choice not in (None, "none"):
+            raise _refuse("tool_choice", "this model has no tool calling")
+        if self.top_logprobs and not self.logprobs:
+            raise PydanticCustomError(
+                "invalid_field", "top_logprobs needs logprobs: true.", {"param": "top_logprobs"}
+            )
+        return self
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -105,32 +379,86 @@ class ChatCompletionRequest(_Request):
             else self.max_tokens
         )
 
+    @property
+    def top_logprobs_num(self) -> int | None:
+        """How many alternatives per token the engine returns; None without logprobs."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def grammar(self) -> dict[str, str]:
+        grammars = super().grammar()
+        response_format = self.response_format
+        if response_format is not None and response_format.type != "text":
+            if "json_schema" in grammars:
+                raise bad_request(
+                    "Give either response_format or json_schema, not both.",
+                    code="invalid_value",
+                    param="json_schema",
+                )
+            schema: Any = {"type": "object"}
+            if response_format.json_schema is not None:
+                schema = response_format.json_schema.schema_ or {"type": "object"}
+            grammars["json_schema"] = orjson.dumps(schema).decode()
+        return grammars
+
+    @model_validator(mode="after")
+    def _response_schema(self) -> ChatCompletionRequest:
+        format_ = self.response_format
+        if format_ is not None and format_.json_schema and format_.json_schema.schema_ is not None:
+            check_json_schema(format_.json_schema.schema_, "response_format.json_schema.schema")
+        return self
+
+
+PromptList = list[str] | list[int] | list[list[int]]
+
 
 class CompletionRequest(_Request):
-    # A string, a one-element list of strings, or a list of token ids.
-    prompt: str | list[str] | list[int]
-    echo: bool = False
+    # A string, a list of strings, a list of token ids, or a list of token-id lists.
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    best_of: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
+    suffix: str | None = None
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, prompt: str | list[str] | list[int]) -> str | list[str] | list[int]:
+    def _prompts(
+        cls, prompt: str | list[str] | list[int] | list[list[int]]
+    ) -> str | list[str] | list[int] | list[list[int]]:
         if isinstance(prompt, list):
             if not prompt:
                 raise ValueError("prompt must not be empty")
-            if isinstance(prompt[0], str) and len(prompt) != 1:
-                raise ValueError("exactly one prompt per request is supported")
+            if not isinstance(prompt[0], int) and len(prompt) > MAX_PROMPTS:
+                raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
+            if any(isinstance(p, list) and not p for p in prompt):
+                raise ValueError("a token-id prompt must not be empty")
         return prompt
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, echo: bool) -> bool:
-        if echo:
-            raise ValueError("echo is not supported")
-        return echo
+    @model_validator(mode="after")
+    def _refused_fields(self) -> CompletionRequest:
+        if self.suffix:
+            raise _refuse("suffix", "this model has no fill-in-the-middle template")
+        if self.echo:
+            raise _refuse("echo", "the prompt's log probabilities are not returned here yet")
+        if self.best_of is not None and self.best_of != self.choices:
+            raise _refuse("best_of", "best_of must equal n (no server-side ranking here)")
+        return self
 
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    @property
+    def top_logprobs_num(self) -> int | None:
+        return self.logprobs
+
+    def prompts(self) -> list[str] | list[list[int]]:
+        """Each prompt of the request, one choice (or ``n``) each."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if isinstance(prompt[0], int):
+            return [prompt]  # one token-id prompt
+        return prompt  # strings, or token-id lists
 
 
 _Request.model_rebuild()
@@ -155,8 +483,13 @@ def parse_request(body: bytes, schema: type[_Request]) -> Any:
 
 
 def _validation_error(exc: ValidationError) -> APIError:
-    error = exc.errors(include_url=False)[0]
-    param = ".".join(str(part) for part in error["loc"]) or None
+    errors = exc.errors(include_url=False)
+    # A field refused for a reason says so, even where a union also reports other branches.
+    error = next((e for e in errors if e["type"] == "unsupported_parameter"), errors[0])
+    context = error.get("ctx") or {}
+    # Where the error is: its location, or for a check of the whole request, the field named.
+    location = ".".join(str(part) for part in error["loc"])
+    param = location or (str(context["param"]) if "param" in context else None)
     kind = error["type"]
     if kind == "json_invalid":
         return bad_request(f"Request body is not valid JSON: {error['msg']}", code="invalid_json")
@@ -174,12 +507,18 @@ def _validation_error(exc: ValidationError) -> APIError:
             code="unknown_parameter",
             param=param,
         )
+    if kind == "unsupported_parameter":
+        return bad_request(str(error["msg"]), code="unsupported_parameter", param=param)
+    if kind == "invalid_field":  # a check across fields, naming the one at fault
+        return bad_request(str(error["msg"]), code="invalid_value", param=param)
     if kind == "missing":
         return bad_request(
             f"Missing required parameter: '{param}'.",
             code="missing_required_parameter",
             param=param,
         )
+    if param is None:
+        return bad_request(f"Invalid request: {error['msg']}.", code="invalid_value")
     return bad_request(
         f"Invalid value for '{param}': {error['msg']}.", code="invalid_value", param=param
     )
@@ -195,69 +534,168 @@ def utf8_length(text: str) -> int:
 FinishReason = Literal["stop", "length"]
 
 
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A completion token's log probability, its text as the gateway's tokenizer decodes it,
+    and its most likely alternatives."""
+
+    token: str
+    logprob: float
+    top: list[tuple[str, float]]
+
+
+def system_fingerprint(model: str, tokenizer: str) -> str:
+    """What OpenAI calls the backend configuration: here, the model and its tokenizer."""
+    return "fp_" + hashlib.sha256(f"{model}\0{tokenizer}".encode()).hexdigest()[:12]
+
+
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        "completion_tokens_details": {"reasoning_tokens": 0},
     }
 
 
 def chat_completion(
-    id: str, model: str, created: int, text: str, finish_reason: str, usage_: dict[str, Any]
+    id: str,
+    model: str,
+    created: int,
+    choices: list[dict[str, Any]],
+    usage_: dict[str, Any],
+    fingerprint: str,
 ) -> dict[str, Any]:
     return {
         "id": id,
         "object": "chat.completion",
         "created": created,
         "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": None,
-                "finish_reason": finish_reason,
-            }
-        ],
+        "system_fingerprint": fingerprint,
+        "choices": choices,
         "usage": usage_,
     }
 
 
+def chat_choice(
+    index: int, text: str, finish_reason: str, logprobs: list[TokenLogprob] | None
+) -> dict[str, Any]:
+    return {
+        "index": index,
+        "message": {"role": "assistant", "content": text},
+        "logprobs": None if logprobs is None else chat_logprobs(logprobs),
+        "finish_reason": finish_reason,
+    }
+
+
+def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
+    return {
+        "content": [
+            {
+                "token": entry.token,
+                "logprob": entry.logprob,
+                "bytes": list(entry.token.encode()),
+                "top_logprobs": [
+                    {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+                    for token, logprob in entry.top
+                ],
+            }
+            for entry in entries
+        ],
+        "refusal": None,
+    }
+
+
 def completion(
-    id: str, model: str, created: int, text: str, finish_reason: str, usage_: dict[str, Any]
+    id: str,
+    model: str,
+    created: int,
+    choices: list[dict[str, Any]],
+    usage_: dict[str, Any],
+    fingerprint: str,
 ) -> dict[str, Any]:
     return {
         "id": id,
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+        "system_fingerprint": fingerprint,
+        "choices": choices,
         "usage": usage_,
     }
 
 
+def completion_choice(
+    index: int,
+    text: str,
+    finish_reason: str | None,
+    logprobs: list[TokenLogprob] | None,
+    text_offset: int = 0,
+) -> dict[str, Any]:
+    return {
+        "index": index,
+        "text": text,
+        "logprobs": None if logprobs is None else completion_logprobs(logprobs, text_offset),
+        "finish_reason": finish_reason,
+    }
+
+
+def completion_logprobs(entries: list[TokenLogprob], text_offset: int) -> dict[str, Any]:
+    """The legacy completions format; ``text_offset`` is where the first token's text starts."""
+    offsets = []
+    for entry in entries:
+        offsets.append(text_offset)
+        text_offset += len(entry.token)
+    return {
+        "tokens": [entry.token for entry in entries],
+        "token_logprobs": [entry.logprob for entry in entries],
+        "top_logprobs": [dict(entry.top) for entry in entries],
+        "text_offset": offsets,
+    }
+
+
 def chat_chunk(
-    id: str, model: str, created: int, delta: dict[str, Any], finish_reason: str | None
+    id: str,
+    model: str,
+    created: int,
+    delta: dict[str, Any],
+    finish_reason: str | None,
+    index: int = 0,
+    logprobs: list[TokenLogprob] | None = None,
 ) -> dict[str, Any]:
     return {
         "id": id,
         "object": "chat.completion.chunk",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+        "choices": [
+            {
+                "index": index,
+                "delta": delta,
+                "logprobs": None if logprobs is None else chat_logprobs(logprobs),
+                "finish_reason": finish_reason,
+            }
+        ],
     }
 
 
 def completion_chunk(
-    id: str, model: str, created: int, text: str, finish_reason: str | None
+    id: str,
+    model: str,
+    created: int,
+    text: str,
+    finish_reason: str | None,
+    index: int = 0,
+    logprobs: list[TokenLogprob] | None = None,
+    text_offset: int = 0,
 ) -> dict[str, Any]:
     return {
         "id": id,
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+        "choices": [completion_choice(index, text, finish_reason, logprobs, text_offset)],
     }
 
 
@@ -313,6 +751,10 @@ class PromptTokensDetails(_Response):
     cached_tokens: int = Field(ge=0)
 
 
+class CompletionTokensDetails(_Response):
+    reasoning_tokens: int = Field(ge=0)
+
+
 # usage()
 class Usage(_Response):
     """Tokens of one request: the prompt's (of them, those found in the prefix cache) and the
@@ -322,6 +764,36 @@ class Usage(_Response):
     completion_tokens: int = Field(ge=0)
     total_tokens: int = Field(ge=0)
     prompt_tokens_details: PromptTokensDetails
+    completion_tokens_details: CompletionTokensDetails
+
+
+class TopLogprob(_Response):
+    token: str
+    logprob: float = Field(le=0)
+    bytes: list[int]
+
+
+class ChatTokenLogprob(_Response):
+    token: str
+    logprob: float = Field(le=0)
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(_Response):
+    """A choice's log probabilities, one entry per completion token (chat_logprobs())."""
+
+    content: list[ChatTokenLogprob]
+    refusal: None
+
+
+class CompletionLogprobs(_Response):
+    """The legacy completions format of log probabilities (completion_logprobs())."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
 
 
 class AssistantMessage(_Response):
@@ -330,9 +802,9 @@ class AssistantMessage(_Response):
 
 
 class ChatCompletionChoice(_Response):
-    index: Literal[0]
+    index: int = Field(ge=0)
     message: AssistantMessage
-    logprobs: None
+    logprobs: ChatLogprobs | None
     finish_reason: FinishReason
 
 
@@ -344,14 +816,15 @@ class ChatCompletion(_Response):
     object: Literal["chat.completion"]
     created: int
     model: str
-    choices: Annotated[list[ChatCompletionChoice], Field(min_length=1, max_length=1)]
+    system_fingerprint: str
+    choices: Annotated[list[ChatCompletionChoice], Field(min_length=1)]
     usage: Usage
 
 
 class CompletionChoice(_Response):
-    index: Literal[0]
+    index: int = Field(ge=0)
     text: str
-    logprobs: None
+    logprobs: CompletionLogprobs | None
     finish_reason: FinishReason
 
 
@@ -363,7 +836,8 @@ class Completion(_Response):
     object: Literal["text_completion"]
     created: int
     model: str
-    choices: Annotated[list[CompletionChoice], Field(min_length=1, max_length=1)]
+    system_fingerprint: str
+    choices: Annotated[list[CompletionChoice], Field(min_length=1)]
     usage: Usage
 
 
@@ -377,9 +851,9 @@ class ChatDelta(TypedDict, total=False):
 
 
 class ChatChunkChoice(_Response):
-    index: Literal[0]
+    index: int = Field(ge=0)
     delta: ChatDelta
-    logprobs: None
+    logprobs: ChatLogprobs | None
     finish_reason: FinishReason | None  # only on the last chunk
 
 
@@ -395,9 +869,9 @@ class ChatCompletionChunk(_Response):
 
 
 class CompletionChunkChoice(_Response):
-    index: Literal[0]
+    index: int = Field(ge=0)
     text: str
-    logprobs: None
+    logprobs: CompletionLogprobs | None
     finish_reason: FinishReason | None  # only on the last chunk
 
 

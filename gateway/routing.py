@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from .admission import ClaimLedger, PromptLimit, fits_now, prompt_limit
@@ -97,10 +97,18 @@ class Candidates:
         self, ledger: ClaimLedger, prompt_tokens: int, max_tokens: int, margin: int
     ) -> WorkerPair | None:
         """The least loaded pair where the request fits now; None if it fits nowhere now."""
-        need = prompt_tokens + max_tokens + margin
+        return self.choose_for_all(ledger, (prompt_tokens,), max_tokens, margin)
+
+    def choose_for_all(
+        self, ledger: ClaimLedger, prompts: Sequence[int], max_tokens: int, margin: int
+    ) -> WorkerPair | None:
+        """The least loaded pair where requests with these prompt lengths all fit now at once
+        (the choices of one generation go to one pair); None if there is none now."""
+        need = sum(prompts) + (max_tokens + margin) * len(prompts)
+        longest = max(prompts)
         best: tuple[int, WorkerPair] | None = None
         for pair, limit in zip(self.pairs, self.limits(max_tokens, margin), strict=True):
-            if not fits_now(ledger, pair, limit, prompt_tokens, need):
+            if not fits_now(ledger, pair, limit, longest, need):
                 continue
             load = _tokens_in_use(ledger, pair)
             if best is None or load < best[0]:

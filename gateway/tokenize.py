@@ -28,6 +28,9 @@ from tokenizers import Tokenizer
 
 from .errors import bad_request
 
+# Token texts decoded once each, up to this many (a vocabulary's worth for most models).
+_TOKEN_TEXTS_KEPT = 262_144
+
 
 class TokenizerLoadError(Exception):
     pass
@@ -61,6 +64,7 @@ class ModelTokenizer:
         self.max_token_bytes = _longest_token_bytes(self._tokenizer)
         self._thread_min_chars = thread_min_chars
         self._turn_batch = _TurnBatch(self._tokenizer)
+        self._token_texts: dict[int, str] = {}
 
     # -- counting without tokenizing ------------------------------------------------------
 
@@ -93,6 +97,15 @@ class ModelTokenizer:
     async def encode_text(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         # A generation always adds them (as SGLang does); ``/v1/tokenize`` may be told not to.
         return await self._encode(text, add_special_tokens=add_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text as this tokenizer decodes it alone (for log probabilities)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._tokenizer.decode([token_id], skip_special_tokens=False)
+            if len(self._token_texts) < _TOKEN_TEXTS_KEPT:
+                self._token_texts[token_id] = text
+        return text
 
     def check_token_ids(self, ids: Sequence[int], *, param: str = "prompt") -> list[int]:
         for index, token in enumerate(ids):

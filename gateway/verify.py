@@ -43,6 +43,9 @@ class Expectation:
     prompt_tokens: int
     max_tokens: int
     require_tags: bool
+    # With log probabilities: this many alternatives per token, ids below ``vocab_size``.
+    top_logprobs: int | None = None
+    vocab_size: int = 0
 
 
 def check_meta(meta: Any, expected: Expectation) -> None:
@@ -83,6 +86,45 @@ def check_meta(meta: Any, expected: Expectation) -> None:
     cached_tokens = meta.get("cached_tokens", 0)
     if not isinstance(cached_tokens, int) or not 0 <= cached_tokens <= expected.prompt_tokens:
         raise IsolationFailure(f"cached_tokens {cached_tokens} outside 0..{expected.prompt_tokens}")
+    if expected.top_logprobs is not None:
+        check_logprobs(meta, completion_tokens, expected)
+
+
+def check_logprobs(meta: dict[str, Any], completion_tokens: int, expected: Expectation) -> None:
+    """One log-probability entry per completion token (SGLang sends them cumulatively, so in
+    every chunk too), each a token id inside the vocabulary, with exactly the alternatives
+    asked for; none for the prompt, which was not asked for."""
+    entries = meta.get("output_token_logprobs")
+    if not isinstance(entries, list) or len(entries) != completion_tokens:
+        count = len(entries) if isinstance(entries, list) else "no"
+        raise IsolationFailure(
+            f"{count} log-probability entries for {completion_tokens} completion tokens"
+        )
+    for entry in entries:
+        _check_logprob_entry(entry, expected.vocab_size)
+    if meta.get("input_token_logprobs"):
+        raise IsolationFailure("prompt log probabilities that were not asked for")
+    top = expected.top_logprobs or 0
+    if top:
+        alternatives = meta.get("output_top_logprobs")
+        if not isinstance(alternatives, list) or len(alternatives) != completion_tokens:
+            raise IsolationFailure("top log probabilities do not match the completion tokens")
+        for position in alternatives:
+            if not isinstance(position, list) or len(position) != min(top, expected.vocab_size):
+                raise IsolationFailure("a token's top log probabilities are not as asked for")
+            for entry in position:
+                _check_logprob_entry(entry, expected.vocab_size)
+
+
+def _check_logprob_entry(entry: Any, vocab_size: int) -> None:
+    # SGLang's entry: [logprob, token id, text or None].
+    if not isinstance(entry, list) or len(entry) < 2:
+        raise IsolationFailure("a log-probability entry is malformed")
+    logprob, token = entry[0], entry[1]
+    if not isinstance(token, int) or not 0 <= token < vocab_size:
+        raise IsolationFailure(f"log-probability token id {token!r} outside the vocabulary")
+    if not isinstance(logprob, (int, float)) or logprob > 0:
+        raise IsolationFailure(f"log probability {logprob!r} is not a log probability")
 
 
 class ContentScanner(Protocol):
@@ -118,10 +160,24 @@ class StreamGuard:
         self._tenant_id = tenant_id
         self._text = ""
         self._sent = 0
+        self._extra_scanned = 0
 
     @property
     def text(self) -> str:
         return self._text
+
+    @property
+    def sent_chars(self) -> int:
+        """How much of the text has been handed out."""
+        return self._sent
+
+    def scan_extra(self, text: str) -> None:
+        """Scan other text that grows with the stream (the log probabilities' tokens), from
+        where the last call left off less a marker's length."""
+        start = max(0, self._extra_scanned - self._scanner.holdback_chars)
+        self._extra_scanned = len(text)
+        if self._scanner.foreign_marker(text[start:], self._tenant_id) is not None:
+            raise IsolationFailure(FOREIGN_MARKER_REASON)
 
     def feed(self, cumulative_text: str) -> str:
         if not cumulative_text.startswith(self._text):

@@ -44,6 +44,13 @@ class Behaviour:
     lie_from_chunk: int = 0  # for streams: lie only from this chunk on (0 = from the first)
     pool_tokens: int = 8192
     engine_patch: str | None = "standin"
+    # Log probabilities, when asked for: entries more (or fewer) than completion tokens, and
+    # a token id to report instead of the real ones (e.g. one outside the vocabulary).
+    logprob_entries_delta: int = 0
+    logprob_token: int | None = None
+    # Answer each request as if it were the one before it (its rid and tags): a choice's
+    # answer swapped with, or duplicating, another's.
+    swap_with_previous: bool = False
 
 
 class _DroppedConnection(Response):
@@ -71,6 +78,7 @@ class StandInWorker:
     port: int = field(default_factory=free_port)
     requests: list[dict[str, Any]] = field(default_factory=list)
     polls: int = 0
+    _previous: dict[str, Any] | None = None
     _server: uvicorn.Server | None = None
     _thread: threading.Thread | None = None
 
@@ -114,6 +122,12 @@ class StandInWorker:
             body["_headers"] = dict(request.headers)
             self.requests.append(body)
             b = self.behaviour
+            if b.swap_with_previous and self.role == "decode":
+                previous, self._previous = self._previous, body
+                if previous is not None:
+                    body = dict(
+                        body, rid=previous["rid"], _headers=previous["_headers"], _swapped=True
+                    )
             if b.hang:
                 await asyncio.sleep(3600)
             if b.drop_connection:
@@ -158,6 +172,7 @@ class StandInWorker:
         self, body: dict[str, Any], completion_tokens: int, total: int, *, lie: bool
     ) -> dict[str, Any]:
         b = self.behaviour
+        lie = lie or bool(body.get("_swapped"))
         headers = body["_headers"]
         generation = headers.get("x-isolation-generation", "")
         tenant = headers.get("x-isolation-tenant", "")
@@ -175,6 +190,20 @@ class StandInWorker:
                 "gen_01OTHERGENERATION0000000" if (lie and b.wrong_generation) else generation
             )
             meta["isolation_tenant"] = "some-other-tenant" if (lie and b.wrong_tenant) else tenant
+        if body.get("return_logprob"):
+            count = meta["completion_tokens"] + (b.logprob_entries_delta if lie else 0)
+            token = b.logprob_token if (lie and b.logprob_token is not None) else None
+            meta["output_token_logprobs"] = [
+                [-0.25 * (i + 1), token if token is not None else 40 + i, None]
+                for i in range(max(0, count))
+            ]
+            meta["input_token_logprobs"] = []
+            top = body.get("top_logprobs_num") or 0
+            if top:
+                meta["output_top_logprobs"] = [
+                    [[-0.25 * (i + 1) - j, 40 + i + j, None] for j in range(top)]
+                    for i in range(max(0, count))
+                ]
         return meta
 
     def start(self) -> StandInWorker:

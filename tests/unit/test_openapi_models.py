@@ -31,15 +31,57 @@ from tests.schemas import assert_conforms, validate_with_document, validate_with
 
 USAGE = protocol.usage(7, 3, 2)
 GID, MODEL, CREATED = "gen_01JDXYZ0000000000000000000", "tiny-llama", 1_764_000_000
+FP = protocol.system_fingerprint(MODEL, "/models/tiny-llama")
+LOGPROBS = [
+    protocol.TokenLogprob("H", -0.5, [("H", -0.5), ("h", -1.5)]),
+    protocol.TokenLogprob("é", -0.25, [("é", -0.25)]),
+]
+
 
 # (model, builder output): every kind of answer each builder gives.
 ANSWERS: list[tuple[type[pydantic.BaseModel], dict[str, Any]]] = [
     (protocol.Usage, USAGE),
     (protocol.Usage, protocol.usage(0, 0, 0)),
-    (protocol.ChatCompletion, protocol.chat_completion(GID, MODEL, CREATED, "Hi", "stop", USAGE)),
-    (protocol.ChatCompletion, protocol.chat_completion(GID, MODEL, CREATED, "", "length", USAGE)),
-    (protocol.Completion, protocol.completion(GID, MODEL, CREATED, "Hé ✓", "stop", USAGE)),
-    (protocol.Completion, protocol.completion(GID, MODEL, CREATED, "", "length", USAGE)),
+    (
+        protocol.ChatCompletion,
+        protocol.chat_completion(
+            GID, MODEL, CREATED, [protocol.chat_choice(0, "Hi", "stop", None)], USAGE, FP
+        ),
+    ),
+    (
+        protocol.ChatCompletion,
+        protocol.chat_completion(
+            GID,
+            MODEL,
+            CREATED,
+            [
+                protocol.chat_choice(0, "", "length", None),
+                protocol.chat_choice(1, "Hé", "stop", LOGPROBS),
+            ],
+            USAGE,
+            FP,
+        ),
+    ),
+    (
+        protocol.Completion,
+        protocol.completion(
+            GID, MODEL, CREATED, [protocol.completion_choice(0, "Hé ✓", "stop", None)], USAGE, FP
+        ),
+    ),
+    (
+        protocol.Completion,
+        protocol.completion(
+            GID,
+            MODEL,
+            CREATED,
+            [
+                protocol.completion_choice(0, "", "length", None),
+                protocol.completion_choice(1, "Hé", "stop", LOGPROBS, 3),
+            ],
+            USAGE,
+            FP,
+        ),
+    ),
     # A chat stream: the role, text, then the finish reason with an empty delta.
     (
         protocol.ChatCompletionChunk,
@@ -51,6 +93,14 @@ ANSWERS: list[tuple[type[pydantic.BaseModel], dict[str, Any]]] = [
     ),
     (protocol.ChatCompletionChunk, protocol.chat_chunk(GID, MODEL, CREATED, {}, "stop")),
     (protocol.ChatCompletionChunk, protocol.chat_chunk(GID, MODEL, CREATED, {}, "length")),
+    (
+        protocol.ChatCompletionChunk,
+        protocol.chat_chunk(GID, MODEL, CREATED, {"content": "Hé"}, None, 2, LOGPROBS),
+    ),
+    (
+        protocol.CompletionChunk,
+        protocol.completion_chunk(GID, MODEL, CREATED, "Hé", None, 1, LOGPROBS, 5),
+    ),
     (protocol.CompletionChunk, protocol.completion_chunk(GID, MODEL, CREATED, "Hi", None)),
     (protocol.CompletionChunk, protocol.completion_chunk(GID, MODEL, CREATED, "", "stop")),
     (

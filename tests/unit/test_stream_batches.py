@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from datetime import UTC, datetime
 from typing import Any
 
 import orjson
 import pytest
 
-from gateway.generation import CheckedStream, StreamStep, Trace
+from gateway.dispatch import EngineRequest
+from gateway.generation import CheckedStream, Choice, ChoiceStreams, Trace
 from gateway.pipeline import _sse_events
 from gateway.verify import Expectation, IsolationFailure, NoScanner, StreamGuard
 
@@ -34,7 +35,7 @@ def chunk(text: str, tokens: int, finish: str | None = None, *, gid: str = GID) 
     return {"text": text, "meta_info": meta}
 
 
-async def batches_of(*batches: list[dict[str, Any]]) -> AsyncIterator[list[dict[str, Any]]]:
+async def batches_of(*batches: list[dict[str, Any]]) -> AsyncGenerator[list[dict[str, Any]]]:
     for batch in batches:
         yield batch
 
@@ -45,15 +46,16 @@ def writes_of(
     """The writes ``_sse_events`` makes for a stream whose first chunk was ``first``, and what it
     raised."""
     guard = StreamGuard(NoScanner(), "acme")
-    first_delta = guard.feed(first["text"])
     trace = Trace(GID, datetime.now(UTC), time.perf_counter(), stream=True, model="m")
+    request = EngineRequest(GID, "acme", [1, 2, 3], {}, "salt")
 
     async def collect() -> tuple[list[bytes], BaseException | None]:
         writes: list[bytes] = []
         try:
-            first_step = StreamStep(first_delta, first["meta_info"])
-            checked = CheckedStream(EXPECTED, None, trace, batches_of(*later), guard, first_step)
-            async for write in _sse_events(trace, checked, "completion", False):
+            stream = CheckedStream(Choice(0, request, EXPECTED), batches_of(*later), guard, None)
+            stream.take_first([first])
+            streams = ChoiceStreams([stream], trace, None)
+            async for write in _sse_events(trace, streams, "completion", False):
                 writes.append(write)
         except IsolationFailure as failure:
             return writes, failure

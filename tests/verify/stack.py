@@ -57,7 +57,8 @@ class LyingStack:
 
 
 def gateway_metric(gateway: GatewayProcess, name: str, **labels: str) -> float:
-    """The sum of a metric's samples (from the gateway's /metrics) whose labels include ``labels``."""
+    """The sum of a metric's samples (from the gateway's /metrics) whose labels include
+    ``labels``."""
     total = 0.0
     for line in httpx.get(
         gateway.url + "/metrics",

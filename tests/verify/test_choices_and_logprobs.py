@@ -1,0 +1,194 @@
+"""Several choices and log probabilities, inside the checks: each choice is its own PD request
+(own generation ID, bootstrap room and tags), admitted as a whole and verified one by one; log
+probabilities are counted and their token ids checked. A worker that lies about any of it gets
+nothing of its answer to the client: 502 ``isolation_check_failed`` (streams: an error event).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from gateway.ids import bootstrap_room, is_generation_id
+from tests.standin_worker import Behaviour
+from tests.verify.stack import MODEL, POOL_TOKENS, LyingStack, lying_stack, sse_events
+
+HONEST = ("Hello", " world")
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LyingStack]:
+    with lying_stack(tmp_path_factory.mktemp("choices")) as running:
+        yield running
+
+
+@pytest.fixture
+def tenant_key(stack: LyingStack) -> str:
+    return stack.gateway.create_tenant()[1]
+
+
+@pytest.fixture(autouse=True)
+def honest_by_default(stack: LyingStack) -> Iterator[None]:
+    stack.decode.behaviour = Behaviour(pool_tokens=POOL_TOKENS)
+    yield
+    stack.decode.behaviour = Behaviour(pool_tokens=POOL_TOKENS)
+
+
+def behave(stack: LyingStack, behaviour: Behaviour) -> None:
+    stack.decode.behaviour = replace(behaviour, pool_tokens=POOL_TOKENS, text_chunks=HONEST)
+
+
+def chat(**fields: Any) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Say something."}],
+        "max_tokens": 4,
+        **fields,
+    }
+
+
+def decode_requests_since(stack: LyingStack, before: int) -> list[dict[str, Any]]:
+    return stack.decode.requests[before:]
+
+
+def test_n_choices_are_separate_pd_requests_with_their_own_ids_and_rooms(
+    stack: LyingStack, tenant_key: str
+) -> None:
+    before = len(stack.decode.requests)
+    with stack.client(tenant_key) as client:
+        response = client.post("/v1/chat/completions", json=chat(n=3))
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    assert [c["index"] for c in answer["choices"]] == [0, 1, 2]
+    assert all(c["message"]["content"] == "".join(HONEST) for c in answer["choices"])
+    sent = decode_requests_since(stack, before)
+    rids = [r["rid"] for r in sent]
+    assert len(set(rids)) == 3 and all(is_generation_id(rid) for rid in rids)
+    assert {r["bootstrap_room"] for r in sent} == {bootstrap_room(rid) for rid in rids}
+    assert all(r["_headers"]["x-isolation-generation"] == r["rid"] for r in sent)
+    assert answer["id"] in rids and response.headers["x-generation-id"] == answer["id"]
+    one = sent[0]["input_ids"]
+    assert answer["usage"]["prompt_tokens"] == 3 * len(one)
+    assert answer["usage"]["completion_tokens"] == 3 * len(HONEST)
+    assert answer["system_fingerprint"].startswith("fp_")
+
+
+def test_a_stream_of_n_choices_carries_each_with_its_index_and_end(
+    stack: LyingStack, tenant_key: str
+) -> None:
+    with (
+        stack.client(tenant_key) as client,
+        client.stream(
+            "POST",
+            "/v1/chat/completions",
+            json=chat(n=2, stream=True, stream_options={"include_usage": True}),
+        ) as response,
+    ):
+        response.read()
+        events = sse_events(response)
+    assert response.status_code == 200
+    assert events[-1] == "[DONE]"
+    chunks = [e for e in events[:-1] if isinstance(e, dict)]
+    text = {0: "", 1: ""}
+    finished = {}
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            text[choice["index"]] += choice["delta"].get("content") or ""
+            if choice["finish_reason"] is not None:
+                finished[choice["index"]] = choice["finish_reason"]
+    assert text == {0: "".join(HONEST), 1: "".join(HONEST)}
+    assert finished == {0: "length", 1: "length"}
+    assert chunks[-1]["usage"]["completion_tokens"] == 2 * len(HONEST)
+
+
+def test_completions_take_a_list_of_prompts_one_choice_each(
+    stack: LyingStack, tenant_key: str
+) -> None:
+    before = len(stack.decode.requests)
+    with stack.client(tenant_key) as client:
+        texts = client.post(
+            "/v1/completions",
+            json={"model": MODEL, "prompt": ["one", "two"], "max_tokens": 4, "n": 2},
+        )
+        assert texts.status_code == 200, texts.text
+        assert [c["index"] for c in texts.json()["choices"]] == [0, 1, 2, 3]
+        assert len(decode_requests_since(stack, before)) == 4
+        before = len(stack.decode.requests)
+        ids = client.post(
+            "/v1/completions",
+            json={"model": MODEL, "prompt": [[5, 6, 7, 8], [9, 10]], "max_tokens": 4},
+        )
+    assert ids.status_code == 200, ids.text
+    assert ids.json()["usage"]["prompt_tokens"] == 6
+    sent = decode_requests_since(stack, before)
+    assert sorted(r["input_ids"] for r in sent) == [[5, 6, 7, 8], [9, 10]]
+
+
+def test_log_probabilities_have_one_entry_per_token_with_the_alternatives_asked_for(
+    stack: LyingStack, tenant_key: str
+) -> None:
+    with stack.client(tenant_key) as client:
+        response = client.post("/v1/chat/completions", json=chat(logprobs=True, top_logprobs=2))
+        legacy = client.post(
+            "/v1/completions",
+            json={"model": MODEL, "prompt": "Say", "max_tokens": 4, "logprobs": 3},
+        )
+    assert response.status_code == 200, response.text
+    content = response.json()["choices"][0]["logprobs"]["content"]
+    assert len(content) == len(HONEST)
+    assert all(len(entry["top_logprobs"]) == 2 for entry in content)
+    assert all(entry["logprob"] <= 0 for entry in content)
+    assert all(entry["bytes"] == list(entry["token"].encode()) for entry in content)
+    assert legacy.status_code == 200, legacy.text
+    logprobs = legacy.json()["choices"][0]["logprobs"]
+    assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) == len(HONEST)
+    assert all(len(top) <= 3 for top in logprobs["top_logprobs"])
+
+
+LIES: dict[str, Behaviour] = {
+    "one log-probability entry too many": Behaviour(logprob_entries_delta=1),
+    "one log-probability entry missing": Behaviour(logprob_entries_delta=-1),
+    "a token id outside the vocabulary": Behaviour(logprob_token=10**6),
+}
+
+
+@pytest.mark.parametrize("lie", list(LIES))
+@pytest.mark.parametrize("stream", [False, True])
+def test_lying_log_probabilities_are_withheld(
+    stack: LyingStack, tenant_key: str, lie: str, stream: bool
+) -> None:
+    behave(stack, LIES[lie])
+    with stack.client(tenant_key) as client:
+        response = client.post(
+            "/v1/chat/completions", json=chat(logprobs=True, top_logprobs=1, stream=stream)
+        )
+    assert response.status_code == 502, response.text
+    assert response.json()["error"]["code"] == "isolation_check_failed"
+    assert "Hello" not in response.text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_choices_answered_with_each_others_ids_fail_the_whole_response(
+    stack: LyingStack, tenant_key: str, stream: bool
+) -> None:
+    behave(stack, Behaviour(swap_with_previous=True))
+    with stack.client(tenant_key) as client:
+        response = client.post("/v1/chat/completions", json=chat(n=2, stream=stream))
+    assert response.status_code == 502, response.text
+    assert response.json()["error"]["code"] == "isolation_check_failed"
+    assert "Hello" not in response.text
+
+
+def test_more_choices_than_the_pool_holds_are_refused_as_a_whole(
+    stack: LyingStack, tenant_key: str
+) -> None:
+    before = len(stack.decode.requests)
+    with stack.client(tenant_key) as client:
+        # Each choice alone fits the pool; the eight together do not.
+        response = client.post("/v1/chat/completions", json=chat(n=8, max_tokens=1024))
+    assert response.status_code == 503, response.text
+    assert response.json()["error"]["code"] == "capacity_busy"
+    assert len(stack.decode.requests) == before
