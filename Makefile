@@ -27,7 +27,7 @@ services:
 run: install engine
 	$(PY) scripts/run-dev
 
-# Static checks, first in every test run: they take seconds and fail before any cluster starts.
+# Static checks, first in every test run: under a minute, and they fail before any cluster starts.
 # ruff's rules and formatting ([tool.ruff] in pyproject.toml), then strict mypy over gateway and
 # engine_patch ([tool.mypy]); all from .venv, so no engine install is needed.
 lint: install
