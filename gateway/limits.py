@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import secrets
 import time
 from collections.abc import Awaitable
@@ -65,8 +66,8 @@ end
 """
 
 # KEYS: bucket hash, in-flight zset. ARGV: rpm, tpm, max_concurrent, reserved, lease id,
-# lease ttl (ms). Returns {0, 0} when admitted, else {which (1 concurrency, 2 rpm, 3 tpm),
-# retry after (ms)}.
+# lease ttl (ms). Returns {0, 0, requests left, tokens left} when admitted, else {which
+# (1 concurrency, 2 rpm, 3 tpm), retry after (ms)}.
 _ACQUIRE_BODY_LUA = """
 local rpm = tonumber(ARGV[1])
 local tpm = tonumber(ARGV[2])
@@ -88,7 +89,7 @@ redis.call('HSET', KEYS[1], 'r', r - 1, 't', tokens - reserved, 'ts', now)
 redis.call('PEXPIRE', KEYS[1], 600000)
 redis.call('ZADD', KEYS[2], now + lease_ttl, ARGV[5])
 redis.call('PEXPIRE', KEYS[2], lease_ttl + 60000)
-return {0, 0}
+return {0, 0, math.floor(r - 1), math.floor(tokens - reserved)}
 """
 
 # KEYS: bucket hash. ARGV: rpm, tpm, tokens to give back (negative: to take). The bucket is
@@ -130,6 +131,30 @@ class _Bucket:
         self.at_ms = now_ms
 
 
+@dataclass(frozen=True, slots=True)
+class Allowance:
+    """What a tenant may still send once a request was admitted, as OpenAI reports it."""
+
+    requests: int
+    tokens: int
+
+
+def rate_limit_headers(limits: TenantLimits, left: Allowance) -> list[tuple[bytes, bytes]]:
+    """OpenAI's ``x-ratelimit-*`` headers: each limit, what is left of it, and how long until
+    it is whole again (the buckets refill continuously over a minute)."""
+    rpm, tpm = limits.requests_per_minute, limits.tokens_per_minute
+    reset_requests = max(0, rpm - left.requests) * 60 / rpm
+    reset_tokens = max(0, tpm - left.tokens) * 60 / tpm
+    return [
+        (b"x-ratelimit-limit-requests", str(rpm).encode()),
+        (b"x-ratelimit-limit-tokens", str(tpm).encode()),
+        (b"x-ratelimit-remaining-requests", str(max(0, left.requests)).encode()),
+        (b"x-ratelimit-remaining-tokens", str(max(0, left.tokens)).encode()),
+        (b"x-ratelimit-reset-requests", f"{reset_requests:.3f}s".encode()),
+        (b"x-ratelimit-reset-tokens", f"{reset_tokens:.3f}s".encode()),
+    ]
+
+
 class LimitLease:
     """One admitted request's hold on its tenant's limits."""
 
@@ -151,6 +176,10 @@ class LimitLease:
         self._in_redis = in_redis
         self._settled = False
         self._released = False
+        self.left: Allowance | None = None  # what the tenant may still send, when known
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        return [] if self.left is None else rate_limit_headers(self._limits, self.left)
 
     async def settle(self, actual_tokens: int) -> None:
         """Correct the TPM reservation to the real count (once; later calls do nothing)."""
@@ -209,7 +238,7 @@ class TenantLimiter:
         lease_id = secrets.token_hex(8)
         if self._acquire_script is not None and time.monotonic() >= self._redis_down_until:
             try:
-                verdict, retry_ms = await self._with_timeout(
+                verdict, retry_ms, *left = await self._with_timeout(
                     self._acquire_script(
                         keys=[self._key(tenant_id, "bucket"), self._key(tenant_id, "inflight")],
                         args=[
@@ -231,13 +260,17 @@ class TenantLimiter:
                     self._warned_fallback = False
                     log.warning("limits: Redis reachable again; limits are shared again")
                 _raise_if_refused(int(verdict), int(retry_ms) / 1000, limits)
-                return LimitLease(self, tenant_id, limits, reserved, lease_id, in_redis=True)
-        self._acquire_local(tenant_id, limits, reserved, lease_id)
-        return LimitLease(self, tenant_id, limits, reserved, lease_id, in_redis=False)
+                lease = LimitLease(self, tenant_id, limits, reserved, lease_id, in_redis=True)
+                lease.left = Allowance(int(left[0]), int(left[1]))
+                return lease
+        left = self._acquire_local(tenant_id, limits, reserved, lease_id)
+        lease = LimitLease(self, tenant_id, limits, reserved, lease_id, in_redis=False)
+        lease.left = left
+        return lease
 
     def _acquire_local(
         self, tenant_id: str, limits: TenantLimits, reserved: int, lease_id: str
-    ) -> None:
+    ) -> Allowance:
         now = time.monotonic() * 1000
         bucket = self._buckets.get(tenant_id)
         if bucket is None:
@@ -261,6 +294,7 @@ class TenantLimiter:
         bucket.requests -= 1
         bucket.tokens -= reserved
         bucket.inflight[lease_id] = now + self._lease_ttl_ms
+        return Allowance(math.floor(bucket.requests), math.floor(bucket.tokens))
 
     async def _settle(self, lease: LimitLease, delta: int) -> None:
         limits = lease._limits

@@ -119,15 +119,16 @@ async def handle_generation(components: Components, request: Request, kind: Kind
 
         # admit → claim → dispatch → verify (the core), then the response
         admitted = await core.admit(ask, trace, held)
+        limit_headers = admitted.lease.headers() if admitted.lease is not None else []
         if parsed.streaming:
             streams = await core.open_stream(admitted, trace)
             events = _sse_events(trace, streams, kind, parsed.include_usage)
-            return GuardedStream(core, trace, events, streams, held.pop_all())
+            return GuardedStream(core, trace, events, streams, held.pop_all(), limit_headers)
         completions = await core.complete(admitted, trace)
         fingerprint = protocol.system_fingerprint(model.name, str(model.tokenizer))
         result = _answer(kind, trace, model.name, fingerprint, completions)
         core.record(trace, SERVED)
-        return JSONBodyResponse(orjson.dumps(result), trace.generation_id)
+        return JSONBodyResponse(orjson.dumps(result), trace.generation_id, limit_headers)
     except IsolationFailure as failure:
         core.record(trace, Outcome.of_failure(failure))
         return _with_generation_id(failure.api_error().response(), trace)
@@ -223,7 +224,9 @@ class JSONBodyResponse(Response):
     from a dict for every response.
     """
 
-    def __init__(self, body: bytes, generation_id: str) -> None:
+    def __init__(
+        self, body: bytes, generation_id: str, extra: list[tuple[bytes, bytes]] | None = None
+    ) -> None:
         self.status_code = 200
         self.background = None
         self.body = body
@@ -231,6 +234,7 @@ class JSONBodyResponse(Response):
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()),
             (_GENERATION_ID_HEADER_RAW, generation_id.encode()),
+            *(extra or ()),
         ]
 
 
@@ -366,6 +370,7 @@ class GuardedStream(StreamingResponse):
         events: AsyncGenerator[bytes],
         streams: ChoiceStreams,
         held: AsyncExitStack,
+        extra_headers: list[tuple[bytes, bytes]] | None = None,
     ) -> None:
         self._guarded_events = self._guarded(events)
         super().__init__(
@@ -377,6 +382,7 @@ class GuardedStream(StreamingResponse):
                 GENERATION_ID_HEADER: trace.generation_id,
             },
         )
+        self.raw_headers.extend(extra_headers or ())
         self._core = core
         self._trace = trace
         self._events = events

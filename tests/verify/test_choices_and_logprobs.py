@@ -192,3 +192,20 @@ def test_more_choices_than_the_pool_holds_are_refused_as_a_whole(
     assert response.status_code == 503, response.text
     assert response.json()["error"]["code"] == "capacity_busy"
     assert len(stack.decode.requests) == before
+
+
+def test_answers_carry_openais_rate_limit_headers(stack: LyingStack, tenant_key: str) -> None:
+    with stack.client(tenant_key) as client:
+        first = client.post("/v1/chat/completions", json=chat())
+        second = client.post("/v1/chat/completions", json=chat(stream=True))
+    for response in (first, second):
+        assert response.status_code == 200, response.text
+        assert response.headers["x-ratelimit-reset-requests"].endswith("s")
+        assert response.headers["x-ratelimit-reset-tokens"].endswith("s")
+    rpm = int(first.headers["x-ratelimit-limit-requests"])
+    tpm = int(first.headers["x-ratelimit-limit-tokens"])
+    # A fresh tenant's bucket, less this request (a little refill between the two at most).
+    assert int(first.headers["x-ratelimit-remaining-requests"]) == rpm - 1
+    assert rpm - 2 <= int(second.headers["x-ratelimit-remaining-requests"]) <= rpm - 1
+    # Tokens are reserved for prompt + max_tokens at admission.
+    assert int(first.headers["x-ratelimit-remaining-tokens"]) <= tpm - 4
