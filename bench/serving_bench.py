@@ -416,7 +416,9 @@ def main() -> int:
                 )
             ],
         )
-        gateway, key = start_gateway(policies, work / "gateway", ports.real_gateway, cpus=None)
+        gateway, key = start_gateway(
+            policies, work / "gateway", ports.real_gateway, cpus=None, root=config.gateway_root
+        )
         section = run_serving_bench(
             [
                 ServingTarget("sglang_router", f"http://127.0.0.1:{router.port}"),
