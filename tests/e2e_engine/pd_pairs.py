@@ -26,10 +26,13 @@ CPU_SHIM_PLUGIN = "isogate_cpu"
 ENGINE_PATCH_PLUGIN = "isogate"
 INCIDENT_REPLAY_PLUGIN = "isogate_incident_replay"
 ENGINE_LOG_PREFIX = "isogate-engine:"
-# Decode gives up on a prefill that never bootstraps after this long (default 300 s).
+# Decode gives up on a prefill that never bootstraps, or on KV that never comes, after this long
+# (default 300 s). Refused prompts end on this wait (prefill answers 400, decode 500 when it
+# expires), so it is a test's duration; an honest transfer here takes well under a second, and
+# the incident soak runs ordinary requests beside a 6 s wait.
 SHORT_DISAGG_TIMEOUTS = {
-    "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "20",
-    "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "20",
+    "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "10",
+    "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "10",
 }
 
 
