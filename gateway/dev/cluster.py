@@ -41,7 +41,7 @@ LOG_TAIL_BYTES = 4000
 CPU_ENGINE_ENV: Mapping[str, str] = {"SGLANG_USE_CPU_ENGINE": "1", "MOONCAKE_PROTOCOL": "tcp"}
 CPU_SERVER_ARGS: tuple[str, ...] = (
     "--device", "cpu",
-    "--load-format", "dummy",
+    # The weights come with the model (gateway/dev/model.py): biased so grammars terminate.
     "--attention-backend", "torch_native",
     "--skip-server-warmup",
     # A prefix-cache hit with the overlap scheduler raised "dummy base class Event" on CPU.
@@ -52,6 +52,9 @@ CPU_SERVER_ARGS: tuple[str, ...] = (
     # 2 cores, starving everything else. It sleeps only when every queue (PD ones too) is empty
     # and a request on the tokenizer socket wakes it at once.
     "--sleep-on-idle",
+    # Structured output (xgrammar, the default backend) as compact JSON: with any whitespace
+    # allowed, a random-weight model's indentation alone fills max_tokens.
+    "--constrained-json-disable-any-whitespace",
 )  # fmt: skip
 
 
