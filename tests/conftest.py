@@ -1,14 +1,11 @@
 """Session-wide fixtures: ONE real SGLang PD pair on the CPU and one gateway in front of it.
 
-A PD pair takes about 35 s and 4.5 GB to start, so every end-to-end test of this shape shares
-this one (tests/reliability/test_engine_faults.py too: it kills and restarts its workers, and
-puts back any it leaves dead); tests that need another shape (the incident's) start their own
-and stop it.
+A PD pair takes about 35 s and 4.5 GB to start, so every end-to-end test shares this one;
+tests that need another shape (the incident's) start their own and stop it.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -30,12 +27,6 @@ MODEL = "tiny-llama"
 SESSION_PREFILL_PORT, SESSION_DECODE_PORT, SESSION_BOOTSTRAP_PORT = 32000, 32001, 32002
 SESSION_ROUTER_PORT, SESSION_ROUTER_PROMETHEUS_PORT = 32003, 32004
 SESSION_POOL_TOKENS = 8192
-# Decode gives up on a prefill that never bootstraps, or on KV that never comes, after this long
-# (SGLang's default is 300 s): the engine fault tests kill workers of this pair mid-transfer.
-SESSION_DISAGG_TIMEOUTS = {
-    "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "15",
-    "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "15",
-}
 
 # Every SGLang server a test starts inherits this process's environment. On SIGTERM (every
 # PDCluster.stop) SGLang 0.5.23's tokenizer manager sees its scheduler die and, before it
@@ -77,11 +68,6 @@ def pd_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDCluster |
         decode_max_total_tokens=SESSION_POOL_TOKENS,
         # A safe deployment: no prompt under the context length can exceed a pool.
         context_length=SESSION_POOL_TOKENS,
-    )
-    spec = dataclasses.replace(
-        spec,
-        prefill=dataclasses.replace(spec.prefill, env=dict(SESSION_DISAGG_TIMEOUTS)),
-        decode=dataclasses.replace(spec.decode, env=dict(SESSION_DISAGG_TIMEOUTS)),
     )
     with PDCluster(spec) as cluster:
         yield cluster
