@@ -13,7 +13,8 @@ step and measuring is what says what it costs.
 Variants: no_tokenizer (prompt ids served from a cache), no_audit, no_metrics, no_limits,
 served_line (a served request's log line written, as it was at INFO before),
 audit_from_thread (the SQLite insert from a worker thread, as before), unbatched_tokenizer
-(one encode per request, as before).
+(one encode per request, as before), starlette_task_group (streams pumped by Starlette's
+StreamingResponse task group, as the gateway's do not).
 """
 
 from __future__ import annotations
@@ -100,11 +101,22 @@ def no_metrics(components: Any) -> Callable[[], None]:
 
 def no_limits(components: Any) -> Callable[[], None]:
     class Lease:
+        left = None
+
         async def settle(self, tokens: int) -> None:
             pass
 
         async def release(self) -> None:
             pass
+
+        async def __aenter__(self) -> Lease:
+            return self
+
+        async def __aexit__(self, *exc_info: object) -> None:
+            pass
+
+        def headers(self) -> list[tuple[bytes, bytes]]:
+            return []
 
     acquire = components.limiter.acquire
 
@@ -113,6 +125,22 @@ def no_limits(components: Any) -> Callable[[], None]:
 
     components.limiter.acquire = free
     return lambda: setattr(components.limiter, "acquire", acquire)
+
+
+def starlette_task_group(components: Any) -> Callable[[], None]:
+    """Streams pumped by Starlette's own ``StreamingResponse.__call__`` (an anyio task group)
+    instead of the gateway's two plain tasks (``GuardedStream._pump_until_disconnected``)."""
+    from starlette.responses import StreamingResponse
+
+    from gateway.pipeline import GuardedStream
+
+    original = GuardedStream._pump_until_disconnected
+
+    async def task_group(self: GuardedStream, receive: Any, send: Any) -> None:
+        await StreamingResponse.__call__(self, {"type": "http"}, receive, send)
+
+    GuardedStream._pump_until_disconnected = task_group  # type: ignore[method-assign]
+    return lambda: setattr(GuardedStream, "_pump_until_disconnected", original)
 
 
 VARIANTS: dict[str, Callable[[Any], Callable[[], None]]] = {
@@ -125,6 +153,7 @@ VARIANTS: dict[str, Callable[[Any], Callable[[], None]]] = {
         no_limits,
         audit_from_thread,
         unbatched_tokenizer,
+        starlette_task_group,
     )
 }
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
@@ -263,7 +264,7 @@ class GenerationCore:
             lease = await self._limiter.acquire(
                 ask.tenant_id, ask.limits, prompt_total + max_tokens * len(prompt_lengths)
             )
-            await held.enter_async_context(lease)
+            held.push_async_callback(lease.release)
 
         pair = candidates.choose_for_all(self._ledger, prompt_lengths, max_tokens, margin)
         if pair is None:
@@ -273,7 +274,7 @@ class GenerationCore:
             )
         trace.pair = pair
         need = prompt_total + (max_tokens + margin) * len(prompt_lengths)
-        held.enter_context(self._ledger.claim(pair.urls, need))
+        held.callback(self._ledger.claim(pair.urls, need).release)
 
         cache_salt = tenant_cache_salt(self._cache_salt_secret, ask.tenant_id)
         choices: list[Choice] = []
@@ -576,8 +577,10 @@ class ChoiceStreams:
         completion_tokens = 0
         if len(self.streams) == 1:  # no tasks: the common case stays as cheap as it was
             stream = self.streams[0]
-            async for step in stream.steps():
-                yield stream, step
+            if stream._first is not None:
+                yield stream, stream._first
+            async for batch in stream._batches:
+                yield stream, stream._step(batch)
             end = stream.finish()
             completion_tokens = end.completion_tokens
             yield stream, end
@@ -678,6 +681,23 @@ def token_logprobs(
             TokenLogprob(text(token), float(logprob), [(text(e[1]), float(e[0])) for e in top])
         )
     return result
+
+
+def best_of(completions: list[Completion], candidates: int, keep: int) -> list[Completion]:
+    """Of each prompt's ``candidates`` completions (consecutive by index), the ``keep`` with the
+    highest log probability per token, re-indexed as the client's choices."""
+    best: list[Completion] = []
+    ordered = sorted(completions, key=lambda c: c.index)
+    for start in range(0, len(ordered), candidates):
+        group = ordered[start : start + candidates]
+        group.sort(key=_mean_logprob, reverse=True)
+        best.extend(group[:keep])
+    return [dataclasses.replace(c, index=i) for i, c in enumerate(best)]
+
+
+def _mean_logprob(completion: Completion) -> float:
+    entries = completion.logprobs or []
+    return sum(e.logprob for e in entries) / len(entries) if entries else float("-inf")
 
 
 def finish_reason_of(meta: dict[str, Any]) -> str:

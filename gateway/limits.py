@@ -143,15 +143,14 @@ def rate_limit_headers(limits: TenantLimits, left: Allowance) -> list[tuple[byte
     """OpenAI's ``x-ratelimit-*`` headers: each limit, what is left of it, and how long until
     it is whole again (the buckets refill continuously over a minute)."""
     rpm, tpm = limits.requests_per_minute, limits.tokens_per_minute
-    reset_requests = max(0, rpm - left.requests) * 60 / rpm
-    reset_tokens = max(0, tpm - left.tokens) * 60 / tpm
+    requests, tokens = max(0, left.requests), max(0, left.tokens)
     return [
-        (b"x-ratelimit-limit-requests", str(rpm).encode()),
-        (b"x-ratelimit-limit-tokens", str(tpm).encode()),
-        (b"x-ratelimit-remaining-requests", str(max(0, left.requests)).encode()),
-        (b"x-ratelimit-remaining-tokens", str(max(0, left.tokens)).encode()),
-        (b"x-ratelimit-reset-requests", f"{reset_requests:.3f}s".encode()),
-        (b"x-ratelimit-reset-tokens", f"{reset_tokens:.3f}s".encode()),
+        (b"x-ratelimit-limit-requests", b"%d" % rpm),
+        (b"x-ratelimit-limit-tokens", b"%d" % tpm),
+        (b"x-ratelimit-remaining-requests", b"%d" % requests),
+        (b"x-ratelimit-remaining-tokens", b"%d" % tokens),
+        (b"x-ratelimit-reset-requests", b"%.3fs" % ((rpm - requests) * 60 / rpm)),
+        (b"x-ratelimit-reset-tokens", b"%.3fs" % ((tpm - tokens) * 60 / tpm)),
     ]
 
 

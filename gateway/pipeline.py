@@ -12,6 +12,7 @@ cancelled.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncGenerator
@@ -43,6 +44,7 @@ from .generation import (
     TextPrompt,
     TokenPrompt,
     Trace,
+    best_of,
 )
 from .ids import new_generation_id
 from .logs import current_generation_id
@@ -113,7 +115,7 @@ async def handle_generation(components: Components, request: Request, kind: Kind
             max_tokens=max_tokens,
             sampling_params=parsed.sampling_params(max_tokens),
             limits=policies.tenant(principal.tenant_id).limits,
-            n=parsed.choices,
+            n=parsed.candidates if isinstance(parsed, CompletionRequest) else parsed.choices,
             top_logprobs=parsed.top_logprobs_num,
         )
 
@@ -124,9 +126,13 @@ async def handle_generation(components: Components, request: Request, kind: Kind
             streams = await core.open_stream(admitted, trace)
             events = _sse_events(trace, streams, kind, parsed.include_usage)
             return GuardedStream(core, trace, events, streams, held.pop_all(), limit_headers)
-        completions = await core.complete(admitted, trace)
+        generated = completions = await core.complete(admitted, trace)
+        if isinstance(parsed, CompletionRequest) and parsed.candidates > parsed.choices:
+            completions = best_of(generated, parsed.candidates, parsed.choices)
+            if parsed.logprobs is None:  # asked for the ranking, not by the client
+                completions = [dataclasses.replace(c, logprobs=None) for c in completions]
         fingerprint = protocol.system_fingerprint(model.name, str(model.tokenizer))
-        result = _answer(kind, trace, model.name, fingerprint, completions)
+        result = _answer(kind, trace, model.name, fingerprint, completions, generated)
         core.record(trace, SERVED)
         return JSONBodyResponse(orjson.dumps(result), trace.generation_id, limit_headers)
     except IsolationFailure as failure:
@@ -261,14 +267,25 @@ def _prompts(parsed: ChatCompletionRequest | CompletionRequest) -> list[Prompt]:
 
 
 def _answer(
-    kind: Kind, trace: Trace, model: str, fingerprint: str, completions: list[Completion]
+    kind: Kind,
+    trace: Trace,
+    model: str,
+    fingerprint: str,
+    completions: list[Completion],
+    generated: list[Completion],
 ) -> dict[str, Any]:
-    completions = sorted(completions, key=lambda c: c.index)
-    usage = protocol.usage(
-        sum(c.prompt_tokens for c in completions),
-        sum(c.completion_tokens for c in completions),
-        sum(c.cached_tokens for c in completions),
-    )
+    """The whole answer: ``completions`` as choices, usage of all that was ``generated``
+    (with ``best_of``, the candidates not returned count too, as in OpenAI's API)."""
+    if len(generated) == 1:
+        only = generated[0]
+        usage = protocol.usage(only.prompt_tokens, only.completion_tokens, only.cached_tokens)
+    else:
+        completions = sorted(completions, key=lambda c: c.index)
+        usage = protocol.usage(
+            sum(c.prompt_tokens for c in generated),
+            sum(c.completion_tokens for c in generated),
+            sum(c.cached_tokens for c in generated),
+        )
     created = protocol.now()
     if kind == "chat":
         chat_choices = [
@@ -393,7 +410,7 @@ class GuardedStream(StreamingResponse):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            await super().__call__(scope, receive, send)
+            await self._pump_until_disconnected(receive, send)
         finally:
             try:
                 await self._guarded_events.aclose()
@@ -402,6 +419,23 @@ class GuardedStream(StreamingResponse):
             finally:
                 await self._held.aclose()
                 self._core.record(self._trace, self._outcome)
+
+    async def _pump_until_disconnected(self, receive: Receive, send: Send) -> None:
+        """Starlette's own pump (``stream_response``) raced against its own disconnect
+        listener, as ``StreamingResponse.__call__`` does, on two plain tasks instead of an
+        anyio task group: the task group's cancel scopes, task names and library sniffing
+        cost more CPU per stream than the rest of the stream's own work
+        (``bench/pipeline_costs.py starlette_task_group``)."""
+        pump = asyncio.ensure_future(self.stream_response(send))
+        watcher = asyncio.ensure_future(self.listen_for_disconnect(receive))
+        try:
+            await asyncio.wait((pump, watcher), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (pump, watcher):
+                task.cancel()
+            await asyncio.gather(pump, watcher, return_exceptions=True)
+        if not pump.cancelled() and (failure := pump.exception()) is not None:
+            raise failure
 
     async def _guarded(self, events: AsyncGenerator[bytes]) -> AsyncGenerator[bytes]:
         try:

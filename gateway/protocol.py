@@ -10,18 +10,22 @@ tests that hold each builder to its model.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import jsonschema
 import orjson
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
     with_config,
@@ -74,6 +78,22 @@ def _refuse(field: str, reason: str) -> PydanticCustomError:
     )
 
 
+def _refused(reason: str, allowed: Callable[[Any], bool] = lambda value: value is None) -> Any:
+    """A field validator for a documented field the gateway cannot honour: any value but the
+    allowed ones (by default only null) is refused, saying why. As a field validator it runs
+    only when the client sent the field, so the fields cost nothing when absent."""
+
+    def check(value: Any, info: ValidationInfo) -> Any:
+        if not allowed(value):
+            raise _refuse(str(info.field_name), reason)
+        return value
+
+    return AfterValidator(check)
+
+
+_NO_TOOLS = "this model has no tool calling"
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
@@ -101,6 +121,25 @@ class ResponseFormat(_Strict):
         if self.type == "json_schema" and self.json_schema is None:
             raise ValueError("response_format of type 'json_schema' needs 'json_schema'")
         return self
+
+
+# The request's sampling fields and the names SGLang gives them.
+_SAMPLING_FIELDS = (
+    ("temperature", "temperature"),
+    ("top_p", "top_p"),
+    ("top_k", "top_k"),
+    ("min_p", "min_p"),
+    ("presence_penalty", "presence_penalty"),
+    ("frequency_penalty", "frequency_penalty"),
+    ("repetition_penalty", "repetition_penalty"),
+    ("min_tokens", "min_new_tokens"),
+    ("stop", "stop"),
+    ("stop_token_ids", "stop_token_ids"),
+    ("ignore_eos", "ignore_eos"),
+    ("skip_special_tokens", "skip_special_tokens"),
+    ("no_stop_trim", "no_stop_trim"),
+    ("seed", "sampling_seed"),
+)
 
 
 class _Request(_Strict):
@@ -198,22 +237,9 @@ class _Request(_Strict):
     def sampling_params(self, max_tokens: int) -> dict[str, Any]:
         """SGLang's sampling parameters for this request (``max_new_tokens`` already decided)."""
         params: dict[str, Any] = {"max_new_tokens": max_tokens}
-        for name, value in (
-            ("temperature", self.temperature),
-            ("top_p", self.top_p),
-            ("top_k", self.top_k),
-            ("min_p", self.min_p),
-            ("presence_penalty", self.presence_penalty),
-            ("frequency_penalty", self.frequency_penalty),
-            ("repetition_penalty", self.repetition_penalty),
-            ("min_new_tokens", self.min_tokens),
-            ("stop", self.stop),
-            ("stop_token_ids", self.stop_token_ids),
-            ("ignore_eos", self.ignore_eos),
-            ("skip_special_tokens", self.skip_special_tokens),
-            ("no_stop_trim", self.no_stop_trim),
-            ("sampling_seed", self.seed),
-        ):
+        values = self.__dict__
+        for field, name in _SAMPLING_FIELDS:
+            value = values[field]
             if value is not None:
                 params[name] = value
         if self.logit_bias:
@@ -286,25 +312,18 @@ class RefusedPart(BaseModel):
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: str | list[ContentPart] | None
+    role: Annotated[
+        Literal["system", "developer", "user", "assistant", "tool", "function"],
+        _refused(_NO_TOOLS, lambda role: role not in ("tool", "function")),
+    ]
+    content: str | list[ContentPart]
     name: str | None = Field(default=None, max_length=256)
     # Assistant messages: OpenAI's fields; a model without tool calling or audio takes none.
     refusal: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
-    function_call: dict[str, Any] | None = None
-    audio: dict[str, Any] | None = None
-    tool_call_id: str | None = None
-
-    @model_validator(mode="after")
-    def _text_only(self) -> ChatMessage:
-        if self.role in ("tool", "function") or self.tool_calls is not None or self.function_call:
-            raise _refuse("tool and function messages", "this model has no tool calling")
-        if self.audio is not None:
-            raise _refuse("audio", "this model takes text only")
-        if self.content is None:
-            raise ValueError("content is required")
-        return self
+    tool_calls: Annotated[list[dict[str, Any]] | None, _refused(_NO_TOOLS)] = None
+    function_call: Annotated[dict[str, Any] | None, _refused(_NO_TOOLS)] = None
+    audio: Annotated[dict[str, Any] | None, _refused("this model takes text only")] = None
+    tool_call_id: Annotated[str | None, _refused(_NO_TOOLS)] = None
 
     def text(self) -> str:
         content = self.content
@@ -322,7 +341,10 @@ class ChatCompletionRequest(_Request):
     response_format: ResponseFormat | None = None
     # Honoured as OpenAI defines them for a deployment that keeps nothing and has one tier.
     metadata: dict[str, str] | None = Field(default=None, max_length=16)
-    store: bool | None = None
+    store: Annotated[
+        bool | None,
+        _refused("completions are not stored here (store must be false)", lambda v: not v),
+    ] = None
     service_tier: Literal["auto", "default"] | None = None
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = (
         None
@@ -332,44 +354,39 @@ class ChatCompletionRequest(_Request):
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     prompt_cache_options: dict[str, Any] | None = None
     safety_identifier: str | None = Field(default=None, max_length=256)
-    modalities: list[Literal["text", "audio"]] | None = None
-    verbosity: Literal["low", "medium", "high"] | None = None
+    modalities: Annotated[
+        list[Literal["text", "audio"]] | None,
+        _refused("this model produces text only", lambda v: v is None or "audio" not in v),
+    ] = None
     # OpenAI fields this gateway cannot honour: any value but null is refused, saying why.
-    audio: dict[str, Any] | None = None
-    prediction: dict[str, Any] | None = None
-    web_search_options: dict[str, Any] | None = None
-    moderation: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    functions: list[dict[str, Any]] | None = None
-    function_call: str | dict[str, Any] | None = None
+    verbosity: Annotated[
+        Literal["low", "medium", "high"] | None, _refused("this model has no verbosity control")
+    ] = None
+    audio: Annotated[dict[str, Any] | None, _refused("this model produces text only")] = None
+    prediction: Annotated[
+        dict[str, Any] | None, _refused("predicted outputs are not supported")
+    ] = None
+    web_search_options: Annotated[
+        dict[str, Any] | None, _refused("there is no web search here")
+    ] = None
+    moderation: Annotated[dict[str, Any] | None, _refused("there is no moderation model here")] = (
+        None
+    )
+    tools: Annotated[list[dict[str, Any]] | None, _refused(_NO_TOOLS)] = None
+    tool_choice: Annotated[
+        str | dict[str, Any] | None, _refused(_NO_TOOLS, lambda v: v is None or v == "none")
+    ] = None
+    functions: Annotated[list[dict[str, Any]] | None, _refused(_NO_TOOLS)] = None
+    function_call: Annotated[str | dict[str, Any] | None, _refused(_NO_TOOLS)] = None
 
-    @model_validator(mode="after")
-    def _refused_fields(self) -> ChatCompletionRequest:
-        if self.store:
-            raise _refuse("store", "completions are not stored here (store must be false)")
-        if self.modalities and "audio" in self.modalities:
-            raise _refuse("modalities", "this model produces text only")
-        if self.verbosity is not None:
-            raise _refuse("verbosity", "this model has no verbosity control")
-        for field, reason in (
-            ("audio", "this model produces text only"),
-            ("prediction", "predicted outputs are not supported"),
-            ("web_search_options", "there is no web search here"),
-            ("moderation", "there is no moderation model here"),
-            ("tools", "this model has no tool calling"),
-            ("functions", "this model has no tool calling"),
-            ("function_call", "this model has no tool calling"),
-        ):
-            if getattr(self, field) is not None:
-                raise _refuse(field, reason)
-        if self.tool_choice not in (None, "none"):
-            raise _refuse("tool_choice", "this model has no tool calling")
-        if self.top_logprobs and not self.logprobs:
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, top: int | None, info: ValidationInfo) -> int | None:
+        if top and not info.data.get("logprobs"):
             raise PydanticCustomError(
                 "invalid_field", "top_logprobs needs logprobs: true.", {"param": "top_logprobs"}
             )
-        return self
+        return top
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -400,12 +417,12 @@ class ChatCompletionRequest(_Request):
             grammars["json_schema"] = orjson.dumps(schema).decode()
         return grammars
 
-    @model_validator(mode="after")
-    def _response_schema(self) -> ChatCompletionRequest:
-        format_ = self.response_format
+    @field_validator("response_format")
+    @classmethod
+    def _response_schema(cls, format_: ResponseFormat | None) -> ResponseFormat | None:
         if format_ is not None and format_.json_schema and format_.json_schema.schema_ is not None:
             check_json_schema(format_.json_schema.schema_, "response_format.json_schema.schema")
-        return self
+        return format_
 
 
 PromptList = list[str] | list[int] | list[list[int]]
@@ -439,8 +456,17 @@ class CompletionRequest(_Request):
             raise _refuse("suffix", "this model has no fill-in-the-middle template")
         if self.echo:
             raise _refuse("echo", "the prompt's log probabilities are not returned here yet")
-        if self.best_of is not None and self.best_of != self.choices:
-            raise _refuse("best_of", "best_of must equal n (no server-side ranking here)")
+        if self.best_of is not None:
+            if self.best_of < self.choices:
+                raise PydanticCustomError(
+                    "invalid_field", "best_of must be at least n.", {"param": "best_of"}
+                )
+            if self.best_of > self.choices and self.stream:
+                raise PydanticCustomError(
+                    "invalid_field",
+                    "best_of greater than n cannot be streamed.",
+                    {"param": "best_of"},
+                )
         return self
 
     @property
@@ -448,7 +474,15 @@ class CompletionRequest(_Request):
         return self.max_tokens
 
     @property
+    def candidates(self) -> int:
+        """How many completions are generated per prompt: ``best_of``, of which ``n`` are
+        returned (the most likely per token)."""
+        return max(self.best_of or 1, self.choices)
+
+    @property
     def top_logprobs_num(self) -> int | None:
+        if self.candidates > self.choices:
+            return self.logprobs or 0  # the ranking needs every token's log probability
         return self.logprobs
 
     def prompts(self) -> list[str] | list[list[int]]:
@@ -489,7 +523,9 @@ def _validation_error(exc: ValidationError) -> APIError:
     context = error.get("ctx") or {}
     # Where the error is: its location, or for a check of the whole request, the field named.
     location = ".".join(str(part) for part in error["loc"])
-    param = location or (str(context["param"]) if "param" in context else None)
+    named = str(context["param"]) if "param" in context else None
+    # A check across fields names the field at fault; otherwise the location says where.
+    param = named if error["type"] == "invalid_field" else (location or named)
     kind = error["type"]
     if kind == "json_invalid":
         return bad_request(f"Request body is not valid JSON: {error['msg']}", code="invalid_json")
@@ -544,6 +580,7 @@ class TokenLogprob:
     top: list[tuple[str, float]]
 
 
+@functools.lru_cache(maxsize=256)
 def system_fingerprint(model: str, tokenizer: str) -> str:
     """What OpenAI calls the backend configuration: here, the model and its tokenizer."""
     return "fp_" + hashlib.sha256(f"{model}\0{tokenizer}".encode()).hexdigest()[:12]

@@ -104,8 +104,12 @@ class Candidates:
     ) -> WorkerPair | None:
         """The least loaded pair where requests with these prompt lengths all fit now at once
         (the choices of one generation go to one pair); None if there is none now."""
-        need = sum(prompts) + (max_tokens + margin) * len(prompts)
-        longest = max(prompts)
+        if len(prompts) == 1:
+            longest = need = prompts[0]
+            need += max_tokens + margin
+        else:
+            need = sum(prompts) + (max_tokens + margin) * len(prompts)
+            longest = max(prompts)
         best: tuple[int, WorkerPair] | None = None
         for pair, limit in zip(self.pairs, self.limits(max_tokens, margin), strict=True):
             if not fits_now(ledger, pair, limit, longest, need):

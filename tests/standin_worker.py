@@ -11,6 +11,7 @@ import asyncio
 import json
 import threading
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,11 @@ from starlette.routing import Route
 from gateway.dev.harness import free_port
 
 DATA = Path(__file__).parent / "data"
+
+
+def rid_offset(rid: str) -> float:
+    """How much less likely than the others the stand-in makes a request's tokens."""
+    return (zlib.crc32(rid.encode()) % 100) / 100
 
 
 @dataclass
@@ -193,8 +199,10 @@ class StandInWorker:
         if body.get("return_logprob"):
             count = meta["completion_tokens"] + (b.logprob_entries_delta if lie else 0)
             token = b.logprob_token if (lie and b.logprob_token is not None) else None
+            # Each request's own likelihood, so that choices can be ranked (best_of).
+            offset = rid_offset(str(body.get("rid")))
             meta["output_token_logprobs"] = [
-                [-0.25 * (i + 1), token if token is not None else 40 + i, None]
+                [-0.25 * (i + 1) - offset, token if token is not None else 40 + i, None]
                 for i in range(max(0, count))
             ]
             meta["input_token_logprobs"] = []

@@ -186,9 +186,10 @@ def structured(reply: Any) -> Any:
 def test_constrained_output_follows_its_grammar(
     ours: openai.OpenAI, fields: dict[str, Any], check: Callable[[str], Any]
 ) -> None:
+    # The dev model's weights favour closing a structure (gateway/dev/model.py), so the output
+    # is complete within a small max_tokens, not cut off.
     reply = chat(ours, max_tokens=64, **fields)
-    if reply.choices[0].finish_reason == "length":
-        pytest.xfail("the dev model did not close the structure within max_tokens")
+    assert reply.choices[0].finish_reason == "stop", structured(reply)
     check(structured(reply))
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from gateway.ids import bootstrap_room, is_generation_id
-from tests.standin_worker import Behaviour
+from tests.standin_worker import Behaviour, rid_offset
 from tests.verify.stack import MODEL, POOL_TOKENS, LyingStack, lying_stack, sse_events
 
 HONEST = ("Hello", " world")
@@ -209,3 +209,35 @@ def test_answers_carry_openais_rate_limit_headers(stack: LyingStack, tenant_key:
     assert rpm - 2 <= int(second.headers["x-ratelimit-remaining-requests"]) <= rpm - 1
     # Tokens are reserved for prompt + max_tokens at admission.
     assert int(first.headers["x-ratelimit-remaining-tokens"]) <= tpm - 4
+
+
+def test_best_of_returns_the_n_most_likely_candidates_per_token(
+    stack: LyingStack, tenant_key: str
+) -> None:
+    def best_of(**fields: Any) -> tuple[Any, list[dict[str, Any]]]:
+        before = len(stack.decode.requests)
+        body = {"model": MODEL, "prompt": "Say", "max_tokens": 4, "n": 2, "best_of": 4}
+        with stack.client(tenant_key) as client:
+            response = client.post("/v1/completions", json={**body, **fields})
+        assert response.status_code == 200, response.text
+        return response.json(), decode_requests_since(stack, before)
+
+    plain, candidates = best_of()
+    assert len(candidates) == 4 and all(r["return_logprob"] for r in candidates)
+    assert [c["index"] for c in plain["choices"]] == [0, 1]
+    assert all(c["logprobs"] is None for c in plain["choices"])  # the client did not ask
+    assert plain["usage"]["completion_tokens"] == 4 * len(HONEST)  # every candidate counts
+
+    ranked, candidates = best_of(logprobs=1)
+    # The stand-in makes every token of a request less likely by that request's offset: the
+    # two chosen are the two candidates with the smallest offsets.
+    chosen = sorted(-0.25 - c["logprobs"]["token_logprobs"][0] for c in ranked["choices"])
+    smallest = sorted(rid_offset(r["rid"]) for r in candidates)[:2]
+    assert chosen == pytest.approx(smallest)
+
+    with stack.client(tenant_key) as client:
+        streamed = client.post(
+            "/v1/completions",
+            json={"model": MODEL, "prompt": "Say", "best_of": 2, "stream": True},
+        )
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "best_of"
