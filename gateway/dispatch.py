@@ -32,7 +32,7 @@ TENANT_HEADER = "X-Isolation-Tenant"
 GENERATION_HEADER = "X-Isolation-Generation"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class EngineRequest:
     generation_id: str
     tenant_id: str

@@ -60,9 +60,11 @@ log = logging.getLogger("isogate.request")
 
 
 # ---- what a caller asks for ----------------------------------------------------------------
+# The values made for every request are plain slotted dataclasses, not frozen ones: a frozen
+# dataclass sets each field through object.__setattr__, several times the cost per request.
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ChatPrompt:
     turns: list[ChatTurn]
 
@@ -70,7 +72,7 @@ class ChatPrompt:
         return sum(utf8_length(turn.content) for turn in self.turns)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class TextPrompt:
     text: str
 
@@ -78,7 +80,7 @@ class TextPrompt:
         return utf8_length(self.text)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class TokenPrompt:
     ids: list[int]
 
@@ -86,7 +88,7 @@ class TokenPrompt:
 Prompt = ChatPrompt | TextPrompt | TokenPrompt
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class GenerationAsk:
     """One request: ``n`` choices for each of its prompts, admitted and claimed as a whole."""
 
@@ -116,7 +118,7 @@ class Catalog(Protocol):
     def tokenizers(self) -> Mapping[str, ModelTokenizer]: ...
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Choice:
     """One PD request of an admitted generation: its own generation ID, tags and checks."""
 
@@ -125,7 +127,7 @@ class Choice:
     expected: Expectation
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Admitted:
     """A generation that passed gate 1 and holds its claims: ready to dispatch."""
 
@@ -136,7 +138,7 @@ class Admitted:
     tokenizer: ModelTokenizer
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Completion:
     index: int
     text: str
@@ -442,7 +444,7 @@ class GenerationCore:
         )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class StreamStep:
     """What engine chunks of one choice that arrived together add for the client, all of them
     checked: text, and the log probabilities of tokens whose text is out too."""
@@ -456,7 +458,7 @@ class StreamStep:
         return self.meta.get("finish_reason") is not None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class StreamEnd:
     """What is left of one choice once its stream ended: held-back text and tokens."""
 

@@ -149,8 +149,8 @@ def rate_limit_headers(limits: TenantLimits, left: Allowance) -> list[tuple[byte
         (b"x-ratelimit-limit-tokens", b"%d" % tpm),
         (b"x-ratelimit-remaining-requests", b"%d" % requests),
         (b"x-ratelimit-remaining-tokens", b"%d" % tokens),
-        (b"x-ratelimit-reset-requests", b"%.3fs" % ((rpm - requests) * 60 / rpm)),
-        (b"x-ratelimit-reset-tokens", b"%.3fs" % ((tpm - tokens) * 60 / tpm)),
+        (b"x-ratelimit-reset-requests", b"%dms" % ((rpm - requests) * 60_000 // rpm)),
+        (b"x-ratelimit-reset-tokens", b"%dms" % ((tpm - tokens) * 60_000 // tpm)),
     ]
 
 

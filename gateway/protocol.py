@@ -570,7 +570,7 @@ def utf8_length(text: str) -> int:
 FinishReason = Literal["stop", "length"]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class TokenLogprob:
     """A completion token's log probability, its text as the gateway's tokenizer decodes it,
     and its most likely alternatives."""

@@ -36,7 +36,7 @@ class IsolationFailure(Exception):
         )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Expectation:
     generation_id: str
     tenant_id: str

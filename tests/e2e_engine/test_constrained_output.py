@@ -141,7 +141,8 @@ def test_ebnf_output_is_complete(
 
     assert_finished(result)
     assert re.fullmatch(EBNF_MATCH, result["text"]), result["text"]
-    assert all(isinstance(item, int) for item in json.loads(result["text"]))
+    # The grammar's items are digit strings, leading zeros allowed (so not always JSON).
+    assert all(item.isdigit() for item in result["text"][1:-1].split(","))
 
 
 @pytest.mark.parametrize(("temperature", "seed"), SAMPLING[:2], ids=SAMPLING_IDS[:2])
