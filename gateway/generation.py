@@ -579,10 +579,8 @@ class ChoiceStreams:
         completion_tokens = 0
         if len(self.streams) == 1:  # no tasks: the common case stays as cheap as it was
             stream = self.streams[0]
-            if stream._first is not None:
-                yield stream, stream._first
-            async for batch in stream._batches:
-                yield stream, stream._step(batch)
+            async for step in stream.steps():
+                yield stream, step
             end = stream.finish()
             completion_tokens = end.completion_tokens
             yield stream, end
@@ -642,9 +640,9 @@ async def _all_or_nothing(
     tasks = [asyncio.ensure_future(call) for call in calls]
     try:
         await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        for task in tasks:
-            if task.done() and not task.cancelled() and task.exception() is not None:
-                raise _first_failure(tasks)
+        failure = _first_failure(tasks)
+        if failure is not None:
+            raise failure
         return [task.result() for task in tasks]
     except BaseException:
         for task in tasks:
@@ -657,14 +655,12 @@ async def _all_or_nothing(
         raise
 
 
-def _first_failure(tasks: Sequence[asyncio.Future[Any]]) -> BaseException:
+def _first_failure(tasks: Sequence[asyncio.Future[Any]]) -> BaseException | None:
     # The lowest-indexed failed choice: the same request fails the same way every time.
     for task in tasks:
-        if task.done() and not task.cancelled():
-            failure = task.exception()
-            if failure is not None:
-                return failure
-    raise AssertionError("no task failed")
+        if task.done() and not task.cancelled() and (failure := task.exception()) is not None:
+            return failure
+    return None
 
 
 def token_logprobs(
