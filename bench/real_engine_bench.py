@@ -15,17 +15,20 @@ stopped.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
 import orjson
 
-from bench.config import BenchConfig
+from bench.config import BenchConfig, Ports
 from bench.processes import (
     BenchModel,
     BenchPool,
+    Managed,
     free_ports,
     sglang_router,
     start_gateway,
@@ -36,6 +39,7 @@ from bench.serving_bench import ServingTarget, run_serving_bench_from_env
 from bench.stream_client import RunResult, Target, run_load, run_pd_direct
 from gateway.capacity import ENGINE_PATCH_MARKER
 from gateway.dev.cluster import ClusterStartError, PDCluster, default_cluster_spec
+from gateway.dev.harness import GatewayProcess
 
 MIN_AVAILABLE_GIB = 7.0
 MODEL = "tiny-llama"
@@ -77,6 +81,40 @@ def _cell(name: str, mode: str, concurrency: int, result: RunResult) -> RealCell
     )
 
 
+@contextlib.contextmanager
+def peers_in_front(
+    cluster: PDCluster, work_dir: Path, ports: Ports, *, root: Path | None = None
+) -> Iterator[tuple[Managed, GatewayProcess, str, bool]]:
+    """sglang_router and the gateway (with a tenant key) in front of a running PD pair, and
+    whether the pair runs engine_patch; both stopped on leaving."""
+    info = httpx.get(f"{cluster.decode_url}/server_info", timeout=10).json()
+    tags = bool(info.get(ENGINE_PATCH_MARKER))
+    router = sglang_router(
+        cluster.prefill_url,
+        cluster.bootstrap_port,
+        cluster.decode_url,
+        ports.real_router,
+        work_dir,
+        cpus=None,
+    )
+    try:
+        pool = BenchPool(cluster.prefill_url, cluster.bootstrap_port, cluster.decode_url)
+        policies = write_bench_policies(
+            work_dir / "real-policies",
+            tokenizer_dir=cluster.spec.model_dir,
+            models=[BenchModel(MODEL, cluster.spec.prefill.max_total_tokens, pool, tags)],
+        )
+        gateway, key = start_gateway(
+            policies, work_dir / "real-gateway", ports.real_gateway, cpus=None, root=root
+        )
+        try:
+            yield router, gateway, key, tags
+        finally:
+            gateway.stop()
+    finally:
+        router.stop()
+
+
 def run_real_engine_bench(config: BenchConfig, work_dir: Path, log=print) -> dict:
     if not config.real_engine:
         return {"skipped": "BENCH_REAL_ENGINE=0"}
@@ -95,7 +133,7 @@ def run_real_engine_bench(config: BenchConfig, work_dir: Path, log=print) -> dic
         log_dir=work_dir / "sglang",
     )
     cluster = PDCluster(spec)
-    router = gateway = None
+    peers = contextlib.ExitStack()
     started = time.monotonic()
     try:
         try:
@@ -108,25 +146,7 @@ def run_real_engine_bench(config: BenchConfig, work_dir: Path, log=print) -> dic
             time.sleep(5)
             cluster.start()
         log(f"  PD pair ready in {time.monotonic() - started:.0f} s")
-        info = httpx.get(f"{cluster.decode_url}/server_info", timeout=10).json()
-        tags = bool(info.get(ENGINE_PATCH_MARKER))
-        router = sglang_router(
-            cluster.prefill_url,
-            cluster.bootstrap_port,
-            cluster.decode_url,
-            ports.real_router,
-            work_dir,
-            cpus=None,
-        )
-        pool = BenchPool(cluster.prefill_url, cluster.bootstrap_port, cluster.decode_url)
-        policies = write_bench_policies(
-            work_dir / "real-policies",
-            tokenizer_dir=spec.model_dir,
-            models=[BenchModel(MODEL, spec.prefill.max_total_tokens, pool, tags)],
-        )
-        gateway, key = start_gateway(
-            policies, work_dir / "real-gateway", ports.real_gateway, cpus=None
-        )
+        router, gateway, key, tags = peers.enter_context(peers_in_front(cluster, work_dir, ports))
         cells = []
         for stream in (False, True):
             mode = "stream" if stream else "plain"
@@ -189,8 +209,5 @@ def run_real_engine_bench(config: BenchConfig, work_dir: Path, log=print) -> dic
         log(f"  real-engine run failed: {type(exc).__name__}: {exc}")
         return {"failed": f"{type(exc).__name__}: {str(exc)[:2000]}"}
     finally:
-        if gateway is not None:
-            gateway.stop()
-        if router is not None:
-            router.stop()
+        peers.close()
         cluster.stop()

@@ -367,15 +367,8 @@ def serving_tables(section: dict) -> list[str]:
 def main() -> int:
     # Started here only when run alone; make bench runs it from bench/real_engine_bench.py.
     from bench.config import BenchConfig
-    from bench.processes import (
-        BenchModel,
-        BenchPool,
-        free_ports,
-        sglang_router,
-        start_gateway,
-        write_bench_policies,
-    )
-    from gateway.capacity import ENGINE_PATCH_MARKER
+    from bench.processes import free_ports
+    from bench.real_engine_bench import peers_in_front  # it imports this module: here, late
     from gateway.dev.cluster import PDCluster, default_cluster_spec
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -392,51 +385,26 @@ def main() -> int:
         log_dir=work / "sglang",
     )
     cluster = PDCluster(spec)
-    router = gateway = None
     try:
         started = time.monotonic()
         cluster.start()
         print(f"PD pair ready in {time.monotonic() - started:.0f} s", flush=True)
-        info = httpx.get(f"{cluster.decode_url}/server_info", timeout=10).json()
-        router = sglang_router(
-            cluster.prefill_url,
-            cluster.bootstrap_port,
-            cluster.decode_url,
-            ports.real_router,
-            work,
-            cpus=None,
-        )
-        pool = BenchPool(cluster.prefill_url, cluster.bootstrap_port, cluster.decode_url)
-        policies = write_bench_policies(
-            work / "policies",
-            tokenizer_dir=spec.model_dir,
-            models=[
-                BenchModel(
-                    MODEL, spec.prefill.max_total_tokens, pool, bool(info.get(ENGINE_PATCH_MARKER))
-                )
-            ],
-        )
-        gateway, key = start_gateway(
-            policies, work / "gateway", ports.real_gateway, cpus=None, root=config.gateway_root
-        )
-        section = run_serving_bench(
-            [
-                ServingTarget("sglang_router", f"http://127.0.0.1:{router.port}"),
-                ServingTarget("gateway", gateway.url, key),
-            ],
-            worker_urls=(cluster.prefill_url, cluster.decode_url),
-            model_dir=spec.model_dir,
-            work_dir=work / "bench-serving",
-            prompts=args.prompts,
-            rate=args.rate,
-            priority=config.priority,
-            log=lambda m: print(m, flush=True),
-        )
+        peers = peers_in_front(cluster, work, ports, root=config.gateway_root)
+        with peers as (router, gateway, key, _):
+            section = run_serving_bench(
+                [
+                    ServingTarget("sglang_router", f"http://127.0.0.1:{router.port}"),
+                    ServingTarget("gateway", gateway.url, key),
+                ],
+                worker_urls=(cluster.prefill_url, cluster.decode_url),
+                model_dir=spec.model_dir,
+                work_dir=work / "bench-serving",
+                prompts=args.prompts,
+                rate=args.rate,
+                priority=config.priority,
+                log=lambda m: print(m, flush=True),
+            )
     finally:
-        if gateway is not None:
-            gateway.stop()
-        if router is not None:
-            router.stop()
         cluster.stop()
     (work / "serving-bench.json").write_text(json.dumps(section, indent=1))
     print("\n".join(["", *serving_tables(section)]))
