@@ -318,9 +318,13 @@ class GenerationCore:
             self._metrics.admission_refusals.labels(ask.model.name, limit.bound).inc()
             raise context_length_exceeded(f"at least {at_least}", limit, ask.max_tokens)
         if isinstance(prompt, ChatPrompt):
-            ids = await tokenizer.encode_chat(prompt.turns)
+            ids = await tokenizer.encode_chat(
+                prompt.turns, control_text=ask.model.chat_control_text
+            )
         else:
-            ids = await tokenizer.encode_text(prompt.text)
+            ids = await tokenizer.encode_text(
+                prompt.text, control_text=ask.model.prompt_control_text
+            )
         self._refuse_if_over(ask.model, len(ids), limit, ask.max_tokens)
         return ids
 

@@ -70,6 +70,12 @@ class ModelPolicy(_Strict):
     max_output_tokens: int = Field(default=4096, gt=0)
     # Workers that do not echo isolation tags (no engine_patch) are never routed to.
     require_engine_tags: bool = True
+    # The texts of the tokenizer's special and added tokens in a chat message: encoded as
+    # "plain" text (only the template's own text yields control tokens) or "refuse"d (400).
+    chat_control_text: Literal["plain", "refuse"] = "plain"
+    # In a completion prompt (the tenant writes all of it): "recognise"d as the tokens, as the
+    # tokenizer does by default, encoded as "plain" text, or "refuse"d.
+    prompt_control_text: Literal["recognise", "plain", "refuse"] = "recognise"
     pools: tuple[WorkerPool, ...] = Field(min_length=1)
 
     @model_validator(mode="after")

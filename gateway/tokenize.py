@@ -4,6 +4,12 @@ The gateway renders the chat template (HF-compatible Jinja) and encodes with the
 ``tokenizer.json``; the engine receives ``input_ids``, never text, so the count used for
 admission is the count the engine sees. Large prompts are encoded off the event loop.
 
+Message content is text, never structure: the texts of the tokenizer's special and added tokens
+(``<|eos|>``, ``<think>``, ...) inside a message are encoded as the plain characters they are, so
+only the chat template's own text yields control tokens and a message cannot forge a turn. A
+model's policy may refuse such content instead (``ControlText``); completion prompts, which the
+tenant writes whole, keep the tokens recognised unless the policy says otherwise.
+
 ``min_tokens_for_bytes`` gives a lower bound on the token count from the UTF-8 byte length
 alone (no token is longer than the longest entry in the vocabulary), which lets admission
 refuse a 50 MB prompt without tokenizing it.
@@ -13,12 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import anyio.to_thread
 from jinja2 import Template
@@ -30,6 +37,13 @@ from .errors import bad_request
 
 # Token texts decoded once each, up to this many (a vocabulary's worth for most models).
 _TOKEN_TEXTS_KEPT = 262_144
+
+# What a tenant's text does with the texts of special and added tokens: "recognise" them as the
+# tokens (the library's default), encode them as "plain" text, or "refuse" the request (400).
+ControlText = Literal["recognise", "plain", "refuse"]
+# Stands for message ``i`` in a rendering of the template's own text (private-use characters).
+_SLOT = "\ue000{}\ue001"
+_SLOT_PATTERN = re.compile("\ue000([0-9]+)\ue001")
 
 
 class TokenizerLoadError(Exception):
@@ -65,6 +79,8 @@ class ModelTokenizer:
         self._thread_min_chars = thread_min_chars
         self._turn_batch = _TurnBatch(self._tokenizer)
         self._token_texts: dict[int, str] = {}
+        self._controls = _ControlTokens(self._tokenizer)
+        self._plain_batch = _TurnBatch(self._controls.plain)
 
     # -- counting without tokenizing ------------------------------------------------------
 
@@ -90,13 +106,98 @@ class ModelTokenizer:
                 f"The chat template rejected the messages: {exc}", code="invalid_messages"
             ) from exc
 
-    async def encode_chat(self, turns: Sequence[ChatTurn]) -> list[int]:
+    async def encode_chat(
+        self, turns: Sequence[ChatTurn], *, control_text: ControlText = "plain"
+    ) -> list[int]:
+        """The rendered conversation's ids. Control-token texts inside messages are plain text
+        (``control_text="plain"``) or refused (``"refuse"``); ``"recognise"`` is the library's
+        default, which lets a message forge turns."""
         # The template places BOS/EOS itself; adding special tokens again would double them.
-        return await self._encode(self.render_chat(turns), add_special_tokens=False)
+        rendered = self.render_chat(turns)
+        if control_text == "recognise" or not await self._holds_control_text(
+            [turn.content for turn in turns]
+        ):
+            return await self._encode(rendered, add_special_tokens=False)
+        if control_text == "refuse":
+            raise _control_text_refused("messages")
+        pieces = self._structure(turns, rendered)
+        if pieces is None:
+            # The template rewrites content (trims it, splits it...), so where a message's text
+            # lies in the rendering is unknown: refuse rather than guess.
+            raise _control_text_refused("messages")
+        return await self._encode_pieces(pieces)
 
-    async def encode_text(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+    async def encode_text(
+        self, text: str, *, add_special_tokens: bool = True, control_text: ControlText = "recognise"
+    ) -> list[int]:
         # A generation always adds them (as SGLang does); ``/v1/tokenize`` may be told not to.
+        if control_text != "recognise" and await self._holds_control_text([text]):
+            if control_text == "refuse":
+                raise _control_text_refused("prompt")
+            return await self._encode(
+                text, add_special_tokens=add_special_tokens, tokenizer=self._controls.plain
+            )
         return await self._encode(text, add_special_tokens=add_special_tokens)
+
+    async def _holds_control_text(self, texts: Sequence[str]) -> bool:
+        if sum(len(text) for text in texts) < self._thread_min_chars:
+            return self._controls.found_in(texts)
+        return await anyio.to_thread.run_sync(self._controls.found_in, texts)
+
+    def _structure(self, turns: Sequence[ChatTurn], rendered: str) -> list[str | int] | None:
+        """``rendered`` as text pieces and the ids of the template's own control tokens, or None
+        where the template's text cannot be told from the messages'.
+
+        The template is rendered again with a slot in place of each message; the control tokens
+        found between slots are the template's. The pieces between those tokens are what the
+        library would encode between them, messages included, so content without control text
+        gets the same ids either way."""
+        skeleton = self.render_chat(
+            [ChatTurn(turn.role, _SLOT.format(index)) for index, turn in enumerate(turns)]
+        )
+        pieces: list[str | int] = []
+        text: list[str] = []  # the piece being gathered
+        at = 0
+        for slot in [*_SLOT_PATTERN.finditer(skeleton), None]:
+            between = skeleton[at : slot.start() if slot else len(skeleton)]
+            start = 0
+            for match in self._controls.pattern.finditer(between):
+                text.append(between[start : match.start()])
+                pieces.extend(("".join(text), self._controls.ids[match.group()]))
+                text = []
+                start = match.end()
+            text.append(between[start:])
+            if slot is None:
+                break
+            index = int(slot.group(1))
+            if index >= len(turns):
+                return None
+            text.append(turns[index].content)
+            at = slot.end()
+        pieces.append("".join(text))
+        # The slots stood where the messages stand only if the template used them verbatim.
+        if "".join(p if isinstance(p, str) else self._controls.texts[p] for p in pieces) != (
+            rendered
+        ):
+            return None
+        return [piece for piece in pieces if piece != ""]
+
+    async def _encode_pieces(self, pieces: list[str | int]) -> list[int]:
+        texts = [piece for piece in pieces if isinstance(piece, str)]
+
+        def encode() -> list[int]:
+            encoded = iter(self._controls.plain.encode_batch_fast(texts, add_special_tokens=False))
+            ids: list[int] = []
+            for piece in pieces:
+                if isinstance(piece, int):
+                    ids.append(piece)
+                else:
+                    ids.extend(next(encoded).ids)
+            return ids
+
+        if sum(len(text) for text in texts) < self._thread_min_chars:
+            return encode()
+        return await anyio.to_thread.run_sync(encode)
 
     def token_text(self, token_id: int) -> str:
         """One token's text as this tokenizer decodes it alone (for log probabilities)."""
@@ -132,16 +233,19 @@ class ModelTokenizer:
             )[0]
         )
 
-    async def _encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
+    async def _encode(
+        self, text: str, *, add_special_tokens: bool, tokenizer: Tokenizer | None = None
+    ) -> list[int]:
+        plain = tokenizer is not None
+        tokenizer = tokenizer or self._tokenizer
         if len(text) < self._thread_min_chars:
-            return await self._turn_batch.submit(text, add_special_tokens)
+            batch = self._plain_batch if plain else self._turn_batch
+            return await batch.submit(text, add_special_tokens)
         # Long prompts would stall every other request for as long as they take. ``encode``
         # holds the GIL; ``encode_batch`` releases it, so the loop keeps serving meanwhile.
         # Reading .ids builds a Python list (about 25 ms at 1M tokens): also off the loop.
         return await anyio.to_thread.run_sync(
-            lambda: (
-                self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
-            )
+            lambda: tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         )
 
 
@@ -195,6 +299,51 @@ class _TurnBatch:
 
 
 _TURN_CHARS = 65_536
+
+
+class _ControlTokens:
+    """The texts of a tokenizer's special and added tokens, where they occur, and a copy of the
+    tokenizer that reads them as plain text.
+
+    Why a copy without its added vocabulary rather than ``encode_special_tokens``: that flag
+    leaves added tokens that are not marked special (``<think>`` in several models) recognised.
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        added = tokenizer.get_added_tokens_decoder()
+        self.texts: dict[int, str] = {token_id: token.content for token_id, token in added.items()}
+        self.ids: dict[str, int] = {text: token_id for token_id, text in self.texts.items()}
+        # Longest first: the alternation takes the first that matches, the library the longest.
+        alternatives = sorted(self.ids, key=len, reverse=True)
+        self.pattern = re.compile("|".join(map(re.escape, alternatives)) or "(?!)")
+        # Texts the library normalizes before matching are looked for in normalized form too.
+        self._normalizer = (
+            tokenizer.normalizer
+            if tokenizer.normalizer is not None and any(t.normalized for t in added.values())
+            else None
+        )
+        spec = json.loads(tokenizer.to_str())
+        spec["added_tokens"] = []
+        self.plain = Tokenizer.from_str(json.dumps(spec))
+
+    def found_in(self, texts: Sequence[str]) -> bool:
+        for text in texts:
+            if self.pattern.search(text):
+                return True
+            if self._normalizer is not None and self.pattern.search(
+                self._normalizer.normalize_str(text)
+            ):
+                return True
+        return False
+
+
+def _control_text_refused(param: str) -> Exception:
+    return bad_request(
+        "The text holds a special token of this model's tokenizer, which this model's policy "
+        "does not accept in text.",
+        code="control_token_in_text",
+        param=param,
+    )
 
 
 def _compile_template(source: str) -> Template:

@@ -148,7 +148,9 @@ async def tokenize(components: Components, tenant_id: str, ask: TokenizeRequest)
         # What ``gateway.pipeline`` asks the core for: the same turns, the same template.
         chat = ChatPrompt([ChatTurn(m.role, m.text()) for m in ask.messages])
         _refuse_if_never_fits(tokenizer, model, chat, "messages")
-        tokens: list[int] | list[list[int]] = await tokenizer.encode_chat(chat.turns)
+        tokens: list[int] | list[list[int]] = await tokenizer.encode_chat(
+            chat.turns, control_text=model.chat_control_text
+        )
         counts: list[int] = [len(tokens)]
     else:
         texts = [ask.prompt] if isinstance(ask.prompt, str) else list(ask.prompt or [])
@@ -157,7 +159,11 @@ async def tokenize(components: Components, tenant_id: str, ask: TokenizeRequest)
             _refuse_if_never_fits(tokenizer, model, prompt, "prompt")
         encoded = await asyncio.gather(
             *(
-                tokenizer.encode_text(p.text, add_special_tokens=ask.add_special_tokens)
+                tokenizer.encode_text(
+                    p.text,
+                    add_special_tokens=ask.add_special_tokens,
+                    control_text=model.prompt_control_text,
+                )
                 for p in prompts
             )
         )
