@@ -23,6 +23,7 @@ from typing import IO, Literal, Self
 
 import httpx
 
+from gateway.dev import deepseek_model
 from gateway.dev.model import DEFAULT_MODEL_DIR, ensure_tiny_model
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -56,6 +57,17 @@ CPU_SERVER_ARGS: tuple[str, ...] = (
     # allowed, a random-weight model's indentation alone fills max_tokens.
     "--constrained-json-disable-any-whitespace",
 )  # fmt: skip
+
+
+DevModel = Literal["tiny-llama", "deepseek-v4-tiny"]
+
+
+def ensure_dev_model(model: DevModel, directory: Path | None = None) -> Path:
+    """The dev model's directory, generated first if missing or stale (tiny-llama: the
+    default, a 512-entry tokenizer; deepseek-v4-tiny: DeepSeek-V4's real tokenizer)."""
+    if model == "deepseek-v4-tiny":
+        return deepseek_model.ensure_deepseek_model(directory or deepseek_model.DEFAULT_MODEL_DIR)
+    return ensure_tiny_model(directory or DEFAULT_MODEL_DIR)
 
 
 class ClusterStartError(RuntimeError):
@@ -104,6 +116,7 @@ def default_cluster_spec(
     decode_max_total_tokens: int = DEFAULT_MAX_TOTAL_TOKENS,
     context_length: int | None = None,
     page_size: int | None = None,
+    model: DevModel = "tiny-llama",
 ) -> ClusterSpec:
     """A prefill/decode pair of the tiny model (generated if missing) on loopback.
 
@@ -115,7 +128,7 @@ def default_cluster_spec(
     if context_length is None:
         context_length = min(prefill_max_total_tokens, decode_max_total_tokens)
     return ClusterSpec(
-        model_dir=ensure_tiny_model(model_dir or DEFAULT_MODEL_DIR),
+        model_dir=ensure_dev_model(model, model_dir),
         prefill=WorkerSpec(
             mode="prefill",
             port=prefill_port,
@@ -422,6 +435,7 @@ class RouterProcess:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Run a CPU SGLang PD pair of the tiny model.")
     parser.add_argument("--model-dir", type=Path, default=None)
+    parser.add_argument("--model", choices=["tiny-llama", "deepseek-v4-tiny"], default="tiny-llama")
     parser.add_argument("--prefill-port", type=int, default=DEFAULT_PREFILL_PORT)
     parser.add_argument("--decode-port", type=int, default=DEFAULT_DECODE_PORT)
     parser.add_argument("--bootstrap-port", type=int, default=DEFAULT_BOOTSTRAP_PORT)
@@ -430,6 +444,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     spec = default_cluster_spec(
         model_dir=args.model_dir,
+        model=args.model,
         prefill_port=args.prefill_port,
         decode_port=args.decode_port,
         bootstrap_port=args.bootstrap_port,
