@@ -44,6 +44,10 @@ class WorkerCapacity:
     used_tokens: int
     # Version string of engine_patch when the worker runs it, else None.
     engine_patch: str | None
+    # The most requests the engine runs at once (its smallest DP rank's), when it says.
+    max_running_requests: int | None = None
+    # Requests waiting in the engine's own queues (the least loaded rank's).
+    waiting_requests: int = 0
 
     @property
     def available_tokens(self) -> int:
@@ -81,6 +85,14 @@ def parse_worker_state(
     if not pools:
         raise ValueError("worker reports no max_total_num_tokens")
     used = min((int(r.get("num_used_tokens", 0)) for r in ranks), default=0)
+    running = [int(r["max_running_requests"]) for r in ranks if r.get("max_running_requests")]
+    if not running:
+        running = [
+            int(s["effective_max_running_requests_per_dp"])
+            for s in internal
+            if s.get("effective_max_running_requests_per_dp")
+        ]
+    waiting = min((int(r.get("num_waiting_reqs", 0)) for r in ranks), default=0)
     max_req_input_len = _first_int(server_info, internal, "max_req_input_len")
     # The advertised context length: the flag when set, else what /v1/models reports.
     context_length = _first_int(server_info, internal, "context_length")
@@ -107,6 +119,8 @@ def parse_worker_state(
         page_size=page_size,
         used_tokens=used,
         engine_patch=str(marker) if marker else None,
+        max_running_requests=min(running) if running else None,
+        waiting_requests=waiting,
     )
 
 

@@ -21,6 +21,7 @@ from .dispatch import PDDispatcher
 from .generation import GenerationCore
 from .limits import TenantLimiter
 from .metrics import Metrics
+from .pair_queues import PairQueues, QueueSettings
 from .policies import Policies, load_policies
 from .routing import RoutingCache
 from .scanner import CanaryScanner, alert_on_hit
@@ -47,6 +48,7 @@ class Components:
     audit: AuditLog
     limiter: TenantLimiter
     metrics: Metrics
+    queues: PairQueues
     scanner: ContentScanner = field(default_factory=NoScanner)
     redis: Any | None = None
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
@@ -62,6 +64,7 @@ class Components:
             scanner=self.scanner,
             audit=self.audit,
             metrics=self.metrics,
+            queues=self.queues,
             margin_tokens=self.settings.admission_safety_margin_tokens,
             cache_salt_secret=self.settings.cache_salt_secret,
         )
@@ -143,6 +146,15 @@ async def build_components(settings: Settings) -> Components:
         audit=AuditLog(store, settings),
         limiter=TenantLimiter(redis_client, settings.redis_key_prefix),
         metrics=metrics,
+        queues=PairQueues(
+            QueueSettings(
+                default_in_flight=settings.queue_in_flight_per_pair,
+                max_wait_s=settings.queue_max_wait_s,
+                max_queued_per_tenant=settings.queue_max_per_tenant,
+                replicas=settings.queue_replicas,
+            ),
+            metrics,
+        ),
         scanner=scanner,
         redis=redis_client,
     )

@@ -10,9 +10,10 @@ The invariant, for every ``GenerationAsk``:
 1. admit: the prompt is counted with the model's own tokenizer (or refused from its byte length
    alone) and refused with 400 ``context_length_exceeded`` if it fits no candidate pair's live
    limits, before any worker is contacted;
-2. claim: the tenant's limits (when it has any) and the chosen pair's KV tokens are claimed,
-   both held in one ``AsyncExitStack`` that releases them on every exit path; a stream takes the
-   stack over whole and closes it when it ends;
+2. queue and claim: a tenant's request waits its turn for a slot of the chosen pair in the
+   pair's fair queue (``gateway.pair_queues``), then the tenant's limits and the pair's KV
+   tokens are claimed; slot and claims are held in one ``AsyncExitStack`` that releases them on
+   every exit path; a stream takes the stack over whole and closes it when it ends;
 3. dispatch and verify: nothing of decode's answer is handed out before its ``meta_info`` has
    passed ``check_meta``, its text the content scan, and its finish reason the abort check;
 4. audit: a ``Trace`` collects what happened and ``GenerationCore.record`` files its one audit
@@ -39,9 +40,11 @@ from .audit import AuditEvent, AuditLog
 from .auth import Principal
 from .dispatch import EngineRequest, PDDispatcher
 from .errors import APIError, unavailable
+from .fair_queue import Share
 from .ids import new_generation_id, tenant_cache_salt
 from .limits import LimitLease, TenantLimiter
 from .metrics import Metrics
+from .pair_queues import PairQueues
 from .pairs import WorkerPair
 from .policies import ModelPolicy, Policies, TenantLimits
 from .protocol import TokenLogprob, utf8_length
@@ -106,6 +109,9 @@ class GenerationAsk:
     pair: WorkerPair | None = None
     # The content check, where it is not the gateway's scanner (the canary's own-marker check).
     scanner: ContentScanner | None = None
+    # Finishes (or raises) when the caller no longer wants the answer, e.g. its client left:
+    # a request waiting for its turn then leaves the queue at once.
+    abandoned: Callable[[], Awaitable[object]] | None = None
 
 
 class Catalog(Protocol):
@@ -231,10 +237,12 @@ class GenerationCore:
         scanner: ContentScanner,
         audit: AuditLog,
         metrics: Metrics,
+        queues: PairQueues,
         margin_tokens: int,
         cache_salt_secret: str,
     ) -> None:
         self._catalog = catalog
+        self._queues = queues
         self._routes = routes
         self._ledger = ledger
         self._limiter = limiter
@@ -261,21 +269,30 @@ class GenerationCore:
         prompt_lengths = [len(ids) for ids in counted for _ in range(ask.n)]
         trace.prompt_tokens = prompt_total = sum(prompt_lengths)
 
+        pair = candidates.choose_for_all(self._ledger, prompt_lengths, max_tokens, margin)
+        if pair is None:
+            raise _capacity_busy()
+        trace.pair = pair
+
+        # The pair's fair queue: a tenant's traffic waits its turn, not the others' (the
+        # canary, not a tenant's traffic, goes straight on). The claims are taken as the
+        # request leaves the queue holding its slot; all three are released with ``held``.
         lease = None
         if ask.limits is not None:
+            tenant = self._catalog.policies.tenant(ask.tenant_id)
+            share = Share(ask.tenant_id, tenant.weight, tenant.priority)
+            slot = await self._queues.take(model, pair, share, len(prompt_lengths), ask.abandoned)
+            held.callback(slot.release)
             lease = await self._limiter.acquire(
                 ask.tenant_id, ask.limits, prompt_total + max_tokens * len(prompt_lengths)
             )
             held.push_async_callback(lease.release)
-
-        pair = candidates.choose_for_all(self._ledger, prompt_lengths, max_tokens, margin)
-        if pair is None:
-            raise unavailable(
-                "Every worker pair that could hold this request is busy; try again shortly.",
-                code="capacity_busy",
-            )
-        trace.pair = pair
         need = prompt_total + (max_tokens + margin) * len(prompt_lengths)
+        if not (
+            self._ledger.free_now(pair.prefill_state) >= need
+            and self._ledger.free_now(pair.decode_state) >= need
+        ):
+            raise _capacity_busy()  # taken by others while this one waited
         held.callback(self._ledger.claim(pair.urls, need).release)
 
         cache_salt = tenant_cache_salt(self._cache_salt_secret, ask.tenant_id)
@@ -665,6 +682,13 @@ def _first_failure(tasks: Sequence[asyncio.Future[Any]]) -> BaseException | None
         if task.done() and not task.cancelled() and (failure := task.exception()) is not None:
             return failure
     return None
+
+
+def _capacity_busy() -> APIError:
+    return unavailable(
+        "Every worker pair that could hold this request is busy; try again shortly.",
+        code="capacity_busy",
+    )
 
 
 def token_logprobs(

@@ -89,6 +89,31 @@ class Metrics:
             ["worker", "role"],
             registry=self.registry,
         )
+        self.queue_length = Gauge(
+            "isogate_queue_length",
+            "Requests waiting for a slot of a worker pair, by pool and tenant.",
+            ["pool", "tenant"],
+            registry=self.registry,
+        )
+        self.queue_wait = Histogram(
+            "isogate_queue_wait_seconds",
+            "Time a request waited for its slot (0 when a slot was free), by pool and tenant.",
+            ["pool", "tenant"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.queue_served = Counter(
+            "isogate_queue_served",
+            "Requests that got a slot of a worker pair, by pool and tenant (their shares).",
+            ["pool", "tenant"],
+            registry=self.registry,
+        )
+        self.queue_refused = Counter(
+            "isogate_queue_refused",
+            "Requests refused by the fair queue, by pool, tenant and reason.",
+            ["pool", "tenant", "reason"],
+            registry=self.registry,
+        )
         # The children of every request's two series, by labels: ``labels()`` validates and
         # locks on each call. As bounded as the series themselves (models x tenants x outcomes).
         self._request_series: dict[tuple[str, str, str], tuple[Any, Any]] = {}
@@ -112,6 +137,9 @@ class Metrics:
         count.inc()
         latency.observe(seconds)
 
+    def queue_observer(self, pool: str) -> PoolQueueMetrics:
+        return PoolQueueMetrics(self, pool)
+
     def export(self, capacity: CapacityRegistry, workers: list[tuple[str, str]]) -> bytes:
         for url, role in workers:
             state = capacity.get(url)
@@ -120,3 +148,23 @@ class Metrics:
                 self.pool_tokens.labels(url, role).set(state.max_total_num_tokens)
                 self.used_tokens.labels(url, role).set(state.used_tokens)
         return generate_latest(self.registry)
+
+
+class PoolQueueMetrics:
+    """The fair queue's reports (``gateway.fair_queue.QueueObserver``) for one pool."""
+
+    def __init__(self, metrics: Metrics, pool: str) -> None:
+        self._metrics = metrics
+        self._pool = pool
+
+    def queued(self, tenant_id: str, change: int) -> None:
+        self._metrics.queue_length.labels(self._pool, tenant_id).inc(change)
+
+    def waited(self, tenant_id: str, seconds: float) -> None:
+        self._metrics.queue_wait.labels(self._pool, tenant_id).observe(seconds)
+
+    def served(self, tenant_id: str) -> None:
+        self._metrics.queue_served.labels(self._pool, tenant_id).inc()
+
+    def refused(self, tenant_id: str, reason: str) -> None:
+        self._metrics.queue_refused.labels(self._pool, tenant_id, reason).inc()

@@ -193,6 +193,8 @@ class WorkerCapacity(_Body):
     page_size: int
     used_tokens: int
     engine_patch: str | None
+    max_running_requests: int | None
+    waiting_requests: int
 
 
 class Worker(_Body):

@@ -117,6 +117,7 @@ async def handle_generation(components: Components, request: Request, kind: Kind
             limits=policies.tenant(principal.tenant_id).limits,
             n=parsed.candidates if isinstance(parsed, CompletionRequest) else parsed.choices,
             top_logprobs=parsed.top_logprobs_num,
+            abandoned=lambda: _client_left(request.receive),
         )
 
         # admit → claim → dispatch → verify (the core), then the response
@@ -158,6 +159,14 @@ async def handle_generation(components: Components, request: Request, kind: Kind
         return _with_generation_id(internal.response(), trace)
     finally:
         await held.aclose()  # empty once a stream has taken the claims over
+
+
+async def _client_left(receive: Receive) -> None:
+    """Returns never; raises ``ClientDisconnect`` once the client has gone (the body is read
+    by then, so the only message left to come is the disconnect)."""
+    while True:
+        if (await receive())["type"] == "http.disconnect":
+            raise ClientDisconnect()
 
 
 def _with_generation_id(response: Response, trace: Trace) -> Response:

@@ -17,6 +17,8 @@ from typing import Literal, TypeVar, overload
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from .fair_queue import Priority
+
 IsolationClass = Literal["shared", "dedicated"]
 
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
@@ -57,6 +59,9 @@ class WorkerPool(_Strict):
     dedicated_to: tuple[str, ...] = ()
     prefill: tuple[PrefillWorker, ...] = Field(min_length=1)
     decode: tuple[DecodeWorker, ...] = Field(min_length=1)
+    # Requests in flight per (prefill, decode) pair of this pool before the rest queue
+    # (gateway.pair_queues); unset: derived from what the engine reports and the setting.
+    max_in_flight_per_pair: int | None = Field(default=None, gt=0)
 
 
 class ModelPolicy(_Strict):
@@ -106,6 +111,11 @@ class TenantLimits(_Strict):
 class TenantPolicy(_Strict):
     isolation: IsolationClass = "shared"
     limits: TenantLimits = TenantLimits()
+    # Its share of a contended pair within its priority class (gateway.fair_queue): a tenant
+    # of weight 2 is served twice as often as one of weight 1 while both wait.
+    weight: float = Field(default=1.0, gt=0, le=1000)
+    # Strict classes: "low" is served only while no "normal" or "high" request waits.
+    priority: Priority = "normal"
 
 
 class TenantsFile(_Strict):

@@ -39,6 +39,20 @@ class Settings(BaseSettings):
     # Tokens kept free in every pool on top of prompt + max_tokens.
     admission_safety_margin_tokens: int = 16
 
+    # Fair queueing per worker pair (gateway.pair_queues). Requests in flight per pair before
+    # the rest queue, where neither the pool's policy nor the engine's own
+    # max_running_requests sets a lower cap: where a CPU pair's throughput stopped growing
+    # with concurrency (docs/operations.md, bench/saturation_bench.py).
+    queue_in_flight_per_pair: int = Field(default=8, gt=0)
+    # The longest a request waits for its turn before 429 (its tenant is over its share) or
+    # 503 (the pair is full), with Retry-After.
+    queue_max_wait_s: float = Field(default=10.0, gt=0)
+    # Requests one tenant may have waiting per pair; past it, refused at once.
+    queue_max_per_tenant: int = Field(default=256, ge=0)
+    # Gateway replicas sharing the workers: each replica's cap is its share of the pair's
+    # (ceil(cap / replicas)), so all of them together stay within the cap.
+    queue_replicas: int = Field(default=1, gt=0)
+
     # State
     database_url: str = f"sqlite:///{REPO_ROOT / '.run' / 'isogate.db'}"
     redis_url: str | None = None

@@ -1,0 +1,342 @@
+"""A queue in front of one worker pair: who goes next is chosen by tenant, not by arrival.
+
+The problem: a pair admits whatever fits its KV pool, first come first served, so the tenant
+that sends most sets every tenant's latency. Past the point where the engine's throughput
+stops growing, more requests in flight only make every request slower.
+
+The invariant: at most ``capacity`` slots of a pair are held at once. A request that finds
+the pair full waits in its tenant's FIFO; when a slot frees, the next request goes to the
+backlogged tenant of the highest priority class whose virtual start tag is smallest
+(start-time fair queueing, Goyal et al. 1996): each tenant's tag advances by
+``cost / weight`` per request it is served, so two flooding tenants of weights 2 and 1 are
+served 2 : 1, and a tenant that was idle starts at the current virtual time (no credit is
+banked by staying idle). Priority classes are strict: a lower class is served only while no
+higher class waits.
+
+A request leaves the queue *holding* its slot (``Slot``, a context manager released on every
+exit path). A waiter that is cancelled (its client left) leaves the queue at once and is
+charged nothing; one whose wait runs past ``max_wait_s`` is refused with ``WaitExpired``,
+which says whether its tenant was holding more than its share of the pair (the caller's 429)
+or the pair was simply full (503). Nothing here knows HTTP, the engine or the claims.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+Priority = Literal["high", "normal", "low"]
+PRIORITY_ORDER: tuple[Priority, ...] = ("high", "normal", "low")
+
+
+@dataclass(frozen=True, slots=True)
+class Share:
+    """A tenant's claim on a contended pair: its weight within its priority class."""
+
+    tenant_id: str
+    weight: float = 1.0
+    priority: Priority = "normal"
+
+
+class WaitExpired(Exception):
+    """A queued request waited its whole ``max_wait_s`` (or its tenant's queue was full).
+
+    ``over_share``: the tenant held at least its weighted share of the pair's slots, so the
+    refusal is the tenant's (429); otherwise the pair is full for everyone (503).
+    """
+
+    def __init__(self, over_share: bool, retry_after_s: float, reason: str) -> None:
+        super().__init__(reason)
+        self.over_share = over_share
+        self.retry_after_s = retry_after_s
+        self.reason = reason
+
+
+class Abandoned(Exception):
+    """The caller's ``abandoned`` finished (without raising) while its request waited."""
+
+
+def _granted(waiter: _Waiter) -> bool:
+    return waiter.future.done() and not waiter.future.cancelled()
+
+
+class QueueObserver(Protocol):
+    """What the queue reports, for metrics; every call is cheap and synchronous."""
+
+    def queued(self, tenant_id: str, change: int) -> None: ...
+
+    def waited(self, tenant_id: str, seconds: float) -> None: ...
+
+    def served(self, tenant_id: str) -> None: ...
+
+    def refused(self, tenant_id: str, reason: str) -> None: ...
+
+
+class _Silent:
+    def queued(self, tenant_id: str, change: int) -> None:
+        pass
+
+    def waited(self, tenant_id: str, seconds: float) -> None:
+        pass
+
+    def served(self, tenant_id: str) -> None:
+        pass
+
+    def refused(self, tenant_id: str, reason: str) -> None:
+        pass
+
+
+@dataclass(eq=False, slots=True)
+class _Waiter:
+    share: Share
+    cost: int
+    enqueued_at: float
+    future: asyncio.Future[None]
+
+
+@dataclass(slots=True)
+class _Tenant:
+    share: Share
+    waiting: deque[_Waiter] = field(default_factory=deque)
+    # Virtual time at which this tenant's next request starts (its last finish tag).
+    next_start: float = 0.0
+    holding: int = 0  # slots held now
+    order: int = 0  # tie-break: tenants that became backlogged earlier go first
+
+
+class Slot:
+    """Slots held on one pair; ``release`` (or leaving the ``with``) gives them back once."""
+
+    __slots__ = ("_queue", "_released", "_taken_at", "_tenant", "cost")
+
+    def __init__(self, queue: FairQueue, tenant: _Tenant, cost: int) -> None:
+        self._queue = queue
+        self._tenant = tenant
+        self.cost = cost
+        self._taken_at = queue.clock()
+        self._released = False
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._queue._release(self._tenant, self.cost, self._queue.clock() - self._taken_at)
+
+    def __enter__(self) -> Slot:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
+
+
+class FairQueue:
+    """The slots of one worker pair and the tenants waiting for them (see the module doc)."""
+
+    def __init__(
+        self,
+        capacity: int,
+        *,
+        max_queued_per_tenant: int,
+        observer: QueueObserver | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.capacity = max(1, capacity)
+        self.max_queued_per_tenant = max(0, max_queued_per_tenant)
+        self.clock = clock
+        self._observer: QueueObserver = observer or _Silent()
+        self._tenants: dict[str, _Tenant] = {}
+        self._virtual: dict[Priority, float] = dict.fromkeys(PRIORITY_ORDER, 0.0)
+        self._in_flight = 0
+        self._queued = 0
+        self._order = itertools.count()
+        # Mean time a slot is held (an exponentially weighted average): the Retry-After hint.
+        self._mean_hold_s = 1.0
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    @property
+    def queued(self) -> int:
+        return self._queued
+
+    def queued_of(self, tenant_id: str) -> int:
+        tenant = self._tenants.get(tenant_id)
+        return len(tenant.waiting) if tenant else 0
+
+    def holding_of(self, tenant_id: str) -> int:
+        tenant = self._tenants.get(tenant_id)
+        return tenant.holding if tenant else 0
+
+    def set_capacity(self, capacity: int) -> None:
+        """Adopt a new cap (the engine's report or the policy changed); a larger one lets
+        waiters go at once."""
+        self.capacity = max(1, capacity)
+        self._dispatch()
+
+    async def acquire(
+        self,
+        share: Share,
+        max_wait_s: float,
+        cost: int = 1,
+        abandoned: Callable[[], Awaitable[object]] | None = None,
+    ) -> Slot:
+        """A slot on this pair for one request of ``share``'s tenant, waiting at most
+        ``max_wait_s``; raises ``WaitExpired``. While it waits, ``abandoned()`` (when given)
+        runs alongside: if it finishes first (the client left), the request leaves the queue
+        and what it raised is raised (``Abandoned`` if nothing); a cancelled caller leaves
+        the queue as well."""
+        cost = min(max(1, cost), self.capacity)
+        tenant = self._tenant(share)
+        if self._queued == 0 and self._in_flight + cost <= self.capacity:
+            self._start(tenant, cost)
+            self._observer.waited(share.tenant_id, 0.0)
+            return Slot(self, tenant, cost)
+        if len(tenant.waiting) >= self.max_queued_per_tenant:
+            raise self._refusal(tenant, "tenant_queue_full")
+        waiter = _Waiter(share, cost, self.clock(), asyncio.get_running_loop().create_future())
+        self._enqueue(tenant, waiter)
+        # Only a request that actually waits pays for a watcher task.
+        watcher = asyncio.ensure_future(abandoned()) if abandoned is not None else None
+        waits: set[asyncio.Future[Any]] = {waiter.future}
+        if watcher is not None:
+            waits.add(watcher)
+        try:
+            await asyncio.wait(
+                waits,
+                timeout=max_wait_s if math.isfinite(max_wait_s) else None,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+        except BaseException:
+            if _granted(waiter):
+                Slot(self, tenant, cost).release()  # granted as the caller went: give it back
+            else:
+                self._leave(tenant, waiter)
+            raise
+        finally:
+            if watcher is not None and not watcher.done():
+                watcher.cancel()
+        if _granted(waiter):
+            self._observer.waited(share.tenant_id, self.clock() - waiter.enqueued_at)
+            return Slot(self, tenant, cost)
+        if watcher is not None and watcher.done():
+            self._leave(tenant, waiter)
+            self._observer.refused(share.tenant_id, "abandoned")
+            failure = None if watcher.cancelled() else watcher.exception()
+            raise failure if failure is not None else Abandoned()
+        self._leave(tenant, waiter, refusing=True)
+        raise self._refusal(tenant, "wait_expired")
+
+    # -- the schedule -------------------------------------------------------------------------
+
+    def _tenant(self, share: Share) -> _Tenant:
+        tenant = self._tenants.get(share.tenant_id)
+        if tenant is None:
+            tenant = self._tenants[share.tenant_id] = _Tenant(share)
+        elif tenant.share != share:
+            tenant.share = share  # a policy reload changed its weight or class
+        return tenant
+
+    def _enqueue(self, tenant: _Tenant, waiter: _Waiter) -> None:
+        if not tenant.waiting:
+            # Newly backlogged: it starts now, whatever it was owed before it went idle.
+            priority = tenant.share.priority
+            tenant.next_start = max(tenant.next_start, self._virtual[priority])
+            tenant.order = next(self._order)
+        tenant.waiting.append(waiter)
+        self._queued += 1
+        self._observer.queued(tenant.share.tenant_id, 1)
+
+    def _leave(self, tenant: _Tenant, waiter: _Waiter, *, refusing: bool = False) -> None:
+        waiter.future.cancel()
+        try:
+            tenant.waiting.remove(waiter)
+        except ValueError:
+            return
+        self._queued -= 1
+        self._observer.queued(tenant.share.tenant_id, -1)
+        if not refusing:  # a refusal still needs the tenant's standing to say 429 or 503
+            self._forget_if_idle(tenant)
+        # The head of the queue may have been waiting for the slots this one would have taken.
+        self._dispatch()
+
+    def _start(self, tenant: _Tenant, cost: int) -> None:
+        """Charge ``tenant`` for one request now going to the pair."""
+        priority = tenant.share.priority
+        start = max(tenant.next_start, self._virtual[priority])
+        self._virtual[priority] = start
+        tenant.next_start = start + cost / tenant.share.weight
+        tenant.holding += cost
+        self._in_flight += cost
+        self._observer.served(tenant.share.tenant_id)
+
+    def _release(self, tenant: _Tenant, cost: int, held_s: float) -> None:
+        self._in_flight -= cost
+        tenant.holding -= cost
+        self._mean_hold_s += 0.2 * (held_s - self._mean_hold_s)
+        self._forget_if_idle(tenant)
+        self._dispatch()
+
+    def _forget_if_idle(self, tenant: _Tenant) -> None:
+        # An idle tenant holds no state worth keeping: on return it starts at the virtual time.
+        if not tenant.waiting and tenant.holding == 0:
+            self._tenants.pop(tenant.share.tenant_id, None)
+
+    def _next(self) -> _Tenant | None:
+        """The backlogged tenant that goes next: highest class, then smallest start tag."""
+        best: tuple[int, float, int] | None = None
+        chosen = None
+        for tenant in self._tenants.values():
+            if not tenant.waiting:
+                continue
+            key = (
+                PRIORITY_ORDER.index(tenant.share.priority),
+                max(tenant.next_start, self._virtual[tenant.share.priority]),
+                tenant.order,
+            )
+            if best is None or key < best:
+                best, chosen = key, tenant
+        return chosen
+
+    def _dispatch(self) -> None:
+        while self._queued:
+            tenant = self._next()
+            if tenant is None:
+                return
+            waiter = tenant.waiting[0]
+            if self._in_flight + waiter.cost > self.capacity:
+                return  # the head waits for room; nobody overtakes it (no starvation by size)
+            tenant.waiting.popleft()
+            self._queued -= 1
+            self._observer.queued(tenant.share.tenant_id, -1)
+            self._start(tenant, waiter.cost)
+            waiter.future.set_result(None)
+
+    def _refusal(self, tenant: _Tenant, reason: str) -> WaitExpired:
+        self._observer.refused(tenant.share.tenant_id, reason)
+        over_share = self._over_share(tenant)
+        self._forget_if_idle(tenant)
+        return WaitExpired(over_share, self._retry_after_s(), reason)
+
+    def _over_share(self, tenant: _Tenant) -> bool:
+        """Whether the tenant holds at least its weighted share of the slots, among the
+        tenants of its class that hold or want slots now."""
+        priority = tenant.share.priority
+        others = sum(
+            t.share.weight
+            for t in self._tenants.values()
+            if t is not tenant and t.share.priority == priority and (t.waiting or t.holding)
+        )
+        total = others + tenant.share.weight
+        fair = self.capacity * tenant.share.weight / total
+        return tenant.holding >= fair
+
+    def _retry_after_s(self) -> float:
+        """When a slot is likely to be free for a newcomer: the queue ahead, drained at
+        ``capacity`` slots per mean hold time."""
+        return max(1.0, min(60.0, self._mean_hold_s * (self._queued + 1) / self.capacity))

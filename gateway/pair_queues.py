@@ -1,0 +1,115 @@
+"""One fair queue (``gateway.fair_queue``) per worker pair, capped where the pair saturates.
+
+The cap on requests in flight per pair is, in order: the pool's ``max_in_flight_per_pair``
+(``policies/models.yaml``) when set; else the smaller of the setting
+``queue_in_flight_per_pair`` (where a measured pair's throughput stopped growing with
+concurrency, docs/operations.md) and the engine's own ``max_running_requests`` of either
+worker (past it the engine queues them itself, first come first served). With several
+gateway replicas each one holds ``ceil(cap / replicas)``: their sum stays within the cap, and
+each replica shares its part fairly among the tenants it sees (docs/operations.md).
+
+The KV tokens a request needs are not counted here: they are claimed on the ledger as the
+request leaves the queue (``gateway.admission``), and a pair whose pool is full refuses there.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from .errors import APIError, unavailable
+from .fair_queue import FairQueue, Share, Slot, WaitExpired
+from .metrics import Metrics
+from .pairs import WorkerPair
+from .policies import ModelPolicy
+
+
+@dataclass(frozen=True, slots=True)
+class QueueSettings:
+    default_in_flight: int
+    max_wait_s: float
+    max_queued_per_tenant: int
+    replicas: int = 1
+
+
+def pair_cap(
+    override: int | None,
+    default: int,
+    engine_limits: tuple[int | None, ...],
+    replicas: int = 1,
+) -> int:
+    """The requests this replica lets be in flight on a pair at once (see the module doc)."""
+    if override is not None:
+        cap = override
+    else:
+        cap = min([default, *(limit for limit in engine_limits if limit)])
+    return max(1, math.ceil(cap / max(1, replicas)))
+
+
+class PairQueues:
+    """The queue of every worker pair this replica has sent to, by the pair's two URLs."""
+
+    def __init__(self, settings: QueueSettings, metrics: Metrics) -> None:
+        self._settings = settings
+        self._metrics = metrics
+        self._queues: dict[tuple[str, str], FairQueue] = {}
+
+    def queue(self, model: ModelPolicy, pair: WorkerPair) -> FairQueue:
+        """The pair's queue, its cap brought up to date with the pool's policy and what the
+        engine reports now."""
+        cap = self.cap_of(model, pair)
+        queue = self._queues.get(pair.urls)
+        if queue is None:
+            queue = self._queues[pair.urls] = FairQueue(
+                cap,
+                max_queued_per_tenant=self._settings.max_queued_per_tenant,
+                observer=self._metrics.queue_observer(pair.pool),
+            )
+        elif queue.capacity != cap:
+            queue.set_capacity(cap)
+        return queue
+
+    def cap_of(self, model: ModelPolicy, pair: WorkerPair) -> int:
+        pool = next((p for p in model.pools if p.name == pair.pool), None)
+        return pair_cap(
+            pool.max_in_flight_per_pair if pool is not None else None,
+            self._settings.default_in_flight,
+            (pair.prefill_state.max_running_requests, pair.decode_state.max_running_requests),
+            self._settings.replicas,
+        )
+
+    async def take(
+        self,
+        model: ModelPolicy,
+        pair: WorkerPair,
+        share: Share,
+        cost: int,
+        abandoned: Callable[[], Awaitable[object]] | None = None,
+    ) -> Slot:
+        """A slot of ``pair`` for one request; waits its turn at most ``max_wait_s``, then
+        refuses in OpenAI's terms: 429 for a tenant over its share, 503 for a full pair."""
+        queue = self.queue(model, pair)
+        try:
+            return await queue.acquire(share, self._settings.max_wait_s, cost, abandoned)
+        except WaitExpired as expired:
+            raise queue_refusal(expired, pair.pool) from None
+
+
+def queue_refusal(expired: WaitExpired, pool: str) -> APIError:
+    if expired.over_share:
+        return APIError(
+            429,
+            "This tenant is using its share of the workers of pool "
+            f"'{pool}' and its request waited too long for a turn ({expired.reason}); "
+            "retry after the time given in Retry-After.",
+            "rate_limit_error",
+            "tenant_over_share",
+            headers={"Retry-After": str(max(1, math.ceil(expired.retry_after_s)))},
+        )
+    return unavailable(
+        f"Every worker of pool '{pool}' is busy and the request waited too long for a turn "
+        f"({expired.reason}); try again after the time given in Retry-After.",
+        retry_after_s=expired.retry_after_s,
+        code="pool_saturated",
+    )

@@ -1,0 +1,326 @@
+"""The fair queue's order and shares, bounded wait and exits (gateway.fair_queue, pair_queues).
+
+Deterministic: the slots of a saturated queue are handed out one release at a time and the
+order of service is read back; nothing here depends on how fast anything runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import pytest
+
+from gateway.fair_queue import Abandoned, FairQueue, Share, Slot, WaitExpired
+from gateway.pair_queues import pair_cap, queue_refusal
+
+FOREVER = float("inf")
+
+
+async def _serve_in_order(
+    queue: FairQueue, requests: list[Share], *, served: int | None = None
+) -> list[str]:
+    """Queue ``requests`` (in this order) behind a saturated queue, then free one slot at a time
+    and return the tenants in the order they were served (the first ``served`` of them)."""
+    blockers = [await queue.acquire(Share("blocker"), FOREVER) for _ in range(queue.capacity)]
+    order: list[str] = []
+    slots: asyncio.Queue[Slot] = asyncio.Queue()
+
+    async def one(share: Share) -> None:
+        slot = await queue.acquire(share, FOREVER)
+        order.append(share.tenant_id)
+        await slots.put(slot)
+
+    tasks = [asyncio.ensure_future(one(share)) for share in requests]
+    await asyncio.sleep(0)  # every request is queued, in list order
+    assert queue.queued == len(requests)
+    for blocker in blockers:
+        blocker.release()
+    for _ in range(served if served is not None else len(requests)):
+        (await slots.get()).release()
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    return order[: served if served is not None else len(requests)]
+
+
+def test_weights_two_to_one_are_served_two_to_one_while_both_flood() -> None:
+    heavy, light = Share("a", weight=2), Share("b", weight=1)
+    order = asyncio.run(
+        _serve_in_order(
+            FairQueue(1, max_queued_per_tenant=100), [heavy] * 40 + [light] * 40, served=30
+        )
+    )
+    assert Counter(order) == {"a": 20, "b": 10}
+
+
+def test_a_tenant_arriving_behind_a_flood_is_served_next_not_after_it() -> None:
+    order = asyncio.run(
+        _serve_in_order(FairQueue(1, max_queued_per_tenant=100), [Share("a")] * 10 + [Share("b")])
+    )
+    assert order.index("b") <= 1
+    # First come first served would have put b last.
+    assert order[-1] == "a"
+
+
+def test_equal_weights_alternate() -> None:
+    order = asyncio.run(
+        _serve_in_order(
+            FairQueue(1, max_queued_per_tenant=100), [Share("a")] * 6 + [Share("b")] * 6
+        )
+    )
+    assert order == ["a", "b"] * 6
+
+
+def test_a_higher_priority_class_goes_first_whatever_the_weights() -> None:
+    requests = (
+        [Share("bulk", weight=100, priority="low")] * 3
+        + [Share("std", weight=1)] * 3
+        + [Share("vip", priority="high")] * 3
+    )
+    order = asyncio.run(_serve_in_order(FairQueue(1, max_queued_per_tenant=100), requests))
+    assert order == ["vip"] * 3 + ["std"] * 3 + ["bulk"] * 3
+
+
+def test_an_idle_tenant_banks_no_credit() -> None:
+    async def scenario() -> list[str]:
+        queue = FairQueue(1, max_queued_per_tenant=1000)
+        # b alone is served 50 times while a is idle...
+        for _ in range(50):
+            (await queue.acquire(Share("b"), FOREVER)).release()
+        # ...then both flood: a does not get 50 turns in a row for having been away.
+        return await _serve_in_order(queue, [Share("a")] * 10 + [Share("b")] * 10)
+
+    order = asyncio.run(scenario())
+    assert order[:4].count("b") >= 1
+    assert Counter(order[:10]) == {"a": 5, "b": 5}
+
+
+def test_a_request_of_several_choices_takes_as_many_slots() -> None:
+    async def scenario() -> None:
+        queue = FairQueue(4, max_queued_per_tenant=10)
+        three = await queue.acquire(Share("a"), FOREVER, cost=3)
+        assert queue.in_flight == 3
+        waiting = asyncio.ensure_future(queue.acquire(Share("b"), FOREVER, cost=2))
+        await asyncio.sleep(0)
+        assert not waiting.done() and queue.queued == 1
+        three.release()
+        two = await waiting
+        assert queue.in_flight == 2
+        two.release()
+        # More than the whole pair is clamped to the whole pair, not refused forever.
+        (await queue.acquire(Share("a"), FOREVER, cost=99)).release()
+        assert queue.in_flight == 0
+
+    asyncio.run(scenario())
+
+
+def test_slots_are_released_once_on_every_exit() -> None:
+    async def scenario() -> None:
+        queue = FairQueue(2, max_queued_per_tenant=10)
+        with await queue.acquire(Share("a"), FOREVER) as slot:
+            assert queue.in_flight == 1
+        slot.release()  # a second release gives nothing back twice
+        assert queue.in_flight == 0
+        with pytest.raises(RuntimeError), await queue.acquire(Share("a"), FOREVER):
+            raise RuntimeError("the request failed")
+        assert queue.in_flight == 0 and queue.holding_of("a") == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_wait_past_max_wait_is_refused_and_leaves_the_queue() -> None:
+    async def scenario() -> None:
+        queue = FairQueue(2, max_queued_per_tenant=10)
+        held = [await queue.acquire(Share("a"), FOREVER) for _ in range(2)]
+        # a holds the whole pair: its next request is over its share (429).
+        with pytest.raises(WaitExpired) as over:
+            await queue.acquire(Share("a"), 0.01)
+        assert over.value.over_share and over.value.retry_after_s >= 1
+        # b holds nothing: it is refused because the pair is full (503).
+        with pytest.raises(WaitExpired) as full:
+            await queue.acquire(Share("b"), 0.01)
+        assert not full.value.over_share
+        assert queue.queued == 0 and queue.in_flight == 2
+        for slot in held:
+            slot.release()
+        assert queue.in_flight == 0
+
+    asyncio.run(scenario())
+
+
+def test_the_share_a_refusal_weighs_counts_the_weights_of_those_waiting() -> None:
+    async def scenario() -> tuple[bool, bool]:
+        queue = FairQueue(3, max_queued_per_tenant=10)
+        # a (weight 2) holds 2 of 3 slots, b (weight 1) holds 1: each exactly its share.
+        held = [await queue.acquire(Share("a", weight=2), FOREVER) for _ in range(2)]
+        held.append(await queue.acquire(Share("b"), FOREVER))
+        results = []
+        for share in (Share("a", weight=2), Share("b")):
+            try:
+                await queue.acquire(share, 0.01)
+            except WaitExpired as expired:
+                results.append(expired.over_share)
+        for slot in held:
+            slot.release()
+        return results[0], results[1]
+
+    assert asyncio.run(scenario()) == (True, True)
+
+
+def test_a_tenant_with_a_full_queue_is_refused_at_once() -> None:
+    async def scenario() -> None:
+        queue = FairQueue(1, max_queued_per_tenant=1)
+        slot = await queue.acquire(Share("a"), FOREVER)
+        first = asyncio.ensure_future(queue.acquire(Share("a"), FOREVER))
+        await asyncio.sleep(0)
+        with pytest.raises(WaitExpired) as refused:
+            await queue.acquire(Share("a"), FOREVER)
+        assert refused.value.reason == "tenant_queue_full" and refused.value.over_share
+        slot.release()
+        (await first).release()
+
+    asyncio.run(scenario())
+
+
+def test_a_cancelled_waiter_leaves_the_queue_at_once_and_is_charged_nothing() -> None:
+    async def scenario() -> list[str]:
+        queue = FairQueue(1, max_queued_per_tenant=100)
+        slot = await queue.acquire(Share("x"), FOREVER)
+        gone = [asyncio.ensure_future(queue.acquire(Share("a"), FOREVER)) for _ in range(5)]
+        await asyncio.sleep(0)
+        assert queue.queued_of("a") == 5
+        for task in gone:
+            task.cancel()
+        await asyncio.gather(*gone, return_exceptions=True)
+        assert queue.queued == 0
+        slot.release()
+        assert queue.in_flight == 0
+        # The five that left cost a nothing: it and b alternate from the start.
+        return await _serve_in_order(queue, [Share("b")] * 3 + [Share("a")] * 3)
+
+    assert asyncio.run(scenario()) == ["b", "a"] * 3
+
+
+def test_a_waiter_whose_client_leaves_gets_what_the_watcher_raised() -> None:
+    class Gone(Exception):
+        pass
+
+    async def scenario() -> None:
+        queue = FairQueue(1, max_queued_per_tenant=10)
+        slot = await queue.acquire(Share("x"), FOREVER)
+        left = asyncio.Event()
+
+        async def client_left() -> None:
+            await left.wait()
+            raise Gone
+
+        async def client_left_quietly() -> None:
+            await left.wait()
+
+        waiting = asyncio.ensure_future(queue.acquire(Share("a"), FOREVER, abandoned=client_left))
+        quiet = asyncio.ensure_future(
+            queue.acquire(Share("b"), FOREVER, abandoned=client_left_quietly)
+        )
+        await asyncio.sleep(0)
+        assert queue.queued == 2
+        left.set()
+        with pytest.raises(Gone):
+            await waiting
+        with pytest.raises(Abandoned):
+            await quiet
+        assert queue.queued == 0
+        slot.release()
+        assert queue.in_flight == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_slot_granted_as_its_waiter_is_cancelled_is_given_back() -> None:
+    async def scenario() -> None:
+        queue = FairQueue(1, max_queued_per_tenant=10)
+        slot = await queue.acquire(Share("x"), FOREVER)
+        waiting = asyncio.ensure_future(queue.acquire(Share("a"), FOREVER))
+        await asyncio.sleep(0)
+        slot.release()  # grants the slot to the waiter...
+        waiting.cancel()  # ...which is cancelled before it runs again
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert queue.in_flight == 0 and queue.holding_of("a") == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_larger_cap_lets_waiters_go_at_once() -> None:
+    async def scenario() -> None:
+        queue = FairQueue(1, max_queued_per_tenant=10)
+        slot = await queue.acquire(Share("x"), FOREVER)
+        waiting = asyncio.ensure_future(queue.acquire(Share("a"), FOREVER))
+        await asyncio.sleep(0)
+        queue.set_capacity(2)
+        (await waiting).release()
+        slot.release()
+
+    asyncio.run(scenario())
+
+
+def test_replicas_each_holding_their_part_stay_within_the_cap_and_keep_the_shares() -> None:
+    """Two replicas, each ceil(cap / 2) of a pair, a load balancer alternating each tenant's
+    requests between them: all together hold at most the cap and serve 2 : 1."""
+    cap = 4
+    part = pair_cap(None, cap, (None, None), replicas=2)
+    assert part == 2
+
+    async def scenario() -> Counter[str]:
+        replicas = [FairQueue(part, max_queued_per_tenant=100) for _ in range(2)]
+        heavy, light = Share("a", weight=2), Share("b", weight=1)
+        blockers = [
+            await r.acquire(Share("blocker"), FOREVER) for r in replicas for _ in range(part)
+        ]
+        order: list[str] = []
+        slots: asyncio.Queue[Slot] = asyncio.Queue()
+
+        async def one(replica: FairQueue, share: Share) -> None:
+            slot = await replica.acquire(share, FOREVER)
+            order.append(share.tenant_id)
+            assert sum(r.in_flight for r in replicas) <= cap
+            await slots.put(slot)
+
+        tasks = [
+            asyncio.ensure_future(one(replicas[i % 2], share))
+            for share in (heavy, light)
+            for i in range(40)
+        ]
+        await asyncio.sleep(0)
+        for blocker in blockers:
+            blocker.release()
+        for _ in range(30):
+            (await slots.get()).release()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return Counter(order[:30])
+
+    served = asyncio.run(scenario())
+    assert served["a"] == pytest.approx(2 * served["b"], rel=0.15)
+
+
+def test_the_cap_is_the_policy_else_the_least_of_the_setting_and_the_engines() -> None:
+    assert pair_cap(None, 8, (2048, 2048)) == 8
+    assert pair_cap(None, 8, (4, None)) == 4
+    assert pair_cap(12, 8, (4, 4)) == 12  # the platform team's override wins
+    assert pair_cap(None, 8, (None, None), replicas=3) == 3
+    assert pair_cap(None, 1, (None, None), replicas=4) == 1
+
+
+def test_refusals_are_429_over_share_and_503_pool_full_with_retry_after() -> None:
+    over = queue_refusal(WaitExpired(True, 2.2, "wait_expired"), "shared")
+    full = queue_refusal(WaitExpired(False, 1.0, "wait_expired"), "shared")
+    assert (over.status, over.type, over.code, over.headers["Retry-After"]) == (
+        429,
+        "rate_limit_error",
+        "tenant_over_share",
+        "3",
+    )
+    assert (full.status, full.code, full.headers["Retry-After"]) == (503, "pool_saturated", "1")
+    assert set(over.body()["error"]) == {"message", "type", "param", "code"}
