@@ -57,6 +57,9 @@ class Behaviour:
     # Answer each request as if it were the one before it (its rid and tags): a choice's
     # answer swapped with, or duplicating, another's.
     swap_with_previous: bool = False
+    # A closed gate holds every /generate until the test opens it: a pair kept saturated for
+    # exactly as long as a test needs, not for a guessed time.
+    gate: threading.Event | None = None
 
 
 class _DroppedConnection(Response):
@@ -136,6 +139,8 @@ class StandInWorker:
                     )
             if b.hang:
                 await asyncio.sleep(3600)
+            while b.gate is not None and not b.gate.is_set():
+                await asyncio.sleep(0.005)
             if b.drop_connection:
                 return _DroppedConnection()
             if b.status != 200:

@@ -1,0 +1,275 @@
+"""Fair share of a saturated pair, through a real gateway process (gateway.fair_queue).
+
+Stand-in workers, because the point is a pair held saturated for exactly as long as a test
+needs: the decode stand-in's gate holds every generation until the test opens it. The pool's
+``max_in_flight_per_pair`` is 1, so the order in which the decode stand-in receives requests
+once the gate opens is the order in which the gateway's queue let them go. Nothing is timed:
+the tests wait for states (the queue's length, the decode's requests), never for durations.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from gateway.dev.harness import GatewayProcess
+from gateway.dev.model import DEFAULT_MODEL_DIR, ensure_tiny_model
+from tests.harness import PoolSpec, write_policies
+from tests.standin_worker import Behaviour, StandInWorker
+from tests.verify.stack import (
+    MODEL,
+    POOL_TOKENS,
+    gateway_metric,
+    range_port,
+    sse_events,
+    start_gateway,
+    wait_until,
+)
+
+TENANTS = {
+    "heavy": {"weight": 2},
+    "light": {"weight": 1},
+    "blocker": {},
+    # One request at a time: a limits lease left behind by any path would refuse the next.
+    "single": {"limits": {"max_concurrent": 1}},
+}
+
+
+@dataclass
+class GatedStack:
+    decode: StandInWorker
+    gate: threading.Event
+    gateway: GatewayProcess
+    keys: dict[str, str]
+
+    def client(self, tenant: str, timeout: float = 60) -> httpx.Client:
+        return httpx.Client(
+            base_url=self.gateway.url,
+            headers={"Authorization": f"Bearer {self.keys[tenant]}"},
+            timeout=timeout,
+        )
+
+    def metric(self, name: str, **labels: str) -> float:
+        return gateway_metric(self.gateway, name, **labels)
+
+    def served_tenants(self) -> list[str]:
+        return [r["_headers"].get("x-isolation-tenant", "") for r in self.decode.requests]
+
+    def claimed_tokens(self) -> int:
+        with self.gateway.admin() as admin:
+            workers = admin.get("/admin/workers").json()["data"]
+        return sum(worker["claimed_tokens"] for worker in workers)
+
+
+@contextlib.contextmanager
+def gated_stack(work_dir: Path, max_wait_s: float) -> Iterator[GatedStack]:
+    gate = threading.Event()
+    with contextlib.ExitStack() as stack:
+        prefill = stack.enter_context(
+            StandInWorker("prefill", Behaviour(pool_tokens=POOL_TOKENS), port=range_port())
+        )
+        decode = stack.enter_context(
+            StandInWorker(
+                "decode", Behaviour(pool_tokens=POOL_TOKENS, gate=gate), port=range_port()
+            )
+        )
+        policies = write_policies(
+            work_dir / "policies",
+            model_name=MODEL,
+            tokenizer_dir=ensure_tiny_model(DEFAULT_MODEL_DIR),
+            pools=[PoolSpec("shared", ((prefill.url, range_port()),), (decode.url,))],
+            max_context_tokens=POOL_TOKENS,
+            tenants=TENANTS,
+        )
+        # The pool's own cap (the policy override) sets the pair's in-flight cap to 1.
+        models = yaml.safe_load((policies / "models.yaml").read_text())
+        models["models"][0]["pools"][0]["max_in_flight_per_pair"] = 1
+        (policies / "models.yaml").write_text(yaml.safe_dump(models))
+        gateway = start_gateway(
+            policies,
+            work_dir,
+            {"ISOGATE_QUEUE_MAX_WAIT_S": str(max_wait_s), "ISOGATE_QUEUE_IN_FLIGHT_PER_PAIR": "8"},
+        )
+        stack.callback(gateway.stop)
+        stack.callback(gate.set)  # nothing left hanging in the stand-in when the stack goes
+        keys = {tenant: gateway.create_tenant(tenant)[1] for tenant in TENANTS}
+        yield GatedStack(decode, gate, gateway, keys)
+
+
+@pytest.fixture(scope="module")
+def patient(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatedStack]:
+    """A stack whose queued requests wait far longer than any test here runs."""
+    with gated_stack(tmp_path_factory.mktemp("fair-patient"), max_wait_s=600) as stack:
+        yield stack
+
+
+@pytest.fixture(scope="module")
+def impatient(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatedStack]:
+    with gated_stack(tmp_path_factory.mktemp("fair-impatient"), max_wait_s=0.2) as stack:
+        yield stack
+
+
+def _body(stream: bool = False) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 2,
+        "stream": stream,
+    }
+
+
+def _send(stack: GatedStack, tenant: str, results: list[Any], stream: bool = False) -> None:
+    with stack.client(tenant) as client:
+        if stream:
+            with client.stream("POST", "/v1/chat/completions", json=_body(True)) as response:
+                events = sse_events(response)
+                results.append((response.status_code, events[-1] if events else None))
+        else:
+            response = client.post("/v1/chat/completions", json=_body())
+            results.append((response.status_code, None))
+
+
+def _in_threads(calls: list[Any]) -> list[threading.Thread]:
+    threads = [threading.Thread(target=call, daemon=True) for call in calls]
+    for thread in threads:
+        thread.start()
+    return threads
+
+
+def _hold_the_pair(stack: GatedStack, results: list[Any]) -> list[threading.Thread]:
+    """Close the gate and put the blocker's request on the pair's one slot."""
+    stack.gate.clear()
+    stack.decode.requests.clear()
+    threads = _in_threads([lambda: _send(stack, "blocker", results)])
+    assert wait_until(lambda: len(stack.decode.requests) == 1, 30), "blocker never reached decode"
+    return threads
+
+
+def _queued(stack: GatedStack) -> float:
+    return stack.metric("isogate_queue_length")
+
+
+def test_weights_two_to_one_are_served_two_to_one_under_saturation(patient: GatedStack) -> None:
+    results: list[Any] = []
+    threads = _hold_the_pair(patient, results)
+    # heavy (weight 2) sends whole answers, light (weight 1) streams: both kinds queue alike.
+    threads += _in_threads(
+        [lambda: _send(patient, "heavy", results) for _ in range(20)]
+        + [lambda: _send(patient, "light", results, stream=True) for _ in range(20)]
+    )
+    assert wait_until(lambda: _queued(patient) == 40, 60), _queued(patient)
+    patient.gate.set()
+    for thread in threads:
+        thread.join(60)
+    assert [status for status, _ in results] == [200] * 41
+    assert all(last == "[DONE]" for _, last in results if last is not None)
+    served = patient.served_tenants()
+    assert served[0] == "blocker"
+    # While both waited (the first 30 after the blocker), heavy was served twice as often.
+    shares = Counter(served[1:31])
+    assert shares["heavy"] == pytest.approx(2 * shares["light"], rel=0.15), shares
+    # First come first served would have sent every one of heavy's 20 first, or interleaved
+    # them 1 : 1; the metrics count what each tenant was served.
+    assert patient.metric("isogate_queue_served_total", tenant="heavy") >= 20
+    assert patient.metric("isogate_queue_served_total", tenant="light") >= 20
+    assert patient.claimed_tokens() == 0
+
+
+def test_a_client_that_leaves_while_queued_leaves_the_queue_at_once(patient: GatedStack) -> None:
+    results: list[Any] = []
+    threads = _hold_the_pair(patient, results)
+    left: list[str] = []
+
+    def leave(stream: bool) -> None:
+        # The client gives up after a second: far less than the queue's wait (600 s).
+        with patient.client("single", timeout=1) as client:
+            try:
+                if stream:
+                    with client.stream("POST", "/v1/chat/completions", json=_body(True)) as r:
+                        r.read()
+                else:
+                    client.post("/v1/chat/completions", json=_body())
+            except httpx.TimeoutException:
+                left.append("stream" if stream else "whole")
+
+    abandoned_before = patient.metric("isogate_queue_refused_total", reason="abandoned")
+    for thread in _in_threads([lambda: leave(False), lambda: leave(True)]):
+        thread.join(30)
+    assert sorted(left) == ["stream", "whole"]
+    # Both left the queue on their client's disconnect, while the pair is still held.
+    assert wait_until(
+        lambda: (
+            patient.metric("isogate_queue_refused_total", reason="abandoned") - abandoned_before
+            == 2
+        ),
+        30,
+    )
+    assert _queued(patient) == 0
+    assert not patient.gate.is_set()
+    patient.gate.set()
+    for thread in threads:
+        thread.join(60)
+    assert results == [(200, None)]
+    assert "single" not in patient.served_tenants()  # never reached a worker
+    # Nothing of theirs is held: "single" (one request at a time) is served at once.
+    with patient.client("single") as client:
+        assert client.post("/v1/chat/completions", json=_body()).status_code == 200
+    assert patient.claimed_tokens() == 0
+
+
+def test_a_wait_past_the_bound_is_429_over_share_or_503_pool_full(impatient: GatedStack) -> None:
+    results: list[Any] = []
+    threads = _hold_the_pair(impatient, results)
+    with impatient.client("blocker") as client:
+        over = client.post("/v1/chat/completions", json=_body())
+    with impatient.client("single") as client:
+        full = client.post("/v1/chat/completions", json=_body())
+        with client.stream("POST", "/v1/chat/completions", json=_body(True)) as streamed:
+            streamed.read()
+            full_stream = streamed
+    assert over.status_code == 429
+    assert over.json()["error"]["code"] == "tenant_over_share"
+    assert over.json()["error"]["type"] == "rate_limit_error"
+    assert int(over.headers["Retry-After"]) >= 1
+    for refused in (full, full_stream):
+        assert refused.status_code == 503
+        assert refused.json()["error"]["code"] == "pool_saturated"
+        assert set(refused.json()["error"]) == {"message", "type", "param", "code"}
+        assert int(refused.headers["Retry-After"]) >= 1
+    assert impatient.served_tenants() == ["blocker"]
+    impatient.gate.set()
+    for thread in threads:
+        thread.join(60)
+    assert results == [(200, None)]
+    # Every refused path gave back what it held: the one slot, the lease, the KV tokens.
+    with impatient.client("single") as client:
+        assert client.post("/v1/chat/completions", json=_body()).status_code == 200
+    assert impatient.claimed_tokens() == 0
+    assert _queued(impatient) == 0
+
+
+def test_claims_are_released_when_the_worker_fails_after_the_queue(impatient: GatedStack) -> None:
+    impatient.gate.set()
+    impatient.decode.behaviour.status = 500
+    try:
+        with impatient.client("single") as client:
+            failed = client.post("/v1/chat/completions", json=_body())
+            with client.stream("POST", "/v1/chat/completions", json=_body(True)) as streamed:
+                streamed.read()
+    finally:
+        impatient.decode.behaviour.status = 200
+    assert failed.status_code >= 500 and streamed.status_code >= 500
+    with impatient.client("single") as client:
+        assert client.post("/v1/chat/completions", json=_body()).status_code == 200
+        with client.stream("POST", "/v1/chat/completions", json=_body(True)) as streamed:
+            assert sse_events(streamed)[-1] == "[DONE]"
+    assert impatient.claimed_tokens() == 0
