@@ -139,7 +139,8 @@ class StandInWorker:
                     )
             if b.hang:
                 await asyncio.sleep(3600)
-            while b.gate is not None and not b.gate.is_set():
+            # A threading.Event, set from the test's thread: no asyncio.Event can be.
+            while b.gate is not None and not b.gate.is_set():  # noqa: ASYNC110
                 await asyncio.sleep(0.005)
             if b.drop_connection:
                 return _DroppedConnection()
