@@ -1,0 +1,75 @@
+"""Output decoded under the JSON schema of ``tool_choice`` required or named: the whole output
+is an array of ``{"name": ..., "parameters": {...}}``. Constrained decoding promised that, so
+anything else (text around it, an unclosed array, a function nobody offered) is
+``InvalidToolOutput``, never an answer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .types import Function, Functions, InvalidToolOutput, Parsed, ToolCall, json_items, make_call
+
+
+def call_schema(functions: list[Function], parallel: bool) -> dict[str, Any]:
+    """The JSON schema the engine decodes under: at least one call (exactly one without
+    ``parallel``), each naming one of ``functions`` with arguments under its parameters."""
+    items = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "enum": [f.name]},
+                "parameters": dict(f.parameters) or {"type": "object"},
+            },
+            "required": ["name", "parameters"],
+        }
+        for f in functions
+    ]
+    schema: dict[str, Any] = {
+        "type": "array",
+        "minItems": 1,
+        "items": items[0] if len(items) == 1 else {"anyOf": items},
+    }
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
+
+
+class CallArrayStream:
+    """Emits each call as its array item completes; ``finish`` checks the whole output."""
+
+    def __init__(self, functions: Functions) -> None:
+        self._functions = functions
+        self._text = ""
+        self._sent = 0
+
+    def feed(self, delta: str) -> Parsed:
+        self._text += delta
+        start = self._text.find("[")
+        if start < 0:
+            return Parsed()
+        items, _closed, _end = json_items(self._text, start)
+        return Parsed("", self._calls(items[self._sent :]))
+
+    def finish(self) -> Parsed:
+        text = self._text
+        start = text.find("[")
+        if start < 0 or text[:start].strip():
+            raise InvalidToolOutput("the output is not a JSON array of calls")
+        items, closed, end = json_items(text, start)
+        if not closed or text[end:].strip():
+            raise InvalidToolOutput("the calls' JSON array is not complete valid JSON")
+        if not items:
+            raise InvalidToolOutput("the output holds no call")
+        return Parsed("", self._calls(items[self._sent :]))
+
+    def _calls(self, items: list[Any]) -> list[ToolCall]:
+        calls = []
+        for item in items:
+            if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+                raise InvalidToolOutput("a call is not an object with a name")
+            call = make_call(item["name"], item.get("parameters", {}), self._functions)
+            if call is None:
+                raise InvalidToolOutput("a call names a function that was not offered")
+            calls.append(call)
+        self._sent += len(items)
+        return calls
