@@ -50,6 +50,7 @@ from .policies import ModelPolicy, Policies, TenantLimits
 from .protocol import TokenLogprob, utf8_length
 from .routing import Candidates, RoutingCache
 from .tokenize import ChatTurn, ModelTokenizer
+from .tool_parsers import InvalidToolOutput, OutputParser, OutputSpec, ParsedOutput, ToolCall
 from .verify import (
     ContentScanner,
     Expectation,
@@ -70,6 +71,8 @@ log = logging.getLogger("isogate.request")
 @dataclass(slots=True)
 class ChatPrompt:
     turns: list[ChatTurn]
+    # The request's tool definitions, for the template (None: no tools offered).
+    tools: list[dict[str, Any]] | None = None
 
     def utf8_bytes(self) -> int:
         return sum(utf8_length(turn.content) for turn in self.turns)
@@ -112,6 +115,8 @@ class GenerationAsk:
     # Finishes (or raises) when the caller no longer wants the answer, e.g. its client left:
     # a request waiting for its turn then leaves the queue at once.
     abandoned: Callable[[], Awaitable[object]] | None = None
+    # How outputs are read into reasoning, text and tool calls; None: they are text.
+    output: OutputSpec | None = None
 
 
 class Catalog(Protocol):
@@ -142,6 +147,7 @@ class Admitted:
     scanner: ContentScanner
     lease: LimitLease | None
     tokenizer: ModelTokenizer
+    output: OutputSpec | None = None
 
 
 @dataclass(slots=True)
@@ -153,6 +159,9 @@ class Completion:
     completion_tokens: int
     cached_tokens: int
     logprobs: list[TokenLogprob] | None = None
+    # With an output parser: the thinking part (None: none was parsed) and the calls.
+    reasoning: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 # ---- the audit record ----------------------------------------------------------------------
@@ -319,7 +328,7 @@ class GenerationCore:
                     tokenizer.vocab_size,
                 )
                 choices.append(Choice(len(choices), request, expected))
-        return Admitted(pair, choices, ask.scanner or self._scanner, lease, tokenizer)
+        return Admitted(pair, choices, ask.scanner or self._scanner, lease, tokenizer, ask.output)
 
     async def _count(
         self, ask: GenerationAsk, tokenizer: ModelTokenizer, prompt: Prompt, limit: PromptLimit
@@ -336,7 +345,7 @@ class GenerationCore:
             raise context_length_exceeded(f"at least {at_least}", limit, ask.max_tokens)
         if isinstance(prompt, ChatPrompt):
             ids = await tokenizer.encode_chat(
-                prompt.turns, control_text=ask.model.chat_control_text
+                prompt.turns, control_text=ask.model.chat_control_text, tools=prompt.tools
             )
         else:
             ids = await tokenizer.encode_text(
@@ -382,14 +391,25 @@ class GenerationCore:
         if expected.top_logprobs is not None:
             logprobs = token_logprobs(meta, admitted.tokenizer)
             check_text(admitted.scanner, "".join(t.token for t in logprobs), expected.tenant_id)
+        finish_reason = finish_reason_of(meta)
+        reasoning = calls = None
+        if admitted.output is not None:
+            parsed = read_output(admitted.output.parser(), text, final=True)
+            check_parsed(admitted.scanner, parsed, expected.tenant_id)
+            text, calls = parsed.text, parsed.calls
+            reasoning = parsed.reasoning if admitted.output.reasoning is not None else None
+            if calls and finish_reason == "stop":
+                finish_reason = "tool_calls"
         return Completion(
             choice.index,
             text,
-            finish_reason_of(meta),
+            finish_reason,
             expected.prompt_tokens,
             meta.get("completion_tokens", 0),
             meta.get("cached_tokens", 0),
             logprobs,
+            reasoning,
+            calls,
         )
 
     async def open_stream(self, admitted: Admitted, trace: Trace) -> ChoiceStreams:
@@ -407,7 +427,12 @@ class GenerationCore:
     async def _open_one(self, admitted: Admitted, choice: Choice) -> CheckedStream:
         batches = self._dispatcher.stream(admitted.pair, choice.request)
         guard = StreamGuard(admitted.scanner, choice.expected.tenant_id)
-        stream = CheckedStream(choice, batches, guard, admitted.tokenizer)
+        shaper = None
+        if admitted.output is not None:
+            shaper = OutputShaper(
+                admitted.output.parser(), admitted.scanner, choice.expected.tenant_id
+            )
+        stream = CheckedStream(choice, batches, guard, admitted.tokenizer, shaper)
         try:
             stream.take_first(await batches.__anext__())
         except StopAsyncIteration:
@@ -468,11 +493,14 @@ class GenerationCore:
 @dataclass(slots=True)
 class StreamStep:
     """What engine chunks of one choice that arrived together add for the client, all of them
-    checked: text, and the log probabilities of tokens whose text is out too."""
+    checked: text, and the log probabilities of tokens whose text is out too (with an output
+    parser: the answer's text, the reasoning's, and the calls completed)."""
 
     delta: str
     meta: dict[str, Any]  # the last chunk's ``meta_info``
     logprobs: list[TokenLogprob] | None = None
+    reasoning: str = ""
+    tool_calls: list[ToolCall] | None = None
 
     @property
     def finished(self) -> bool:
@@ -488,6 +516,8 @@ class StreamEnd:
     completion_tokens: int
     cached_tokens: int
     logprobs: list[TokenLogprob] | None
+    reasoning: str = ""
+    tool_calls: list[ToolCall] | None = None
 
 
 class CheckedStream:
@@ -506,11 +536,13 @@ class CheckedStream:
         batches: AsyncGenerator[list[dict[str, Any]]],
         guard: StreamGuard,
         tokenizer: ModelTokenizer | None,
+        shaper: OutputShaper | None = None,
     ) -> None:
         self.choice = choice
         self._batches = batches
         self._guard = guard
         self._tokenizer = tokenizer
+        self._shaper = shaper
         self._first: StreamStep | None = None
         self._last_meta: dict[str, Any] = {}
         self._logprobs: list[TokenLogprob] = []
@@ -536,13 +568,15 @@ class CheckedStream:
             check_meta(chunk.get("meta_info"), expected)
         delta = self._guard.feed_all([chunk.get("text", "") for chunk in batch])
         self._last_meta = meta = batch[-1]["meta_info"]
+        step = StreamStep(delta, meta) if self._shaper is None else self._shaper.step(delta, meta)
         if expected.top_logprobs is None or self._tokenizer is None:
-            return StreamStep(delta, meta)
+            return step
         # Cumulative in every chunk: the new entries are those past the ones already taken.
         fresh = token_logprobs(meta, self._tokenizer, start=len(self._logprobs))
         self._logprobs.extend(fresh)
         self._guard.scan_extra("".join(t.token for t in self._logprobs))
-        return StreamStep(delta, meta, self._release_logprobs(self._guard.sent_chars))
+        step.logprobs = self._release_logprobs(self._guard.sent_chars)
+        return step
 
     def _release_logprobs(self, chars: int | None) -> list[TokenLogprob]:
         """The entries whose text is out (all of them with ``chars`` None)."""
@@ -565,13 +599,16 @@ class CheckedStream:
         logprobs = None
         if self.choice.expected.top_logprobs is not None:
             logprobs = self._release_logprobs(None)
-        return StreamEnd(
+        end = StreamEnd(
             tail,
             finish_reason,
             meta.get("completion_tokens", 0),
             meta.get("cached_tokens", 0),
             logprobs,
         )
+        if self._shaper is not None:
+            self._shaper.end(end)
+        return end
 
     async def aclose(self) -> None:
         await self._batches.aclose()
@@ -736,3 +773,71 @@ def finish_reason_of(meta: dict[str, Any]) -> str:
         message = reason.get("message") if isinstance(reason, dict) else None
         raise IsolationFailure(f"engine aborted the request: {message or 'no reason given'}")
     return "length" if kind == "length" else "stop"
+
+
+# ---- reading outputs: reasoning, text, tool calls --------------------------------------------
+
+
+def read_output(parser: OutputParser, text: str, final: bool) -> ParsedOutput:
+    """``text`` through ``parser``; output that broke the constraint it was decoded under is a
+    failed check (fail closed: never an answer without the calls that were promised)."""
+    try:
+        return parser.parse(text) if final else parser.feed(text)
+    except InvalidToolOutput as exc:
+        raise IsolationFailure(f"tool-call output broke its constraint: {exc}") from None
+
+
+def check_parsed(scanner: ContentScanner, parsed: ParsedOutput, tenant_id: str) -> None:
+    """The canary scan of every field handed out: answer, reasoning and each call's name and
+    arguments (as serialised, so a marker the model wrote escaped is found too)."""
+    for text in (parsed.text, parsed.reasoning):
+        check_text(scanner, text, tenant_id)
+    for call in parsed.calls:
+        check_text(scanner, call.name, tenant_id)
+        check_text(scanner, call.arguments, tenant_id)
+
+
+class OutputShaper:
+    """One streamed choice read into reasoning, answer text and calls, each field checked as
+    the raw text is: answer and reasoning through their own hold-back guard, each call whole
+    before it is handed out."""
+
+    def __init__(self, parser: OutputParser, scanner: ContentScanner, tenant_id: str) -> None:
+        self._parser = parser
+        self._scanner = scanner
+        self._tenant_id = tenant_id
+        self._text = StreamGuard(scanner, tenant_id)
+        self._reasoning = StreamGuard(scanner, tenant_id)
+        self.calls_made = 0
+
+    def step(self, delta: str, meta: dict[str, Any]) -> StreamStep:
+        parsed = read_output(self._parser, delta, final=False)
+        text, reasoning = self._released(parsed)
+        return StreamStep(text, meta, None, reasoning, parsed.calls or None)
+
+    def end(self, end: StreamEnd) -> None:
+        """Completes ``end`` (whose ``tail`` is the raw text's last part) with what the fields
+        held back."""
+        parsed = read_output(self._parser, end.tail, final=False)
+        try:
+            last = self._parser.finish()
+        except InvalidToolOutput as exc:
+            raise IsolationFailure(f"tool-call output broke its constraint: {exc}") from None
+        merged = ParsedOutput(
+            parsed.reasoning + last.reasoning, parsed.text + last.text, parsed.calls + last.calls
+        )
+        text, reasoning = self._released(merged)
+        end.tail = text + self._text.finish()
+        end.reasoning = reasoning + self._reasoning.finish()
+        end.tool_calls = merged.calls or None
+        if self.calls_made and end.finish_reason == "stop":
+            end.finish_reason = "tool_calls"
+
+    def _released(self, parsed: ParsedOutput) -> tuple[str, str]:
+        for call in parsed.calls:
+            check_text(self._scanner, call.name, self._tenant_id)
+            check_text(self._scanner, call.arguments, self._tenant_id)
+        self.calls_made += len(parsed.calls)
+        text = self._text.feed(self._text.text + parsed.text)
+        reasoning = self._reasoning.feed(self._reasoning.text + parsed.reasoning)
+        return text, reasoning

@@ -56,6 +56,8 @@ from .protocol import (
     TokenLogprob,
 )
 from .tokenize import ChatTurn
+from .tool_parsers import ToolCall
+from .tool_use import new_tool_call_id, output_spec, template_tools
 from .verify import IsolationFailure
 
 log = logging.getLogger("isogate.request")
@@ -118,6 +120,9 @@ async def handle_generation(components: Components, request: Request, kind: Kind
             n=parsed.candidates if isinstance(parsed, CompletionRequest) else parsed.choices,
             top_logprobs=parsed.top_logprobs_num,
             abandoned=lambda: _client_left(request.receive),
+            output=output_spec(parsed, model)
+            if isinstance(parsed, ChatCompletionRequest)
+            else None,
         )
 
         # admit → claim → dispatch → verify (the core), then the response
@@ -268,7 +273,8 @@ def _max_tokens(parsed: ChatCompletionRequest | CompletionRequest, model: ModelP
 
 def _prompts(parsed: ChatCompletionRequest | CompletionRequest) -> list[Prompt]:
     if isinstance(parsed, ChatCompletionRequest):
-        return [ChatPrompt([ChatTurn(m.role, m.text()) for m in parsed.messages])]
+        turns = [ChatTurn(m.role, m.text(), m.template_fields()) for m in parsed.messages]
+        return [ChatPrompt(turns, template_tools(parsed))]
     return [
         TextPrompt(prompt) if isinstance(prompt, str) else TokenPrompt(prompt)
         for prompt in parsed.prompts()
@@ -298,7 +304,10 @@ def _answer(
     created = protocol.now()
     if kind == "chat":
         chat_choices = [
-            protocol.chat_choice(c.index, c.text, c.finish_reason, c.logprobs) for c in completions
+            protocol.chat_choice(
+                c.index, c.text, c.finish_reason, c.logprobs, c.reasoning, _calls(c.tool_calls)
+            )
+            for c in completions
         ]
         return protocol.chat_completion(
             trace.generation_id, model, created, chat_choices, usage, fingerprint
@@ -308,6 +317,12 @@ def _answer(
         for c in completions
     ]
     return protocol.completion(trace.generation_id, model, created, choices, usage, fingerprint)
+
+
+def _calls(calls: list[ToolCall] | None) -> list[dict[str, Any]] | None:
+    if not calls:
+        return None
+    return [protocol.tool_call(new_tool_call_id(), c.name, c.arguments) for c in calls]
 
 
 # ---- streaming ---------------------------------------------------------------------------
@@ -320,9 +335,18 @@ async def _sse_events(
     goes out before the next wait on decode, the end of the stream with its last text."""
     model, gid, created = trace.model or "", trace.generation_id, protocol.now()
     offsets: dict[int, int] = {}  # characters sent per choice (completions' text_offset)
+    calls_sent: dict[int, int] = {}  # tool calls sent per choice
 
-    def content(index: int, delta: str, logprobs: list[TokenLogprob] | None) -> bytes:
+    def content(
+        index: int,
+        delta: str,
+        logprobs: list[TokenLogprob] | None,
+        reasoning: str = "",
+        calls: list[ToolCall] | None = None,
+    ) -> bytes:
         if kind == "chat":
+            if reasoning or calls:
+                return _chat_fields(index, delta, logprobs, reasoning, calls or [])
             chunk = protocol.chat_chunk(
                 gid, model, created, {"content": delta}, None, index, logprobs
             )
@@ -333,6 +357,37 @@ async def _sse_events(
                 gid, model, created, delta, None, index, logprobs, offset
             )
         return _sse(chunk)
+
+    def _chat_fields(
+        index: int,
+        delta: str,
+        logprobs: list[TokenLogprob] | None,
+        reasoning: str,
+        calls: list[ToolCall],
+    ) -> bytes:
+        fields: dict[str, Any] = {}
+        if reasoning:
+            fields["reasoning_content"] = reasoning
+        if delta:
+            fields["content"] = delta
+        out = []
+        if fields or logprobs:
+            out.append(
+                _sse(protocol.chat_chunk(gid, model, created, fields, None, index, logprobs))
+            )
+        for call in calls:
+            number = calls_sent.get(index, 0)
+            calls_sent[index] = number + 1
+            for piece in protocol.tool_call_deltas(
+                number, new_tool_call_id(), call.name, call.arguments
+            ):
+                if "id" not in piece:
+                    piece = {"index": number, "function": piece["function"]}
+                chunk = protocol.chat_chunk(
+                    gid, model, created, {"tool_calls": [piece]}, None, index
+                )
+                out.append(_sse(chunk))
+        return b"".join(out)
 
     events: list[bytes] = []
     if kind == "chat":
@@ -345,8 +400,10 @@ async def _sse_events(
         index = stream.index
         if isinstance(item, StreamEnd):
             ended.append(item)
-            if item.tail or item.logprobs:
-                events.append(content(index, item.tail, item.logprobs))
+            if item.tail or item.logprobs or item.reasoning or item.tool_calls:
+                events.append(
+                    content(index, item.tail, item.logprobs, item.reasoning, item.tool_calls)
+                )
             if kind == "chat":
                 chunk = protocol.chat_chunk(gid, model, created, {}, item.finish_reason, index)
             else:
@@ -355,8 +412,10 @@ async def _sse_events(
                 )
             events.append(_sse(chunk))
             continue
-        if item.delta or item.logprobs:
-            events.append(content(index, item.delta, item.logprobs))
+        if item.delta or item.logprobs or item.reasoning or item.tool_calls:
+            events.append(
+                content(index, item.delta, item.logprobs, item.reasoning, item.tool_calls)
+            )
         # After the chunk that carries the finish reason only that choice's end follows, so
         # its text waits for it and both go out in one write.
         if events and not item.finished:

@@ -18,6 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .fair_queue import Priority
+from .tool_parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 
 IsolationClass = Literal["shared", "dedicated"]
 
@@ -81,6 +82,29 @@ class ModelPolicy(_Strict):
     # In a completion prompt (the tenant writes all of it): "recognise"d as the tokens, as the
     # tokenizer does by default, encoded as "plain" text, or "refuse"d.
     prompt_control_text: Literal["recognise", "plain", "refuse"] = "recognise"
+    # How the model writes tool calls and reasoning (SGLang's parser names); a model without a
+    # tool_call_parser refuses requests with tools.
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+
+    @field_validator("tool_call_parser")
+    @classmethod
+    def _known_tool_parser(cls, name: str | None) -> str | None:
+        if name is not None and name not in TOOL_CALL_PARSERS:
+            raise ValueError(
+                f"unknown tool_call_parser {name!r}; known: {sorted(TOOL_CALL_PARSERS)}"
+            )
+        return name
+
+    @field_validator("reasoning_parser")
+    @classmethod
+    def _known_reasoning_parser(cls, name: str | None) -> str | None:
+        if name is not None and name not in REASONING_PARSERS:
+            raise ValueError(
+                f"unknown reasoning_parser {name!r}; known: {sorted(REASONING_PARSERS)}"
+            )
+        return name
+
     pools: tuple[WorkerPool, ...] = Field(min_length=1)
 
     @model_validator(mode="after")

@@ -36,6 +36,7 @@ from pydantic_core import PydanticCustomError
 from typing_extensions import TypedDict
 
 from .errors import APIError, bad_request
+from .tool_parsers import Function, call_schema
 
 # Fields SGLang would honour if they reached it: the gateway alone sets them.
 RESERVED_FIELDS = frozenset(
@@ -67,6 +68,7 @@ MAX_STOP = 4
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS = 300
 MAX_GRAMMAR_CHARS = 64 * 1024
+MAX_TOOLS = 128
 
 
 def _refuse(field: str, reason: str) -> PydanticCustomError:
@@ -89,9 +91,6 @@ def _refused(reason: str, allowed: Callable[[Any], bool] = lambda value: value i
         return value
 
     return AfterValidator(check)
-
-
-_NO_TOOLS = "this model has no tool calling"
 
 
 class _Strict(BaseModel):
@@ -311,19 +310,85 @@ class RefusedPart(BaseModel):
         raise _refuse(f"content part of type {self.type}", "this model takes text only")
 
 
+class FunctionCallParam(_Strict):
+    name: str = Field(min_length=1, max_length=64)
+    arguments: str = Field(max_length=MAX_GRAMMAR_CHARS)  # JSON text, as the model wrote it
+
+
+class ToolCallParam(_Strict):
+    """A call an earlier assistant turn made, sent back with the conversation."""
+
+    id: str = Field(min_length=1, max_length=256)
+    type: Literal["function"]
+    function: FunctionCallParam
+
+
+_FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=_FUNCTION_NAME)
+    description: str | None = Field(default=None, max_length=MAX_GRAMMAR_CHARS)
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _schema(cls, parameters: dict[str, Any] | None) -> dict[str, Any] | None:
+        if parameters is not None:
+            check_json_schema(parameters, "tools.function.parameters")
+        return parameters
+
+
+class ToolDefinition(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str = Field(min_length=1, max_length=64)
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(_Strict):
     role: Annotated[
         Literal["system", "developer", "user", "assistant", "tool", "function"],
-        _refused(_NO_TOOLS, lambda role: role not in ("tool", "function")),
+        _refused("use role 'tool' for tool results", lambda role: role != "function"),
     ]
-    content: str | list[ContentPart]
+    # Null only on an assistant turn that made tool calls (checked below).
+    content: str | list[ContentPart] | None = None
     name: str | None = Field(default=None, max_length=256)
-    # Assistant messages: OpenAI's fields; a model without tool calling or audio takes none.
+    # Assistant messages: OpenAI's fields; a model without audio takes none.
     refusal: str | None = None
-    tool_calls: Annotated[list[dict[str, Any]] | None, _refused(_NO_TOOLS)] = None
-    function_call: Annotated[dict[str, Any] | None, _refused(_NO_TOOLS)] = None
+    tool_calls: list[ToolCallParam] | None = Field(default=None, max_length=MAX_TOOLS)
+    function_call: Annotated[
+        dict[str, Any] | None, _refused("use tool_calls (function_call is deprecated)")
+    ] = None
     audio: Annotated[dict[str, Any] | None, _refused("this model takes text only")] = None
-    tool_call_id: Annotated[str | None, _refused(_NO_TOOLS)] = None
+    # Tool messages: the call they answer.
+    tool_call_id: str | None = Field(default=None, min_length=1, max_length=256)
+
+    @model_validator(mode="after")
+    def _fields_of_role(self) -> ChatMessage:
+        if "content" not in self.model_fields_set and not (
+            self.role == "assistant" and self.tool_calls
+        ):
+            raise PydanticCustomError("missing", "Field required", {"param": "messages.content"})
+        if self.tool_calls is not None and self.role != "assistant":
+            raise _invalid("messages.tool_calls", "only an assistant message has tool_calls")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise _invalid("messages.tool_call_id", "a tool message needs tool_call_id")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise _invalid("messages.tool_call_id", "only a tool message has tool_call_id")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise _invalid(
+                "messages.content", "content may be null only with an assistant's tool_calls"
+            )
+        return self
 
     def text(self) -> str:
         content = self.content
@@ -331,6 +396,24 @@ class ChatMessage(_Strict):
             return content
         # As SGLang's chat path flattens text parts for string-content templates.
         return " ".join(part.text for part in content or () if isinstance(part, TextPart))
+
+    def template_fields(self) -> dict[str, Any] | None:
+        """The message's fields beyond role and content, as Hugging Face's
+        ``apply_chat_template`` hands them to the template (None: there are none)."""
+        fields: dict[str, Any] = {}
+        if self.content is None:
+            fields["content"] = None
+        if self.tool_calls:
+            fields["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            fields["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            fields["name"] = self.name
+        return fields or None
+
+
+def _invalid(param: str, message: str) -> PydanticCustomError:
+    return PydanticCustomError("invalid_field", message + ".", {"param": param})
 
 
 class ChatCompletionRequest(_Request):
@@ -372,12 +455,44 @@ class ChatCompletionRequest(_Request):
     moderation: Annotated[dict[str, Any] | None, _refused("there is no moderation model here")] = (
         None
     )
-    tools: Annotated[list[dict[str, Any]] | None, _refused(_NO_TOOLS)] = None
-    tool_choice: Annotated[
-        str | dict[str, Any] | None, _refused(_NO_TOOLS, lambda v: v is None or v == "none")
+    tools: list[ToolDefinition] | None = Field(default=None, min_length=1, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    functions: Annotated[
+        list[dict[str, Any]] | None, _refused("use tools (functions is deprecated)")
     ] = None
-    functions: Annotated[list[dict[str, Any]] | None, _refused(_NO_TOOLS)] = None
-    function_call: Annotated[str | dict[str, Any] | None, _refused(_NO_TOOLS)] = None
+    function_call: Annotated[
+        str | dict[str, Any] | None, _refused("use tool_choice (function_call is deprecated)")
+    ] = None
+
+    @model_validator(mode="after")
+    def _tool_choice_of_tools(self) -> ChatCompletionRequest:
+        tools, choice = self.tools or [], self.tool_choice
+        names = [tool.function.name for tool in tools]
+        if len(set(names)) != len(names):
+            raise _invalid("tools", "function names in tools must be unique")
+        if choice is not None and choice != "none" and not tools:
+            raise _invalid("tool_choice", "tool_choice other than 'none' needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise _invalid(
+                "tool_choice", f"tool_choice names '{choice.function.name}', which is not in tools"
+            )
+        return self
+
+    @property
+    def offered_tools(self) -> list[ToolDefinition]:
+        """The tools the model may call: none with ``tool_choice`` none; all of them otherwise
+        (a named choice constrains the output, not the template, as in OpenAI's API)."""
+        return [] if self.tool_choice == "none" else list(self.tools or [])
+
+    @property
+    def forced_tools(self) -> list[ToolDefinition] | None:
+        """The functions constrained decoding must call one of (``required`` or named)."""
+        choice = self.tool_choice
+        if choice == "required":
+            return list(self.tools or [])
+        if isinstance(choice, NamedToolChoice):
+            return [t for t in self.tools or [] if t.function.name == choice.function.name]
+        return None
 
     @field_validator("top_logprobs")
     @classmethod
@@ -403,6 +518,18 @@ class ChatCompletionRequest(_Request):
 
     def grammar(self) -> dict[str, str]:
         grammars = super().grammar()
+        forced = self.forced_tools
+        if forced is not None:
+            if grammars or (self.response_format and self.response_format.type != "text"):
+                raise bad_request(
+                    "tool_choice 'required' or a named function cannot be combined with "
+                    "response_format, json_schema, regex or ebnf.",
+                    code="invalid_value",
+                    param="tool_choice",
+                )
+            functions = [Function(t.function.name, t.function.parameters or {}) for t in forced]
+            calls = call_schema(functions, parallel=self.parallel_tool_calls is not False)
+            return {"json_schema": orjson.dumps(calls).decode()}
         response_format = self.response_format
         if response_format is not None and response_format.type != "text":
             if "json_schema" in grammars:
@@ -567,7 +694,7 @@ def utf8_length(text: str) -> int:
 
 # ---- responses ------------------------------------------------------------------------
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 @dataclass(slots=True)
@@ -616,14 +743,39 @@ def chat_completion(
 
 
 def chat_choice(
-    index: int, text: str, finish_reason: str, logprobs: list[TokenLogprob] | None
+    index: int,
+    text: str,
+    finish_reason: str,
+    logprobs: list[TokenLogprob] | None,
+    reasoning: str | None = None,
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+        if not text.strip():
+            message["content"] = None  # as OpenAI answers a turn that only calls tools
     return {
         "index": index,
-        "message": {"role": "assistant", "content": text},
+        "message": message,
         "logprobs": None if logprobs is None else chat_logprobs(logprobs),
         "finish_reason": finish_reason,
     }
+
+
+def tool_call(id: str, name: str, arguments: str) -> dict[str, Any]:
+    return {"id": id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def tool_call_deltas(index: int, id: str, name: str, arguments: str) -> list[dict[str, Any]]:
+    """A call in a stream, as OpenAI streams one: its id and name first (empty arguments),
+    then its arguments."""
+    return [
+        {"index": index, "id": id, "type": "function", "function": {"name": name, "arguments": ""}},
+        {"index": index, "function": {"arguments": arguments}},
+    ]
 
 
 def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
@@ -833,9 +985,24 @@ class CompletionLogprobs(_Response):
     text_offset: list[int]
 
 
+class FunctionCallOut(_Response):
+    name: str
+    arguments: str = Field(description="The arguments as JSON text.")
+
+
+class ToolCallOut(_Response):
+    id: str
+    type: Literal["function"]
+    function: FunctionCallOut
+
+
 class AssistantMessage(_Response):
     role: Literal["assistant"]
-    content: str
+    content: str | None = Field(description="Null when the turn only calls tools.")
+    reasoning_content: str | None = Field(
+        default=None, description="The thinking part, for a model with a reasoning parser."
+    )
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatCompletionChoice(_Response):
@@ -879,12 +1046,31 @@ class Completion(_Response):
 
 
 @with_config(ConfigDict(extra="forbid", strict=True))
+class FunctionDelta(TypedDict, total=False):
+    name: str
+    arguments: str
+
+
+@with_config(ConfigDict(extra="forbid", strict=True))
+class ToolCallDelta(TypedDict, total=False):
+    """A streamed call: ``index`` always; ``id``, ``type`` and the name in its first delta, then
+    its arguments."""
+
+    index: int
+    id: str
+    type: Literal["function"]
+    function: FunctionDelta
+
+
+@with_config(ConfigDict(extra="forbid", strict=True))
 class ChatDelta(TypedDict, total=False):
     """What a chat chunk adds: the role (the first chunk, with empty content), text, or nothing
     (the last chunk, which carries the finish reason). A key is there or absent, never null."""
 
     role: Literal["assistant"]
     content: str
+    reasoning_content: str
+    tool_calls: list[ToolCallDelta]
 
 
 class ChatChunkChoice(_Response):

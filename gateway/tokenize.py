@@ -54,6 +54,8 @@ class TokenizerLoadError(Exception):
 class ChatTurn:
     role: str
     content: str
+    # The message's other fields as the template sees them (tool_calls, tool_call_id, name).
+    fields: dict[str, Any] | None = None
 
 
 class ModelTokenizer:
@@ -89,14 +91,22 @@ class ModelTokenizer:
 
     # -- encoding --------------------------------------------------------------------------
 
-    def render_chat(self, turns: Sequence[ChatTurn]) -> str:
+    def render_chat(
+        self, turns: Sequence[ChatTurn], tools: Sequence[dict[str, Any]] | None = None
+    ) -> str:
+        """The conversation as the template renders it, with ``tools`` (the request's tool
+        definitions) and each message's own fields, as Hugging Face's ``apply_chat_template``
+        passes them."""
         if self._template is None:
             raise bad_request(
                 "This model has no chat template; use /v1/completions.", code="no_chat_template"
             )
         try:
             return self._template.render(
-                messages=[{"role": t.role, "content": t.content} for t in turns],
+                messages=[
+                    {"role": t.role, "content": t.content, **(t.fields or {})} for t in turns
+                ],
+                tools=tools or None,
                 add_generation_prompt=True,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
@@ -107,20 +117,31 @@ class ModelTokenizer:
             ) from exc
 
     async def encode_chat(
-        self, turns: Sequence[ChatTurn], *, control_text: ControlText = "plain"
+        self,
+        turns: Sequence[ChatTurn],
+        *,
+        control_text: ControlText = "plain",
+        tools: Sequence[dict[str, Any]] | None = None,
     ) -> list[int]:
         """The rendered conversation's ids. Control-token texts inside messages are plain text
         (``control_text="plain"``) or refused (``"refuse"``); ``"recognise"`` is the library's
-        default, which lets a message forge turns."""
+        default, which lets a message forge turns. In tool definitions and a message's other
+        fields (tool calls), whose text the template may rewrite, such text is refused."""
         # The template places BOS/EOS itself; adding special tokens again would double them.
-        rendered = self.render_chat(turns)
+        rendered = self.render_chat(turns, tools)
+        if control_text != "recognise":
+            structured = [json.dumps(t.fields, ensure_ascii=False) for t in turns if t.fields]
+            if tools:
+                structured.append(json.dumps(list(tools), ensure_ascii=False))
+            if structured and await self._holds_control_text(structured):
+                raise _control_text_refused("tools")
         if control_text == "recognise" or not await self._holds_control_text(
             [turn.content for turn in turns]
         ):
             return await self._encode(rendered, add_special_tokens=False)
         if control_text == "refuse":
             raise _control_text_refused("messages")
-        pieces = self._structure(turns, rendered)
+        pieces = self._structure(turns, rendered, tools)
         if pieces is None:
             # The template rewrites content (trims it, splits it...), so where a message's text
             # lies in the rendering is unknown: refuse rather than guess.
@@ -144,7 +165,12 @@ class ModelTokenizer:
             return self._controls.found_in(texts)
         return await anyio.to_thread.run_sync(self._controls.found_in, texts)
 
-    def _structure(self, turns: Sequence[ChatTurn], rendered: str) -> list[str | int] | None:
+    def _structure(
+        self,
+        turns: Sequence[ChatTurn],
+        rendered: str,
+        tools: Sequence[dict[str, Any]] | None = None,
+    ) -> list[str | int] | None:
         """``rendered`` as text pieces and the ids of the template's own control tokens, or None
         where the template's text cannot be told from the messages'.
 
@@ -153,7 +179,11 @@ class ModelTokenizer:
         library would encode between them, messages included, so content without control text
         gets the same ids either way."""
         skeleton = self.render_chat(
-            [ChatTurn(turn.role, _SLOT.format(index)) for index, turn in enumerate(turns)]
+            [
+                ChatTurn(turn.role, _SLOT.format(index), turn.fields)
+                for index, turn in enumerate(turns)
+            ],
+            tools,
         )
         pieces: list[str | int] = []
         text: list[str] = []  # the piece being gathered

@@ -58,11 +58,27 @@ WEIGHTS_SEED = 20261201
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[2] / ".run" / "models" / "tiny-llama"
 
-# HF-style chat template: messages with role/content, optional generation prompt.
+# HF-style chat template: messages with role/content, optional generation prompt; tools and
+# tool calls in the Hermes / Qwen 2.5 format (``tool_call_parser: qwen25``). Without tools a
+# conversation renders as it always has: "role: content<|eos|>" per message.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}"
+    "system: You may call functions. Their signatures:\n<tools>\n"
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
+    "</tools>\nReturn each call as a JSON object within <tool_call></tool_call> tags:\n"
+    '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+    "{{ eos_token }}\n"
+    "{% endif %}"
     "{% for message in messages %}"
-    "{{ message['role'] }}: {{ message['content'] }}{{ eos_token }}\n"
+    "{{ message['role'] }}: "
+    "{% if message['content'] is not none %}{{ message['content'] }}{% endif %}"
+    "{% for call in message['tool_calls'] or [] %}"
+    '<tool_call>\n{"name": "{{ call.function.name }}", "arguments": '
+    "{% if call.function.arguments is string %}{{ call.function.arguments }}"
+    "{% else %}{{ call.function.arguments | tojson }}{% endif %}}\n</tool_call>"
+    "{% endfor %}"
+    "{{ eos_token }}\n"
     "{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )

@@ -29,6 +29,7 @@ __all__ = [
     "Functions",
     "InvalidToolOutput",
     "OutputParser",
+    "OutputSpec",
     "ParsedOutput",
     "ToolCall",
     "call_schema",
@@ -120,3 +121,22 @@ class OutputParser:
             last = self._tools.finish()
             parsed = Parsed(parsed.text + last.text, parsed.calls + last.calls)
         return ParsedOutput(reasoning, parsed.text, parsed.calls)
+
+
+@dataclass(frozen=True, slots=True)
+class OutputSpec:
+    """How a request's outputs are read: the model's parsers, the functions it may call, and
+    whether decoding was constrained to calls."""
+
+    reasoning: str | None
+    tool_format: str | None
+    functions: Functions
+    constrained: bool = False
+
+    def parser(self) -> OutputParser:
+        return OutputParser(
+            reasoning=self.reasoning,
+            tool_format=self.tool_format,
+            functions=self.functions,
+            constrained=self.constrained,
+        )

@@ -40,9 +40,11 @@ class ReasoningStream:
     def feed(self, delta: str) -> Reasoned:
         self._text += delta
         out = Reasoned()
-        if self._state == "undecided" or (self._state == "reasoning" and self._position == 0):
-            if not self._skip_start():
-                return out
+        at_start = self._state == "undecided" or (
+            self._state == "reasoning" and self._position == 0
+        )
+        if at_start and not self._skip_start():
+            return out
         if self._state == "reasoning":
             self._reason(out, final=False)
         if self._state == "answer":
@@ -67,7 +69,7 @@ class ReasoningStream:
         while text.startswith(start, position):
             position += len(start)
         rest = text[position:]
-        if rest and start.startswith(rest) or (not rest and position == 0):
+        if (rest and start.startswith(rest)) or (not rest and position == 0):
             return False  # too short to tell
         if self._state == "undecided":
             self._state = "reasoning" if position > 0 else "answer"

@@ -217,8 +217,10 @@ def test_out_of_range_and_wrongly_typed_fields_get_a_4xx(
         # ~120,000 tokens in 2,048 messages, under the body limit: far over the pool, refused
         # before dispatch.
         ([{"role": "user", "content": "word " * 60}] * 2048, 400, "context_length_exceeded"),
-        # A documented role or part the model cannot take is refused for that reason.
-        ([{"role": "tool", "content": "x"}], 400, "unsupported_parameter"),
+        # A tool result must say which call it answers; the deprecated role is refused.
+        ([{"role": "tool", "content": "x"}], 400, "invalid_value"),
+        ([{"role": "function", "content": "x", "name": "f"}], 400, "unsupported_parameter"),
+        # A documented part the model cannot take is refused for that reason.
         ([{"role": "user"}], 400, "missing_required_parameter"),
         ([{"role": "user", "content": None}], 400, "invalid_value"),
         (
@@ -231,7 +233,7 @@ def test_out_of_range_and_wrongly_typed_fields_get_a_4xx(
             400,
             "unsupported_parameter",
         ),
-        ([{"role": "user", "content": "x", "tool_calls": []}], 400, "unsupported_parameter"),
+        ([{"role": "user", "content": "x", "tool_calls": []}], 400, "invalid_value"),
         (["just a string"], 400, "invalid_value"),
         ({"role": "user", "content": "x"}, 400, "invalid_value"),
     ],

@@ -78,7 +78,10 @@ COMPLETION_SAMPLES: dict[str, Any] = {
     "user": "u-1",
 }
 # Fields that OpenAI takes only beside another.
-WITH = {"top_logprobs": {"logprobs": True}}
+WITH = {
+    "top_logprobs": {"logprobs": True},
+    "tool_choice": {"tools": CHAT_SAMPLES["tools"]},
+}
 CHAT_REQUIRED = {"messages": MESSAGES, "model": "m"}
 COMPLETION_REQUIRED = {"prompt": "Hi", "model": "m"}
 
