@@ -267,6 +267,7 @@ class BenchModel:
     max_context_tokens: int
     pool: BenchPool
     require_engine_tags: bool = True
+    tokenizer_dir: Path | None = None  # None: the policies' shared tokenizer
 
 
 def write_bench_policies(
@@ -288,7 +289,7 @@ def write_bench_policies(
                 "models": [
                     {
                         "name": m.name,
-                        "tokenizer": str(tokenizer_dir),
+                        "tokenizer": str(m.tokenizer_dir or tokenizer_dir),
                         "max_context_tokens": m.max_context_tokens,
                         "default_max_tokens": 16,
                         "max_output_tokens": 1024,

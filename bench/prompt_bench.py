@@ -10,6 +10,10 @@ and whether tokenizing a 1M-token prompt blocks other requests.
 - Blocking: small requests, one in flight, before and while one 1M-token prompt is being
   tokenized and served. For this part the gateway may use every CPU (tokenizing off the
   event loop only helps when there is another core to run on).
+- Refusal on a real tokenizer: a 1,000,000-token prompt of DeepSeek-V4's tokenizer (model
+  ``deepseek-v4-tiny``, limit 681,280 tokens, the incident's prefill pool). Its bytes alone do
+  not prove it too long, so the gateway tokenizes it whole before it refuses with 400
+  ``context_length_exceeded``: the time to decide, and small requests beside it, as above.
 """
 
 from __future__ import annotations
@@ -26,9 +30,10 @@ import httpx
 import orjson
 
 from bench.processes import BenchModel, free_ports, pin, start_gateway, write_bench_policies
-from bench.rig import LONG_MODEL, MODEL, Rig
+from bench.rig import DEEPSEEK_MODEL, LONG_MODEL, MODEL, Rig
 from bench.routing_bench import request_body
 from bench.stream_client import Target, percentile, run_load
+from gateway.dev.deepseek_model import ensure_deepseek_model
 from gateway.dev.model import ensure_tiny_model
 from gateway.tokenize import ModelTokenizer
 
@@ -76,9 +81,10 @@ class RefusalRow:
 
 @dataclass
 class BlockingResult:
-    big_tokens: int
+    big_tokens: int  # counted here with the model's tokenizer
     big_ms: float
     big_status: int
+    big_code: str | None
     baseline_p50_ms: float
     baseline_p99_ms: float
     during_requests: int
@@ -277,11 +283,18 @@ def capped_refusal(rig: Rig, megabytes: int = 50, log=print) -> RefusalRow:
     return row
 
 
-def blocking(rig: Rig, big_tokens: int = 1_000_000, log=print) -> BlockingResult:
-    tokenizer = ModelTokenizer(ensure_tiny_model())
-    big_body = orjson.dumps(
-        {"model": LONG_MODEL, "prompt": text_of_tokens(tokenizer, big_tokens), "max_tokens": 4}
-    )
+def blocking(
+    rig: Rig,
+    big_tokens: int = 1_000_000,
+    log=print,
+    *,
+    model: str = LONG_MODEL,
+    tokenizer: ModelTokenizer | None = None,
+) -> BlockingResult:
+    tokenizer = tokenizer or ModelTokenizer(ensure_tiny_model())
+    big_text = text_of_tokens(tokenizer, big_tokens)
+    counted = len(tokenizer._tokenizer.encode(big_text, add_special_tokens=False).ids)
+    big_body = orjson.dumps({"model": model, "prompt": big_text, "max_tokens": 4})
     small = Target(
         rig.gateway_url + "/v1/completions",
         request_body(False),
@@ -294,6 +307,11 @@ def blocking(rig: Rig, big_tokens: int = 1_000_000, log=print) -> BlockingResult
         with _client(300) as client:
             big["ms"], response = _post(client, rig, big_body)
             big["status"] = response.status_code
+            big["code"] = (
+                response.json().get("error", {}).get("code")
+                if response.status_code != 200
+                else None
+            )
 
     async def small_while_big() -> list[float]:
         latencies: list[float] = []
@@ -308,9 +326,10 @@ def blocking(rig: Rig, big_tokens: int = 1_000_000, log=print) -> BlockingResult
     during = sorted(asyncio.run(small_while_big()))
     base = sorted(s.total_s * 1000 for s in baseline)
     result = BlockingResult(
-        big_tokens,
+        counted,
         big["ms"],
         big["status"],
+        big["code"],
         percentile(base, 0.5),
         percentile(base, 0.99),
         len(during),
@@ -319,7 +338,8 @@ def blocking(rig: Rig, big_tokens: int = 1_000_000, log=print) -> BlockingResult
         max(during, default=0.0),
     )
     log(
-        f"  1M-token prompt in flight {result.big_ms:.0f} ms (HTTP {result.big_status}); "
+        f"  {model}: {counted:,}-token prompt in flight {result.big_ms:.0f} ms "
+        f"(HTTP {result.big_status} {result.big_code or ''}); "
         f"small requests: baseline p50 {result.baseline_p50_ms:.2f} ms "
         f"p99 {result.baseline_p99_ms:.2f} ms; during n={result.during_requests} "
         f"p50 {result.during_p50_ms:.2f} ms p99 {result.during_p99_ms:.2f} ms "
@@ -339,6 +359,10 @@ def run_prompt_bench(rig: Rig, log=print) -> dict:
     pin(rig.gateway_pid, all_cpus)
     try:
         block = blocking(rig, log=log)
+        log(" refusing a 1M-token prompt of DeepSeek-V4's tokenizer (limit 681,280 tokens)")
+        refuse_real = blocking(
+            rig, log=log, model=DEEPSEEK_MODEL, tokenizer=ModelTokenizer(ensure_deepseek_model())
+        )
     finally:
         pin(rig.gateway_pid, rig.config.router_cpus)
     return {
@@ -347,4 +371,5 @@ def run_prompt_bench(rig: Rig, log=print) -> dict:
         "refusal_capped": asdict(capped),
         "capped_body_bytes": CAPPED_BODY_BYTES,
         "blocking": asdict(block),
+        "refusal_real_tokenizer": asdict(refuse_real),
     }

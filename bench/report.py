@@ -181,6 +181,23 @@ def target_lines(results: dict[str, Any]) -> list[str]:
             f"{block['during_max_ms']:.1f} ms (before: p50 {block['baseline_p50_ms']:.1f} ms) | "
             f"{verdict(ok)} |"
         )
+    real = prompt.get("refusal_real_tokenizer")
+    if real:
+        ok = (
+            real["big_status"] == 400
+            and real["big_code"] == "context_length_exceeded"
+            and real["during_requests"] > 1
+            and real["during_max_ms"] < real["big_ms"] / 4
+        )
+        lines.append(
+            f"| refuse a {real['big_tokens']:,}-token prompt of DeepSeek-V4's tokenizer, "
+            "others not held up | "
+            f"decided in {real['big_ms']:.0f} ms (HTTP {real['big_status']} {real['big_code']}); "
+            f"small requests meanwhile n={real['during_requests']}, "
+            f"p50 {real['during_p50_ms']:.1f} ms, p99 {real['during_p99_ms']:.1f} ms "
+            f"(before: p50 {real['baseline_p50_ms']:.1f}, p99 {real['baseline_p99_ms']:.1f}) | "
+            f"{verdict(ok)} |"
+        )
     memory = results.get("memory")
     if memory and memory.get("streams"):
         row = next((r for r in memory["streams"] if r["streams"] == 1000), memory["streams"][0])
@@ -349,6 +366,29 @@ def render(results: dict[str, Any]) -> str:
                 ],
             ],
         )
+        r = prompt.get("refusal_real_tokenizer")
+        if r:
+            out += [
+                "",
+                f"Small requests (1 in flight) while the gateway tokenizes and refuses a "
+                f"{r['big_tokens']:,}-token prompt of DeepSeek-V4's tokenizer "
+                f"(model `deepseek-v4-tiny`, limit 681,280 tokens):",
+                "",
+            ]
+            out += _table(
+                ["", "requests", "p50 ms", "p99 ms", "max ms"],
+                [
+                    ["before", "-", r["baseline_p50_ms"], r["baseline_p99_ms"], "-"],
+                    [
+                        f"during (decided in {r['big_ms']:.0f} ms, HTTP {r['big_status']} "
+                        f"{r['big_code']})",
+                        r["during_requests"],
+                        r["during_p50_ms"],
+                        r["during_p99_ms"],
+                        r["during_max_ms"],
+                    ],
+                ],
+            )
     peers = results.get("peers")
     if peers:
         out += [

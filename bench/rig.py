@@ -18,6 +18,7 @@ from bench.processes import (
     start_gateway,
     write_bench_policies,
 )
+from gateway.dev.deepseek_model import ensure_deepseek_model
 from gateway.dev.harness import GatewayProcess
 from gateway.dev.model import ensure_tiny_model
 
@@ -25,6 +26,10 @@ POOL_TOKENS = 8_388_608  # the instant backends' advertised KV pool: admission n
 MODEL = "tiny-llama"  # everyday limit: the 65,536-token policy of the dev model
 LONG_MODEL = "tiny-llama-long"  # admits the 1M-token prompts of the tokenization bench
 SLOW_MODEL = "tiny-llama-slow"  # its decode streams slowly: the memory bench's held streams
+# DeepSeek-V4's real tokenizer under the incident's limit (its prefill pool, 681,280 tokens):
+# the 1M-token refusal of the prompt bench.
+DEEPSEEK_MODEL = "deepseek-v4-tiny"
+INCIDENT_LIMIT_TOKENS = 681_280
 SLOW_STREAM_INTERVAL_S = 2.0
 SLOW_STREAM_CHUNKS = 600
 
@@ -101,6 +106,12 @@ def instant_rig(config: BenchConfig, work_dir: Path) -> Iterator[Rig]:
                 BenchModel(MODEL, 65_536, pool),
                 BenchModel(LONG_MODEL, 4_194_304, pool),
                 BenchModel(SLOW_MODEL, 65_536, slow_pool),
+                BenchModel(
+                    DEEPSEEK_MODEL,
+                    INCIDENT_LIMIT_TOKENS,
+                    pool,
+                    tokenizer_dir=ensure_deepseek_model(),
+                ),
             ],
         )
         gateway, key = start_gateway(

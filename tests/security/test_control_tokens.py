@@ -16,13 +16,19 @@ from pathlib import Path
 
 import pytest
 
+from gateway.dev.deepseek_model import ensure_deepseek_model
 from gateway.dev.model import ensure_tiny_model
 from gateway.errors import APIError
 from gateway.tokenize import ChatTurn, ControlText, ModelTokenizer
 from tests.reliability.stack import MODEL, StandInStack
 
 # Each tokenizer every special and added token of which is tried (add a directory to try more).
-TOKENIZER_DIRS: dict[str, Path] = {"tiny-llama": ensure_tiny_model()}
+# DeepSeek-V4's real tokenizer brings 1,283 added tokens (its chat, tool-call, thinking, FIM
+# and placeholder tokens), the tiny model's 3.
+TOKENIZER_DIRS: dict[str, Path] = {
+    "tiny-llama": ensure_tiny_model(),
+    "deepseek-v4-tiny": ensure_deepseek_model(),
+}
 
 
 @pytest.fixture(scope="module", params=sorted(TOKENIZER_DIRS))
@@ -137,3 +143,9 @@ def test_a_forged_turn_does_not_reach_the_worker_as_control_tokens(
     eos = tokenizer._tokenizer.token_to_id("<|eos|>")
     # The template writes one EOS, after the one user turn; the message's two are text.
     assert Counter(forged_prompt_ids)[eos] == 1
+
+
+def test_every_added_token_of_deepseek_v4s_tokenizer_is_tried() -> None:
+    tried = _added_tokens(ModelTokenizer(TOKENIZER_DIRS["deepseek-v4-tiny"]))
+    assert len(tried) == 1_283
+    assert "<｜User｜>" in tried.values() and "<｜tool▁calls▁begin｜>" in tried.values()
