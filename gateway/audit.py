@@ -81,6 +81,7 @@ class AuditEvent:
     latency_ms: float
     created_at: datetime  # UTC, request start
     detail: str | None = None  # short reason for failures; never prompt or completion text
+    pool: str | None = None  # the worker pool that served it (what its tenant is shown)
 
     def row(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in AUDIT_COLUMNS}
@@ -100,10 +101,11 @@ class AuditSpool:
 
     def open(self) -> list[Path]:
         """Lock a directory for this process; return the orphaned directories to adopt."""
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(self.directory, 0o700)
         if not self._try_lock(self.directory):
             own = self.directory / f"pid-{os.getpid()}"
-            own.mkdir(exist_ok=True)
+            own.mkdir(mode=0o700, exist_ok=True)
             if not self._try_lock(own):
                 raise RuntimeError(f"audit spool {own} is locked by another process")
             orphans: list[Path] = []
@@ -128,11 +130,13 @@ class AuditSpool:
         return sorted(self.directory.glob("[0-9]*.jsonl"))
 
     def append(self, rows: list[dict[str, Any]]) -> None:
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         path = self.directory / f"{self._next_number:016d}.jsonl"
         self._next_number += 1
         temporary = path.with_suffix(".tmp")
-        with open(temporary, "wb") as handle:
+        # Readable by this user only: events name tenants, keys and workers.
+        descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with open(descriptor, "wb") as handle:
             # default=str: whatever a buggy caller put in an event, the spool can hold it (the
             # database may still refuse it at replay; then it is set aside, see _insert_each).
             handle.write(b"".join(orjson.dumps(row, default=str) + b"\n" for row in rows))

@@ -77,7 +77,11 @@ async def list_events(request: Request) -> Response:
         raise bad_request("'since' must be earlier than 'until'.", param="since")
     rows, next_cursor = await _query(components, query)
     return _json(
-        {"object": "list", "data": [audit_row_json(r) for r in rows], "next_cursor": next_cursor}
+        {
+            "object": "list",
+            "data": [audit_row_json(r, admin=principal.is_admin) for r in rows],
+            "next_cursor": next_cursor,
+        }
     )
 
 
@@ -93,7 +97,7 @@ async def get_event(request: Request) -> Response:
     rows, _ = await _query(components, query)
     if not rows:
         raise not_found(f"No audit event {generation_id!r}.", param="generation_id")
-    return _json(audit_row_json(rows[0]))
+    return _json(audit_row_json(rows[0], admin=principal.is_admin))
 
 
 def parse_time(value: str | None, name: str) -> datetime | None:

@@ -172,7 +172,7 @@ def cmd_audit(store: Store, args: argparse.Namespace, out: TextIO, err: TextIO) 
         after=parse_cursor(args.cursor),
     )
     rows, next_cursor = store.query_audit(query)
-    _emit(out, args.format, [audit_row_json(r) for r in rows])
+    _emit(out, args.format, [audit_row_json(r, admin=True) for r in rows])
     if next_cursor:
         print(f"# next_cursor: {next_cursor}", file=err)
     return 0

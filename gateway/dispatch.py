@@ -7,6 +7,12 @@ bootstrap triple that pairs them for the KV transfer; both get the isolation hea
 non-streaming: it produces no text the client sees, only its status matters.
 
 Transport failures become OpenAI errors here (503 worker down, 504 timeout, 502 otherwise).
+
+An exchange given up before both workers answered in full (the client left, a timeout, the
+other worker failed) is aborted on both workers by its ``rid`` (SGLang's ``/abort_request``):
+closing the connection alone leaves a non-streaming generation running on SGLang to its end,
+and its KV pages held meanwhile. This is the one place that happens, for whole answers and
+streams alike.
 """
 
 from __future__ import annotations
@@ -71,6 +77,9 @@ def isolation_headers(request: EngineRequest) -> dict[str, str]:
     }
 
 
+_JSON_HEADERS = {"Content-Type": "application/json"}
+
+
 class UpstreamStreamError(Exception):
     """The engine reported an error inside a stream that had already started."""
 
@@ -78,6 +87,8 @@ class UpstreamStreamError(Exception):
 class PDDispatcher:
     def __init__(self, client: UpstreamClient) -> None:
         self._client = client
+        # Aborts in flight: referenced until done (the loop keeps only weak references).
+        self._aborts: set[asyncio.Future[None]] = set()
 
     async def generate(self, pair: WorkerPair, request: EngineRequest) -> dict[str, Any]:
         """Decode's answer, once prefill and decode have both answered 200.
@@ -105,6 +116,8 @@ class PDDispatcher:
             answer: dict[str, Any] = orjson.loads(exchanges[1][1].body())
             return answer
         finally:
+            if len(exchanges) < 2 or not all(c.complete for _, c in exchanges):
+                self._abort(pair, request)
             for _, connection in exchanges:
                 client.finish(connection)
 
@@ -130,6 +143,7 @@ class PDDispatcher:
         )
         chunks = self._decode_chunks(pair, request, headers)
         first: asyncio.Future[list[dict[str, Any]]] | None = None
+        ended = False  # decode's stream ran to its end and prefill answered
         try:
             first = asyncio.ensure_future(chunks.__anext__())
             assert prefill.done is not None  # set by send()
@@ -139,13 +153,17 @@ class PDDispatcher:
             try:
                 yield await first
             except StopAsyncIteration:
+                ended = True
                 return
             async for batch in chunks:
                 yield batch
             if not prefill.answered:
                 await client.wait_for_answers((prefill,))
+            ended = True
             _raise_unless_ok("prefill", prefill)
         finally:
+            if not (ended and prefill.complete):
+                self._abort(pair, request)
             if first is not None and not first.done():
                 first.cancel()
                 with contextlib.suppress(BaseException):
@@ -181,7 +199,12 @@ class PDDispatcher:
                     if "error" in chunk:
                         if chunks:
                             yield chunks  # what came before the error, as it would have unbatched
-                        raise UpstreamStreamError(_error_message(chunk))
+                        message = _error_message(chunk)
+                        log.warning(
+                            "engine error mid-stream",
+                            extra={"role": "decode", "engine_message": message[:500]},
+                        )
+                        raise UpstreamStreamError(message)
                     chunks.append(chunk)
                 if chunks:
                     yield chunks
@@ -198,7 +221,34 @@ class PDDispatcher:
         except (UpstreamError, OSError) as exc:
             raise _transport_error(role, exc) from exc
 
+    def _abort(self, pair: WorkerPair, request: EngineRequest) -> None:
+        """Abort the request on both workers, in the background: the caller may be cancelled
+        (the client left) and must not wait on a worker to let go."""
+        body = orjson.dumps({"rid": request.generation_id})
+        abort = asyncio.ensure_future(self._send_aborts(pair.urls, body))
+        self._aborts.add(abort)
+        abort.add_done_callback(self._aborts.discard)
+
+    async def _send_aborts(self, urls: tuple[str, str], body: bytes) -> None:
+        client = self._client
+        for url in urls:
+            # One at a time: decode waits on prefill's transfer, so prefill goes first.
+            try:
+                connection = await client.send(f"{url}/abort_request", body, _JSON_HEADERS)
+            except (UpstreamError, OSError) as exc:
+                log.debug("abort not sent", extra={"worker": url, "error": str(exc)})
+                continue
+            try:
+                await client.wait_for_answers((connection,))
+                if connection.failure is not None or connection.status != 200:
+                    log.debug("abort refused", extra={"worker": url, "status": connection.status})
+            finally:
+                client.finish(connection)
+
     async def aclose(self) -> None:
+        for abort in list(self._aborts):
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(abort, timeout=2.0)
         await self._client.aclose()
 
 
@@ -217,22 +267,25 @@ def _transport_error(role: str, exc: BaseException) -> APIError:
 
 
 def _engine_error(role: str, status: int, body: bytes) -> APIError:
+    """The gateway's own error for a worker's refusal or failure. The engine's text is logged
+    for operators and never passed on: it names internals (paths, limits, other requests)."""
     try:
         message = _error_message(orjson.loads(body))
     except orjson.JSONDecodeError:
         message = body[:200].decode("utf-8", "replace")
+    log.warning(
+        "engine error", extra={"role": role, "status": status, "engine_message": message[:500]}
+    )
     if 400 <= status < 500 and status not in (408, 429):
         return APIError(
             400,
-            f"The {role} worker refused the request: {message}",
+            f"The {role} worker refused the request.",
             "invalid_request_error",
             "engine_rejected",
         )
     if status == 503:
-        return unavailable(
-            f"The {role} worker is unavailable: {message}", code="worker_unavailable"
-        )
-    return upstream_failed(f"The {role} worker failed (HTTP {status}): {message}")
+        return unavailable(f"The {role} worker is unavailable.", code="worker_unavailable")
+    return upstream_failed(f"The {role} worker failed (HTTP {status}).")
 
 
 def _error_message(body: Any) -> str:

@@ -198,6 +198,7 @@ class Trace:
             latency_ms=(time.perf_counter() - self.started) * 1000.0,
             created_at=self.created_at,
             detail=outcome.detail,
+            pool=self.pair.pool if self.pair else None,
         )
 
 
@@ -770,8 +771,10 @@ def finish_reason_of(meta: dict[str, Any]) -> str:
     if kind == "abort":
         # An engine abort reported with 200 is a failure (see ARCHITECTURE: the 0.5.23 abort
         # with status_code=None answers 200).
+        # The engine's reason is for operators (logged); clients see the gateway's own.
         message = reason.get("message") if isinstance(reason, dict) else None
-        raise IsolationFailure(f"engine aborted the request: {message or 'no reason given'}")
+        log.warning("engine aborted a request", extra={"engine_message": str(message)[:500]})
+        raise IsolationFailure("engine aborted the request")
     return "length" if kind == "length" else "stop"
 
 

@@ -165,8 +165,9 @@ class AuditEvent(_Body):
     outcome: AuditOutcome
     status: int
     code: str | None
-    prefill_worker: str | None
+    prefill_worker: str | None  # null for a tenant key: worker URLs are the operators'
     decode_worker: str | None
+    pool: str | None
     prompt_tokens: int | None
     completion_tokens: int | None
     stream: bool

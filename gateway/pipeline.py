@@ -15,11 +15,11 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Coroutine
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import orjson
 from starlette.requests import ClientDisconnect, Request
@@ -132,7 +132,9 @@ async def handle_generation(components: Components, request: Request, kind: Kind
             streams = await core.open_stream(admitted, trace)
             events = _sse_events(trace, streams, kind, parsed.include_usage)
             return GuardedStream(core, trace, events, streams, held.pop_all(), limit_headers)
-        generated = completions = await core.complete(admitted, trace)
+        generated = completions = await _unless_client_leaves(
+            request.receive, core.complete(admitted, trace)
+        )
         if isinstance(parsed, CompletionRequest) and parsed.candidates > parsed.choices:
             completions = best_of(generated, parsed.candidates, parsed.choices)
             if parsed.logprobs is None:  # asked for the ranking, not by the client
@@ -172,6 +174,29 @@ async def _client_left(receive: Receive) -> None:
     while True:
         if (await receive())["type"] == "http.disconnect":
             raise ClientDisconnect()
+
+
+_T = TypeVar("_T")
+
+
+async def _unless_client_leaves(receive: Receive, work: Coroutine[Any, Any, _T]) -> _T:
+    """``work``'s result, or ``ClientDisconnect`` as soon as the client hangs up: ``work`` is
+    cancelled, which aborts the generation on its workers (``gateway.dispatch``) and leaves
+    the claims to be released."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_client_left(receive))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if not task.cancelled():
+        return task.result()
+    if not watcher.cancelled():
+        watcher.exception()  # the ClientDisconnect, retrieved: raised anew here
+    raise ClientDisconnect()
 
 
 def _with_generation_id(response: Response, trace: Trace) -> Response:
@@ -517,9 +542,9 @@ class GuardedStream(StreamingResponse):
             api_error = (
                 error
                 if isinstance(error, APIError)
-                else APIError(
+                else APIError(  # the engine's own text is in the log (gateway.dispatch)
                     502,
-                    f"The decode worker failed mid-stream: {error}",
+                    "The decode worker failed mid-stream.",
                     "upstream_error",
                     "upstream_error",
                 )

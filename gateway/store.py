@@ -26,6 +26,7 @@ import contextlib
 import functools
 import hashlib
 import itertools
+import os
 import secrets
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -141,6 +142,7 @@ audit_events = Table(
     Column("code", String(100)),
     Column("prefill_worker", String(300)),
     Column("decode_worker", String(300)),
+    Column("pool", String(100)),
     Column("prompt_tokens", Integer),
     Column("completion_tokens", Integer),
     Column("stream", Boolean, nullable=False),
@@ -163,6 +165,7 @@ AUDIT_COLUMNS = (
     "code",
     "prefill_worker",
     "decode_worker",
+    "pool",
     "prompt_tokens",
     "completion_tokens",
     "stream",
@@ -218,7 +221,8 @@ def _audit_values(row: dict[str, Any]) -> list[Any]:
     """A row's values in ``AUDIT_COLUMNS`` order; strings longer than their column (a client's
     10 kB model name) cut to fit, so a value the request path did not bound cannot make a batch
     unwritable; ``created_at`` checked to be a UTC-aware datetime."""
-    values = [row[name] for name in AUDIT_COLUMNS]
+    # .get: rows spooled by an older version lack the columns added since (the pool).
+    values = [row.get(name) for name in AUDIT_COLUMNS]
     for index, limit in _AUDIT_STRING_LIMITS:
         value = values[index]
         if isinstance(value, str) and len(value) > limit:
@@ -635,8 +639,9 @@ class Store:
             return int(conn.execute(select(func.count()).select_from(audit_events)).scalar_one())
 
 
-def audit_row_json(row: dict[str, Any]) -> dict[str, object]:
-    """The public shape of one audit event."""
+def audit_row_json(row: dict[str, Any], *, admin: bool) -> dict[str, object]:
+    """The public shape of one audit event. Worker URLs are internal addresses: only the admin
+    key sees them; a tenant sees the pool that served it."""
     return {
         "object": "audit.event",
         "id": row["generation_id"],
@@ -647,8 +652,9 @@ def audit_row_json(row: dict[str, Any]) -> dict[str, object]:
         "outcome": row["outcome"],
         "status": row["status"],
         "code": row["code"],
-        "prefill_worker": row["prefill_worker"],
-        "decode_worker": row["decode_worker"],
+        "prefill_worker": row["prefill_worker"] if admin else None,
+        "decode_worker": row["decode_worker"] if admin else None,
+        "pool": row["pool"],
         "prompt_tokens": row["prompt_tokens"],
         "completion_tokens": row["completion_tokens"],
         "stream": bool(row["stream"]),
@@ -669,7 +675,7 @@ def create_store(database_url: str, *, migrate: bool = False, busy_timeout_s: fl
     url = make_url(normalize_url(database_url))
     if url.get_backend_name() == "sqlite":
         if url.database and url.database != ":memory:":
-            Path(url.database).parent.mkdir(parents=True, exist_ok=True)
+            private_file(Path(url.database))
         engine = create_engine(url, connect_args={"timeout": busy_timeout_s})
         event.listen(engine, "connect", _sqlite_on_connect)
         reader = None
@@ -696,6 +702,16 @@ def create_store(database_url: str, *, migrate: bool = False, busy_timeout_s: fl
     if migrate:
         store.migrate()
     return store
+
+
+def private_file(path: Path) -> None:
+    """Create ``path`` (and its directory) readable by this user only, or make it so: the
+    store holds every tenant's audit events and key hashes. SQLite gives its WAL and shared
+    memory files the database file's permissions."""
+    if not path.parent.exists():
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+    os.chmod(path, 0o600)  # an existing file keeps its mode on open
 
 
 def normalize_url(database_url: str) -> str:

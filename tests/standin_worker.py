@@ -86,6 +86,8 @@ class StandInWorker:
     behaviour: Behaviour = field(default_factory=Behaviour)
     port: int = field(default_factory=free_port)
     requests: list[dict[str, Any]] = field(default_factory=list)
+    # The rids of the aborts it was sent (SGLang's ``/abort_request``).
+    aborted: list[str] = field(default_factory=list)
     polls: int = 0
     _previous: dict[str, Any] | None = None
     _server: uvicorn.Server | None = None
@@ -160,8 +162,13 @@ class StandInWorker:
                 }
             )
 
+        async def abort_request(request: Request) -> Response:
+            self.aborted.append(orjson.loads(await request.body()).get("rid", ""))
+            return Response(status_code=200)
+
         return Starlette(
             routes=[
+                Route("/abort_request", abort_request, methods=["POST"]),
                 Route("/server_info", server_info),
                 Route("/v1/loads", v1_loads),
                 Route("/v1/models", v1_models),

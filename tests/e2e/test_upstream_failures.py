@@ -204,3 +204,60 @@ def test_a_client_that_leaves_before_its_body_arrived_is_audited_as_cancelled(
             ("client_cancelled", 499)
         ]
         assert "unexpected error" not in gateway.log_tail()
+
+
+def test_a_request_given_up_on_is_aborted_on_both_workers_by_its_rid(
+    tmp_path, tokenizer_dir, workers
+) -> None:
+    prefill, decode = workers
+    with _gateway(
+        tmp_path, tokenizer_dir, prefill.url, decode.url, ISOGATE_UPSTREAM_TIMEOUT_S="1.5"
+    ) as gateway:
+        _, key = gateway.create_tenant()
+        for stream in (False, True):  # served to the end: nothing to abort
+            assert _chat(gateway, key, stream=stream).status_code == 200
+        assert prefill.aborted == [] and decode.aborted == []
+        decode.behaviour = Behaviour(hang=True)
+        for stream in (False, True):
+            response = _chat(gateway, key, stream=stream)
+            assert response.status_code == 504
+            rid = response.headers["X-Generation-Id"]
+            assert _until(lambda rid=rid: rid in prefill.aborted and rid in decode.aborted)
+
+
+def test_a_non_streaming_client_that_leaves_is_aborted_released_and_audited(
+    tmp_path, tokenizer_dir, workers
+) -> None:
+    prefill, decode = workers
+    decode.behaviour = Behaviour(hang=True)  # the generation would outlast the client
+    with _gateway(tmp_path, tokenizer_dir, prefill.url, decode.url) as gateway:
+        tenant_id, key = gateway.create_tenant()
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(
+                gateway.url + "/v1/chat/completions",
+                json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
+                headers={"Authorization": f"Bearer {key}"},
+                timeout=httpx.Timeout(10, read=0.3),
+            )
+        with gateway.admin() as admin:
+
+            def events() -> list[dict]:
+                return admin.get("/v1/audit/events", params={"tenant": tenant_id}).json()["data"]
+
+            recorded = _until(events)
+            assert [(e["outcome"], e["status"]) for e in recorded] == [("client_cancelled", 499)]
+            rid = recorded[0]["generation_id"]
+            assert _until(lambda: rid in prefill.aborted and rid in decode.aborted)
+            claimed = {
+                w["url"]: w["claimed_tokens"] for w in admin.get("/admin/workers").json()["data"]
+            }
+        assert claimed == {prefill.url: 0, decode.url: 0}
+
+
+def _until(predicate, timeout_s: float = 10.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(0.05)
+    return predicate()

@@ -334,6 +334,7 @@ async def test_event_json_carries_every_field_and_no_text(
         "code",
         "prefill_worker",
         "decode_worker",
+        "pool",
         "prompt_tokens",
         "completion_tokens",
         "stream",

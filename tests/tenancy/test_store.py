@@ -236,10 +236,10 @@ def test_migrate_upgrades_an_existing_database_keeping_its_data(database_url: st
     assert old.current_revision() == "0001"
     old.create_tenant("acme", "Acme")
     raw_key, record = old.create_key("acme", "ci")
-    old.migrate("0002")  # the audit log arrives; events are written
-    old.insert_audit_rows(
-        [audit_row("g1", "acme"), audit_row("g2", "acme", at=T0 + timedelta(seconds=1))]
-    )
+    old.migrate("0002")  # the audit log arrives; events are written, with its columns
+    rows = [audit_row("g1", "acme"), audit_row("g2", "acme", at=T0 + timedelta(seconds=1))]
+    with old.engine.begin() as conn:  # only the columns 0002 has (no pool)
+        conn.execute(audit_events.insert(), rows)
     old.dispose()
 
     store = create_store(database_url)
