@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from bench.fair_share_bench import render as render_fair
 from bench.serving_bench import serving_tables
 
 TARGET_ADDED_P50_MS = 0.5
@@ -454,6 +455,9 @@ def render(results: dict[str, Any]) -> str:
                 "(about 0 when client disconnects are noticed).",
                 "",
             ]
+    fair = results.get("fair_share")
+    if fair:
+        out += ["## Fair share on a real SGLang CPU PD pair (issue 18)", "", *render_fair(fair)]
     real = results.get("real_engine")
     if real:
         out += ["## Real SGLang 0.5.23 CPU PD pair (tiny model, small n)", ""]

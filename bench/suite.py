@@ -7,7 +7,8 @@ section-1 cell), BENCH_PIN (default on),
 BENCH_PRIORITY (autogroup nice of the bench's processes, e.g. -10 on a busy shared machine),
 BENCH_REAL_ENGINE (default on in a full run), BENCH_REAL_REQUESTS, BENCH_SERVING (0: no
 sglang.bench_serving in the real section), BENCH_SERVING_PROMPTS, BENCH_SERVING_RATE, BENCH_PEERS,
-BENCH_AUDIT_ROWS, BENCH_SECTIONS (comma list of routing,memory,prompt,peers,real; default all),
+BENCH_AUDIT_ROWS, BENCH_SECTIONS (comma list of routing,memory,prompt,peers,real,fair; default
+all), BENCH_FAIR_SECONDS, BENCH_FAIR_CAP (bench/fair_share_bench.py),
 BENCH_GATEWAY_ROOT (run a patched copy of the gateway). Writes ``bench/results/latest.md`` and
 ``latest.json``.
 """
@@ -26,6 +27,7 @@ from pathlib import Path
 import httpx
 
 from bench.config import BenchConfig
+from bench.fair_share_bench import run_fair_share_bench
 from bench.machine import describe_machine, load_average
 from bench.memory_bench import memory_as_json, run_memory_bench
 from bench.peer_benches import run_peer_benches
@@ -149,6 +151,13 @@ def main() -> int:
             results,
             errors,
             lambda: results.__setitem__("real_engine", run_real_engine_bench(config, work, log)),
+        )
+    if config.runs("fair") and config.real_engine:
+        _section(
+            "fair share on a real SGLang PD pair",
+            results,
+            errors,
+            lambda: results.__setitem__("fair_share", run_fair_share_bench(config, work, log)),
         )
     results["machine"]["load average at end"] = load_average()
     results["seconds"] = time.monotonic() - started
