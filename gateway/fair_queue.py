@@ -198,7 +198,8 @@ class FairQueue:
             self._observer.waited(share.tenant_id, 0.0)
             return Slot(self, tenant, cost)
         if len(tenant.waiting) >= self.max_queued_per_tenant:
-            raise self._refusal(tenant, "tenant_queue_full")
+            # As many waiting as a tenant may have is over its share, whatever it holds.
+            raise self._refusal(tenant, "tenant_queue_full", over_share=True)
         waiter = _Waiter(share, cost, self.clock(), asyncio.get_running_loop().create_future())
         self._enqueue(tenant, waiter)
         # Only a request that actually waits pays for a watcher task.
@@ -317,9 +318,9 @@ class FairQueue:
             self._start(tenant, waiter.cost)
             waiter.future.set_result(None)
 
-    def _refusal(self, tenant: _Tenant, reason: str) -> WaitExpired:
+    def _refusal(self, tenant: _Tenant, reason: str, *, over_share: bool = False) -> WaitExpired:
         self._observer.refused(tenant.share.tenant_id, reason)
-        over_share = self._over_share(tenant)
+        over_share = over_share or self._over_share(tenant)
         self._forget_if_idle(tenant)
         return WaitExpired(over_share, self._retry_after_s(), reason)
 

@@ -156,15 +156,28 @@ class PoolQueueMetrics:
     def __init__(self, metrics: Metrics, pool: str) -> None:
         self._metrics = metrics
         self._pool = pool
+        # Each tenant's three per-request children (``labels()`` validates and locks per call).
+        self._series: dict[str, tuple[Any, Any, Any]] = {}
+
+    def _of(self, tenant_id: str) -> tuple[Any, Any, Any]:
+        series = self._series.get(tenant_id)
+        if series is None:
+            m, pool = self._metrics, self._pool
+            series = self._series[tenant_id] = (
+                m.queue_length.labels(pool, tenant_id),
+                m.queue_wait.labels(pool, tenant_id),
+                m.queue_served.labels(pool, tenant_id),
+            )
+        return series
 
     def queued(self, tenant_id: str, change: int) -> None:
-        self._metrics.queue_length.labels(self._pool, tenant_id).inc(change)
+        self._of(tenant_id)[0].inc(change)
 
     def waited(self, tenant_id: str, seconds: float) -> None:
-        self._metrics.queue_wait.labels(self._pool, tenant_id).observe(seconds)
+        self._of(tenant_id)[1].observe(seconds)
 
     def served(self, tenant_id: str) -> None:
-        self._metrics.queue_served.labels(self._pool, tenant_id).inc()
+        self._of(tenant_id)[2].inc()
 
     def refused(self, tenant_id: str, reason: str) -> None:
         self._metrics.queue_refused.labels(self._pool, tenant_id, reason).inc()

@@ -8,11 +8,16 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 
 from gateway.fair_queue import Abandoned, FairQueue, Share, Slot, WaitExpired
 from gateway.pair_queues import pair_cap, queue_refusal
+from gateway.policies import PolicyError, load_policies
+from tests.harness import PoolSpec, write_policies
 
 FOREVER = float("inf")
 
@@ -324,3 +329,43 @@ def test_refusals_are_429_over_share_and_503_pool_full_with_retry_after() -> Non
     )
     assert (full.status, full.code, full.headers["Retry-After"]) == (503, "pool_saturated", "1")
     assert set(over.body()["error"]) == {"message", "type", "param", "code"}
+
+
+def _policies_with(tmp_path: Path, tenants: dict[str, Any], pool_cap: int | None = None) -> Path:
+    directory = write_policies(
+        tmp_path,
+        model_name="m",
+        tokenizer_dir=tmp_path,
+        pools=[PoolSpec("shared", (("http://p:1", 2),), ("http://d:1",))],
+        tenants=tenants,
+    )
+    if pool_cap is not None:
+        models = yaml.safe_load((directory / "models.yaml").read_text())
+        models["models"][0]["pools"][0]["max_in_flight_per_pair"] = pool_cap
+        (directory / "models.yaml").write_text(yaml.safe_dump(models))
+    return directory
+
+
+def test_weights_priorities_and_pool_caps_are_read_from_the_policy_files(tmp_path: Path) -> None:
+    policies = load_policies(
+        _policies_with(tmp_path, {"acme": {"weight": 2.5, "priority": "high"}}, pool_cap=6)
+    )
+    assert (policies.tenant("acme").weight, policies.tenant("acme").priority) == (2.5, "high")
+    assert (policies.tenant("other").weight, policies.tenant("other").priority) == (1.0, "normal")
+    assert policies.models["m"].pools[0].max_in_flight_per_pair == 6
+
+
+@pytest.mark.parametrize(
+    ("tenants", "pool_cap", "field"),
+    [
+        ({"acme": {"weight": 0}}, None, "weight"),
+        ({"acme": {"weight": -1}}, None, "weight"),
+        ({"acme": {"priority": "urgent"}}, None, "priority"),
+        ({}, 0, "max_in_flight_per_pair"),
+    ],
+)
+def test_a_bad_share_in_a_policy_file_is_refused_at_load(
+    tmp_path: Path, tenants: dict[str, Any], pool_cap: int | None, field: str
+) -> None:
+    with pytest.raises(PolicyError, match=field):
+        load_policies(_policies_with(tmp_path, tenants, pool_cap))
