@@ -48,30 +48,39 @@ TENANTS = {
 class GatedStack:
     decode: StandInWorker
     gate: threading.Event
-    gateway: GatewayProcess
+    gateways: list[GatewayProcess]  # replicas sharing one store, one policy and the workers
     keys: dict[str, str]
 
-    def client(self, tenant: str, timeout: float = 60) -> httpx.Client:
+    @property
+    def gateway(self) -> GatewayProcess:
+        return self.gateways[0]
+
+    def client(self, tenant: str, timeout: float = 60, replica: int = 0) -> httpx.Client:
         return httpx.Client(
-            base_url=self.gateway.url,
+            base_url=self.gateways[replica].url,
             headers={"Authorization": f"Bearer {self.keys[tenant]}"},
             timeout=timeout,
         )
 
     def metric(self, name: str, **labels: str) -> float:
-        return gateway_metric(self.gateway, name, **labels)
+        return sum(gateway_metric(gateway, name, **labels) for gateway in self.gateways)
 
     def served_tenants(self) -> list[str]:
         return [r["_headers"].get("x-isolation-tenant", "") for r in self.decode.requests]
 
     def claimed_tokens(self) -> int:
-        with self.gateway.admin() as admin:
-            workers = admin.get("/admin/workers").json()["data"]
-        return sum(worker["claimed_tokens"] for worker in workers)
+        total = 0
+        for gateway in self.gateways:
+            with gateway.admin() as admin:
+                workers = admin.get("/admin/workers").json()["data"]
+            total += sum(worker["claimed_tokens"] for worker in workers)
+        return total
 
 
 @contextlib.contextmanager
-def gated_stack(work_dir: Path, max_wait_s: float) -> Iterator[GatedStack]:
+def gated_stack(
+    work_dir: Path, max_wait_s: float, *, replicas: int = 1, pool_cap: int = 1
+) -> Iterator[GatedStack]:
     gate = threading.Event()
     with contextlib.ExitStack() as stack:
         prefill = stack.enter_context(
@@ -90,19 +99,23 @@ def gated_stack(work_dir: Path, max_wait_s: float) -> Iterator[GatedStack]:
             max_context_tokens=POOL_TOKENS,
             tenants=TENANTS,
         )
-        # The pool's own cap (the policy override) sets the pair's in-flight cap to 1.
+        # The pool's own cap (the policy override) sets the pair's in-flight cap.
         models = yaml.safe_load((policies / "models.yaml").read_text())
-        models["models"][0]["pools"][0]["max_in_flight_per_pair"] = 1
+        models["models"][0]["pools"][0]["max_in_flight_per_pair"] = pool_cap
         (policies / "models.yaml").write_text(yaml.safe_dump(models))
-        gateway = start_gateway(
-            policies,
-            work_dir,
-            {"ISOGATE_QUEUE_MAX_WAIT_S": str(max_wait_s), "ISOGATE_QUEUE_IN_FLIGHT_PER_PAIR": "8"},
-        )
-        stack.callback(gateway.stop)
+        env = {
+            "ISOGATE_QUEUE_MAX_WAIT_S": str(max_wait_s),
+            "ISOGATE_QUEUE_IN_FLIGHT_PER_PAIR": "8",
+            "ISOGATE_QUEUE_REPLICAS": str(replicas),
+        }
+        gateways = []
+        for _ in range(replicas):
+            # One work directory: one SQLite store, so a key made on one replica works on all.
+            gateways.append(start_gateway(policies, work_dir, env))
+            stack.callback(gateways[-1].stop)
         stack.callback(gate.set)  # nothing left hanging in the stand-in when the stack goes
-        keys = {tenant: gateway.create_tenant(tenant)[1] for tenant in TENANTS}
-        yield GatedStack(decode, gate, gateway, keys)
+        keys = {tenant: gateways[0].create_tenant(tenant)[1] for tenant in TENANTS}
+        yield GatedStack(decode, gate, gateways, keys)
 
 
 @pytest.fixture(scope="module")
@@ -127,8 +140,10 @@ def _body(stream: bool = False) -> dict[str, Any]:
     }
 
 
-def _send(stack: GatedStack, tenant: str, results: list[Any], stream: bool = False) -> None:
-    with stack.client(tenant) as client:
+def _send(
+    stack: GatedStack, tenant: str, results: list[Any], stream: bool = False, replica: int = 0
+) -> None:
+    with stack.client(tenant, replica=replica) as client:
         if stream:
             with client.stream("POST", "/v1/chat/completions", json=_body(True)) as response:
                 events = sse_events(response)
@@ -146,11 +161,14 @@ def _in_threads(calls: list[Any]) -> list[threading.Thread]:
 
 
 def _hold_the_pair(stack: GatedStack, results: list[Any]) -> list[threading.Thread]:
-    """Close the gate and put the blocker's request on the pair's one slot."""
+    """Close the gate and put a blocker's request on the pair's one slot of every replica."""
     stack.gate.clear()
     stack.decode.requests.clear()
-    threads = _in_threads([lambda: _send(stack, "blocker", results)])
-    assert wait_until(lambda: len(stack.decode.requests) == 1, 30), "blocker never reached decode"
+    replicas = len(stack.gateways)
+    threads = _in_threads(
+        [lambda r=r: _send(stack, "blocker", results, replica=r) for r in range(replicas)]
+    )
+    assert wait_until(lambda: len(stack.decode.requests) == replicas, 30), "blockers stuck"
     return threads
 
 
@@ -273,3 +291,37 @@ def test_claims_are_released_when_the_worker_fails_after_the_queue(impatient: Ga
         with client.stream("POST", "/v1/chat/completions", json=_body(True)) as streamed:
             assert sse_events(streamed)[-1] == "[DONE]"
     assert impatient.claimed_tokens() == 0
+
+
+@pytest.fixture(scope="module")
+def replicated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatedStack]:
+    """Two replicas in front of one pair of cap 2: each holds ceil(2 / 2) = 1 of it."""
+    with gated_stack(
+        tmp_path_factory.mktemp("fair-replicas"), max_wait_s=600, replicas=2, pool_cap=2
+    ) as stack:
+        yield stack
+
+
+def test_replicas_together_stay_within_the_cap_and_keep_the_shares(replicated: GatedStack) -> None:
+    results: list[Any] = []
+    threads = _hold_the_pair(replicated, results)
+    # A load balancer alternating between the replicas: each tenant's requests spread evenly.
+    threads += _in_threads(
+        [
+            lambda r=r, tenant=tenant: _send(replicated, tenant, results, replica=r)
+            for tenant in ("heavy", "light")
+            for _ in range(9)
+            for r in (0, 1)
+        ]
+    )
+    assert wait_until(lambda: _queued(replicated) == 36, 60), _queued(replicated)
+    # 38 requests in the gateways, the pair's cap is 2: the decode has seen exactly 2.
+    assert replicated.served_tenants() == ["blocker", "blocker"]
+    replicated.gate.set()
+    for thread in threads:
+        thread.join(60)
+    assert [status for status, _ in results] == [200] * 38
+    # While both tenants waited on both replicas, heavy was served twice as often as light.
+    shares = Counter(replicated.served_tenants()[2:26])
+    assert shares["heavy"] == pytest.approx(2 * shares["light"], rel=0.15), shares
+    assert replicated.claimed_tokens() == 0
