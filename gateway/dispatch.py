@@ -36,6 +36,9 @@ log = logging.getLogger(__name__)
 
 TENANT_HEADER = "X-Isolation-Tenant"
 GENERATION_HEADER = "X-Isolation-Generation"
+# Where ``generate`` puts prefill's ``meta_info`` in decode's answer, when prefill scored the
+# prompt: a key no engine answer has.
+PREFILL_META = "isogate_prefill_meta_info"
 
 
 @dataclass(slots=True)
@@ -47,9 +50,13 @@ class EngineRequest:
     cache_salt: str
     # Log probabilities of the completion's tokens, with this many alternatives each; None: none.
     top_logprobs: int | None = None
+    # The prompt's tokens scored too (``echo``): prefill computes them, so prefill is asked.
+    prompt_logprobs: bool = False
 
 
-def generate_body(pair: WorkerPair, request: EngineRequest, *, stream: bool) -> bytes:
+def generate_body(
+    pair: WorkerPair, request: EngineRequest, *, stream: bool, prompt_logprobs: bool = False
+) -> bytes:
     bootstrap_host = pair.prefill.bootstrap_host or urlsplit(pair.prefill.url).hostname
     body: dict[str, Any] = {
         "input_ids": request.input_ids,
@@ -62,10 +69,11 @@ def generate_body(pair: WorkerPair, request: EngineRequest, *, stream: bool) -> 
         "bootstrap_room": bootstrap_room(request.generation_id),
     }
     if request.top_logprobs is not None:
-        # Only the completion's: the prompt's are never asked for (logprob_start_len -1).
+        # The completion's; the prompt's only from prefill, and only when asked for (from
+        # position 0), since only prefill runs the prompt through the model.
         body["return_logprob"] = True
         body["top_logprobs_num"] = request.top_logprobs
-        body["logprob_start_len"] = -1
+        body["logprob_start_len"] = 0 if prompt_logprobs else -1
     return orjson.dumps(body)
 
 
@@ -102,18 +110,31 @@ class PDDispatcher:
             extra={"prefill": pair.prefill.url, "decode": pair.decode.url, "stream": False},
         )
         headers = isolation_headers(request)
-        body = generate_body(pair, request, stream=False)  # the same for both roles
+        body = generate_body(pair, request, stream=False)  # the same for both roles...
+        prefill_body = (  # ...unless prefill is to score the prompt
+            generate_body(pair, request, stream=False, prompt_logprobs=True)
+            if request.prompt_logprobs
+            else body
+        )
         client = self._client
         exchanges: list[tuple[str, UpstreamConnection]] = []
         try:
-            for role, url in (("prefill", pair.prefill.url), ("decode", pair.decode.url)):
-                exchanges.append((role, await self._send(role, url, body, headers)))
+            for role, url, role_body in (
+                ("prefill", pair.prefill.url, prefill_body),
+                ("decode", pair.decode.url, body),
+            ):
+                exchanges.append((role, await self._send(role, url, role_body, headers)))
             await client.wait_for_answers([connection for _, connection in exchanges])
             # Prefill first: when both failed, decode's failure is most likely prefill's doing.
             for role, connection in exchanges:
                 if connection.answered:  # else abandoned: the other one failed
                     _raise_unless_ok(role, connection)
             answer: dict[str, Any] = orjson.loads(exchanges[1][1].body())
+            if request.prompt_logprobs:
+                prefill_answer = orjson.loads(exchanges[0][1].body())
+                answer[PREFILL_META] = (
+                    prefill_answer.get("meta_info") if isinstance(prefill_answer, dict) else None
+                )
             return answer
         finally:
             if len(exchanges) < 2 or not all(c.complete for _, c in exchanges):

@@ -38,7 +38,7 @@ from typing import Any, Protocol, TypeVar
 from .admission import ClaimLedger, PromptLimit, context_length_exceeded, refuse_if_over
 from .audit import AuditEvent, AuditLog
 from .auth import Principal
-from .dispatch import EngineRequest, PDDispatcher
+from .dispatch import PREFILL_META, EngineRequest, PDDispatcher
 from .errors import APIError, unavailable
 from .fair_queue import Share
 from .ids import new_generation_id, tenant_cache_salt
@@ -47,7 +47,7 @@ from .metrics import Metrics
 from .pair_queues import PairQueues
 from .pairs import WorkerPair
 from .policies import ModelPolicy, Policies, TenantLimits
-from .protocol import TokenLogprob, utf8_length
+from .protocol import PromptLogprobs, TokenLogprob, utf8_length
 from .routing import Candidates, RoutingCache
 from .tokenize import ChatTurn, ModelTokenizer
 from .tool_parsers import InvalidToolOutput, OutputParser, OutputSpec, ParsedOutput, ToolCall
@@ -57,6 +57,7 @@ from .verify import (
     IsolationFailure,
     StreamGuard,
     check_meta,
+    check_prompt_logprobs,
     check_text,
 )
 
@@ -108,6 +109,8 @@ class GenerationAsk:
     n: int = 1
     # Log probabilities of each completion token with this many alternatives; None: none.
     top_logprobs: int | None = None
+    # The prompt's tokens scored too, with as many alternatives (``echo``; needs top_logprobs).
+    prompt_logprobs: bool = False
     # A pair chosen by the caller (the canary probes every pair in turn); else routed.
     pair: WorkerPair | None = None
     # The content check, where it is not the gateway's scanner (the canary's own-marker check).
@@ -134,6 +137,7 @@ class Choice:
     """One PD request of an admitted generation: its own generation ID, tags and checks."""
 
     index: int
+    prompt_index: int
     request: EngineRequest
     expected: Expectation
 
@@ -162,6 +166,8 @@ class Completion:
     # With an output parser: the thinking part (None: none was parsed) and the calls.
     reasoning: str | None = None
     tool_calls: list[ToolCall] | None = None
+    prompt_index: int = 0  # which of the request's prompts it continues
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 # ---- the audit record ----------------------------------------------------------------------
@@ -307,7 +313,7 @@ class GenerationCore:
 
         cache_salt = tenant_cache_salt(self._cache_salt_secret, ask.tenant_id)
         choices: list[Choice] = []
-        for input_ids in counted:
+        for prompt_index, input_ids in enumerate(counted):
             for _ in range(ask.n):
                 # The first choice's ID is the request's (the response id, the audit key).
                 generation_id = new_generation_id() if choices else trace.generation_id
@@ -318,6 +324,7 @@ class GenerationCore:
                     sampling_params=ask.sampling_params,
                     cache_salt=cache_salt,
                     top_logprobs=ask.top_logprobs,
+                    prompt_logprobs=ask.prompt_logprobs and ask.top_logprobs is not None,
                 )
                 expected = Expectation(
                     generation_id,
@@ -328,7 +335,7 @@ class GenerationCore:
                     ask.top_logprobs,
                     tokenizer.vocab_size,
                 )
-                choices.append(Choice(len(choices), request, expected))
+                choices.append(Choice(len(choices), prompt_index, request, expected))
         return Admitted(pair, choices, ask.scanner or self._scanner, lease, tokenizer, ask.output)
 
     async def _count(
@@ -401,6 +408,12 @@ class GenerationCore:
             reasoning = parsed.reasoning if admitted.output.reasoning is not None else None
             if calls and finish_reason == "stop":
                 finish_reason = "tool_calls"
+        scored_prompt = None
+        if choice.request.prompt_logprobs:
+            prefill_meta = output.get(PREFILL_META)
+            check_prompt_logprobs(prefill_meta, choice.request.input_ids, expected)
+            assert isinstance(prefill_meta, dict)  # check_prompt_logprobs refuses anything else
+            scored_prompt = prompt_logprobs(prefill_meta, admitted.tokenizer)
         return Completion(
             choice.index,
             text,
@@ -411,6 +424,8 @@ class GenerationCore:
             logprobs,
             reasoning,
             calls,
+            choice.prompt_index,
+            scored_prompt,
         )
 
     async def open_stream(self, admitted: Admitted, trace: Trace) -> ChoiceStreams:
@@ -745,6 +760,22 @@ def token_logprobs(
             TokenLogprob(text(token), float(logprob), [(text(e[1]), float(e[0])) for e in top])
         )
     return result
+
+
+def prompt_logprobs(meta: dict[str, Any], tokenizer: ModelTokenizer) -> PromptLogprobs:
+    """The prompt's scores, checked by ``check_prompt_logprobs`` already; token texts from the
+    gateway's own tokenizer."""
+    entries = meta["input_token_logprobs"]
+    alternatives = meta.get("input_top_logprobs") or []
+    text = tokenizer.token_text
+    rest = []
+    for position in range(1, len(entries)):
+        logprob, token = entries[position][0], entries[position][1]
+        top = (alternatives[position] if position < len(alternatives) else None) or []
+        rest.append(
+            TokenLogprob(text(token), float(logprob), [(text(e[1]), float(e[0])) for e in top])
+        )
+    return PromptLogprobs(text(entries[0][1]), rest)
 
 
 def best_of(completions: list[Completion], candidates: int, keep: int) -> list[Completion]:

@@ -55,7 +55,7 @@ from .protocol import (
     CompletionRequest,
     TokenLogprob,
 )
-from .tokenize import ChatTurn
+from .tokenize import ChatTurn, ModelTokenizer
 from .tool_parsers import ToolCall
 from .tool_use import new_tool_call_id, output_spec, template_tools
 from .verify import IsolationFailure
@@ -108,8 +108,11 @@ async def handle_generation(components: Components, request: Request, kind: Kind
             raise not_found(
                 f"The model '{parsed.model}' does not exist.", code="model_not_found", param="model"
             )
-        max_tokens = _max_tokens(parsed, model)
-        parsed.check_against(components.tokenizers[model.name].vocab_size, max_tokens)
+        # max_tokens 0 (an echoed prompt only scored): one token is generated, since a PD
+        # pair always decodes one, and dropped.
+        max_tokens = max(_max_tokens(parsed, model), 1)
+        tokenizer = components.tokenizers[model.name]
+        parsed.check_against(tokenizer.vocab_size, max_tokens)
         ask = GenerationAsk(
             tenant_id=principal.tenant_id,
             model=model,
@@ -123,6 +126,7 @@ async def handle_generation(components: Components, request: Request, kind: Kind
             output=output_spec(parsed, model)
             if isinstance(parsed, ChatCompletionRequest)
             else None,
+            prompt_logprobs=isinstance(parsed, CompletionRequest) and parsed.prompt_logprobs,
         )
 
         # admit → claim → dispatch → verify (the core), then the response
@@ -139,6 +143,10 @@ async def handle_generation(components: Components, request: Request, kind: Kind
             completions = best_of(generated, parsed.candidates, parsed.choices)
             if parsed.logprobs is None:  # asked for the ranking, not by the client
                 completions = [dataclasses.replace(c, logprobs=None) for c in completions]
+        if isinstance(parsed, CompletionRequest) and parsed.echo:
+            completions = await _echoed(parsed, completions, tokenizer)
+            if parsed.max_tokens == 0:  # the tokens generated anyway are not the client's
+                generated = [dataclasses.replace(c, completion_tokens=0) for c in generated]
         fingerprint = protocol.system_fingerprint(model.name, str(model.tokenizer))
         result = _answer(kind, trace, model.name, fingerprint, completions, generated)
         core.record(trace, SERVED)
@@ -306,6 +314,34 @@ def _prompts(parsed: ChatCompletionRequest | CompletionRequest) -> list[Prompt]:
     ]
 
 
+async def _echoed(
+    parsed: CompletionRequest, completions: list[Completion], tokenizer: ModelTokenizer
+) -> list[Completion]:
+    """``echo``: each choice's text after its prompt's; with ``max_tokens`` 0, the prompt
+    alone (the token generated anyway is dropped)."""
+    prompts = parsed.prompts()
+    texts = [
+        prompt
+        if isinstance(prompt, str)
+        else await tokenizer.decode(prompt, skip_special_tokens=False)
+        for prompt in prompts
+    ]
+    score_only = parsed.max_tokens == 0
+    echoed = []
+    for c in completions:
+        prompt_text = texts[c.prompt_index]
+        if score_only:
+            c = dataclasses.replace(
+                c,
+                text="",
+                finish_reason="length",
+                completion_tokens=0,
+                logprobs=None if c.logprobs is None else [],
+            )
+        echoed.append(dataclasses.replace(c, text=prompt_text + c.text))
+    return echoed
+
+
 def _answer(
     kind: Kind,
     trace: Trace,
@@ -338,7 +374,9 @@ def _answer(
             trace.generation_id, model, created, chat_choices, usage, fingerprint
         )
     choices = [
-        protocol.completion_choice(c.index, c.text, c.finish_reason, c.logprobs)
+        protocol.completion_choice(
+            c.index, c.text, c.finish_reason, c.logprobs, prompt=c.prompt_logprobs
+        )
         for c in completions
     ]
     return protocol.completion(trace.generation_id, model, created, choices, usage, fingerprint)

@@ -558,6 +558,8 @@ PromptList = list[str] | list[int] | list[list[int]]
 class CompletionRequest(_Request):
     # A string, a list of strings, a list of token ids, or a list of token-id lists.
     prompt: str | list[str] | list[int] | list[list[int]]
+    # 0 with ``echo``: the prompt scored, nothing generated (what evaluation harnesses send).
+    max_tokens: int | None = Field(default=None, ge=0)
     echo: bool | None = None
     logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     best_of: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
@@ -581,8 +583,12 @@ class CompletionRequest(_Request):
     def _refused_fields(self) -> CompletionRequest:
         if self.suffix:
             raise _refuse("suffix", "this model has no fill-in-the-middle template")
-        if self.echo:
-            raise _refuse("echo", "the prompt's log probabilities are not returned here yet")
+        if self.echo and self.stream:
+            raise _refuse("echo", "an echoed prompt is returned whole, not streamed, here")
+        if self.max_tokens == 0 and not self.echo:
+            raise PydanticCustomError(
+                "invalid_field", "max_tokens 0 needs echo: true.", {"param": "max_tokens"}
+            )
         if self.best_of is not None:
             if self.best_of < self.choices:
                 raise PydanticCustomError(
@@ -611,6 +617,11 @@ class CompletionRequest(_Request):
         if self.candidates > self.choices:
             return self.logprobs or 0  # the ranking needs every token's log probability
         return self.logprobs
+
+    @property
+    def prompt_logprobs(self) -> bool:
+        """Whether the prompt's own tokens are scored: ``echo`` with ``logprobs``."""
+        return bool(self.echo) and self.logprobs is not None
 
     def prompts(self) -> list[str] | list[list[int]]:
         """Each prompt of the request, one choice (or ``n``) each."""
@@ -705,6 +716,15 @@ class TokenLogprob:
     token: str
     logprob: float
     top: list[tuple[str, float]]
+
+
+@dataclass(slots=True)
+class PromptLogprobs:
+    """The prompt's tokens scored (``echo``): the first token has no log probability, being
+    conditioned on nothing; every later one is a ``TokenLogprob``."""
+
+    first_token: str
+    rest: list[TokenLogprob]
 
 
 @functools.lru_cache(maxsize=256)
@@ -821,25 +841,45 @@ def completion_choice(
     finish_reason: str | None,
     logprobs: list[TokenLogprob] | None,
     text_offset: int = 0,
+    prompt: PromptLogprobs | None = None,
 ) -> dict[str, Any]:
     return {
         "index": index,
         "text": text,
-        "logprobs": None if logprobs is None else completion_logprobs(logprobs, text_offset),
+        "logprobs": None
+        if logprobs is None
+        else completion_logprobs(logprobs, text_offset, prompt),
         "finish_reason": finish_reason,
     }
 
 
-def completion_logprobs(entries: list[TokenLogprob], text_offset: int) -> dict[str, Any]:
-    """The legacy completions format; ``text_offset`` is where the first token's text starts."""
-    offsets = []
+def completion_logprobs(
+    entries: list[TokenLogprob], text_offset: int, prompt: PromptLogprobs | None = None
+) -> dict[str, Any]:
+    """The legacy completions format; ``text_offset`` is where the first token's text starts.
+    With an echoed ``prompt``, its tokens come first (the first without a log probability,
+    as in OpenAI's API) and the offsets count from the prompt's start."""
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    offsets: list[int] = []
+    if prompt is not None:
+        tokens.append(prompt.first_token)
+        token_logprobs.append(None)
+        top_logprobs.append(None)
+        offsets.append(0)
+        text_offset = len(prompt.first_token)
+        entries = [*prompt.rest, *entries]
     for entry in entries:
         offsets.append(text_offset)
         text_offset += len(entry.token)
+        tokens.append(entry.token)
+        token_logprobs.append(entry.logprob)
+        top_logprobs.append(dict(entry.top))
     return {
-        "tokens": [entry.token for entry in entries],
-        "token_logprobs": [entry.logprob for entry in entries],
-        "top_logprobs": [dict(entry.top) for entry in entries],
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top_logprobs,
         "text_offset": offsets,
     }
 
@@ -980,8 +1020,9 @@ class CompletionLogprobs(_Response):
     """The legacy completions format of log probabilities (completion_logprobs())."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    # None for an echoed prompt's first token, which is conditioned on nothing.
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 

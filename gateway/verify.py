@@ -116,6 +116,37 @@ def check_logprobs(meta: dict[str, Any], completion_tokens: int, expected: Expec
                 _check_logprob_entry(entry, expected.vocab_size)
 
 
+def check_prompt_logprobs(meta: Any, input_ids: list[int], expected: Expectation) -> None:
+    """Prefill's scores of the prompt (``echo``), from prefill's answer to this generation:
+    one entry per prompt token, for exactly the prompt's tokens in order (the first,
+    conditioned on nothing, without a log probability), each with the alternatives asked for.
+    Anything else scored another sequence."""
+    if not isinstance(meta, dict) or meta.get("id") != expected.generation_id:
+        raise IsolationFailure("prefill's prompt scores are not this request's")
+    vocab_size, top_logprobs = expected.vocab_size, expected.top_logprobs or 0
+    entries = meta.get("input_token_logprobs")
+    if not isinstance(entries, list) or len(entries) != len(input_ids):
+        count = len(entries) if isinstance(entries, list) else "no"
+        raise IsolationFailure(
+            f"{count} prompt log-probability entries for {len(input_ids)} prompt tokens"
+        )
+    for position, (entry, token) in enumerate(zip(entries, input_ids, strict=True)):
+        if not isinstance(entry, list) or len(entry) < 2 or entry[1] != token:
+            raise IsolationFailure("prompt log probabilities of tokens that are not the prompt's")
+        if position:
+            _check_logprob_entry(entry, vocab_size)
+    if not top_logprobs:
+        return
+    alternatives = meta.get("input_top_logprobs")
+    if not isinstance(alternatives, list) or len(alternatives) != len(input_ids):
+        raise IsolationFailure("top log probabilities do not match the prompt tokens")
+    for position in alternatives[1:]:
+        if not isinstance(position, list) or len(position) != min(top_logprobs, vocab_size):
+            raise IsolationFailure("a prompt token's top log probabilities are not as asked for")
+        for entry in position:
+            _check_logprob_entry(entry, vocab_size)
+
+
 def _check_logprob_entry(entry: Any, vocab_size: int) -> None:
     # SGLang's entry: [logprob, token id, text or None].
     if not isinstance(entry, list) or len(entry) < 2:

@@ -60,6 +60,9 @@ class Behaviour:
     # A closed gate holds every /generate until the test opens it: a pair kept saturated for
     # exactly as long as a test needs, not for a guessed time.
     gate: threading.Event | None = None
+    # Prefill's scores of the prompt (``logprob_start_len`` 0): for token ids this much off
+    # the prompt's, as if another sequence had been scored.
+    prompt_scores_shift: int = 0
 
 
 class _DroppedConnection(Response):
@@ -224,6 +227,15 @@ class StandInWorker:
                 meta["output_top_logprobs"] = [
                     [[-0.25 * (i + 1) - j, 40 + i + j, None] for j in range(top)]
                     for i in range(max(0, count))
+                ]
+            if body.get("logprob_start_len") == 0:  # the prompt scored, as SGLang's prefill does
+                scored = [t + b.prompt_scores_shift for t in body.get("input_ids", [])]
+                meta["input_token_logprobs"] = [
+                    [None if i == 0 else -0.5 * i, t, None] for i, t in enumerate(scored)
+                ]
+                meta["input_top_logprobs"] = [None] + [
+                    [[-0.5 * i - j, 40 + j, None] for j in range(top)]
+                    for i in range(1, len(scored))
                 ]
         return meta
 

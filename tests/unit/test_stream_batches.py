@@ -52,7 +52,7 @@ def writes_of(
     async def collect() -> tuple[list[bytes], BaseException | None]:
         writes: list[bytes] = []
         try:
-            stream = CheckedStream(Choice(0, request, EXPECTED), batches_of(*later), guard, None)
+            stream = CheckedStream(Choice(0, 0, request, EXPECTED), batches_of(*later), guard, None)
             stream.take_first([first])
             streams = ChoiceStreams([stream], trace, None)
             async for write in _sse_events(trace, streams, "completion", False):

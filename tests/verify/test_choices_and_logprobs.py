@@ -242,3 +242,67 @@ def test_best_of_returns_the_n_most_likely_candidates_per_token(
             json={"model": MODEL, "prompt": "Say", "best_of": 2, "stream": True},
         )
     assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "best_of"
+
+
+def echo_request(stack: LyingStack, tenant_key: str, **fields: Any) -> Any:
+    body = {"model": MODEL, "prompt": "Say something", "echo": True, "logprobs": 2, **fields}
+    with stack.client(tenant_key) as client:
+        return client.post("/v1/completions", json=body)
+
+
+def test_an_echoed_prompt_is_scored_by_prefill_token_for_token(
+    stack: LyingStack, tenant_key: str
+) -> None:
+    """What evaluation harnesses send to score a text: echo, logprobs, max_tokens 0."""
+    # A PD pair decodes at least one token; the gateway asks for one and drops it.
+    stack.decode.behaviour = Behaviour(pool_tokens=POOL_TOKENS, text_chunks=("Hello",))
+    before = len(stack.prefill.requests)
+    response = echo_request(stack, tenant_key, max_tokens=0)
+    assert response.status_code == 200, response.text
+    prefill_body = stack.prefill.requests[before]
+    decode_body = stack.decode.requests[-1]
+    # Only prefill runs the prompt through the model, so only prefill is asked to score it.
+    assert prefill_body["logprob_start_len"] == 0 and decode_body["logprob_start_len"] == -1
+    choice = response.json()["choices"][0]
+    prompt_ids = prefill_body["input_ids"]
+    logprobs = choice["logprobs"]
+    assert choice["text"] == "Say something"
+    assert len(logprobs["tokens"]) == len(prompt_ids)  # the prompt's tokens, nothing generated
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    assert logprobs["token_logprobs"][1:] == [-0.5 * i for i in range(1, len(prompt_ids))]
+    assert all(len(top) == 2 for top in logprobs["top_logprobs"][1:])
+    assert logprobs["text_offset"][0] == 0
+    assert response.json()["usage"]["completion_tokens"] == 0
+    assert decode_body["sampling_params"]["max_new_tokens"] == 1
+
+
+def test_an_echoed_prompt_is_followed_by_its_completion(stack: LyingStack, tenant_key: str) -> None:
+    response = echo_request(stack, tenant_key, max_tokens=4)
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    prompt_ids = stack.prefill.requests[-1]["input_ids"]
+    assert choice["text"] == "Say something" + "".join(HONEST)
+    assert len(choice["logprobs"]["tokens"]) == len(prompt_ids) + len(HONEST)
+
+
+def test_prompt_scores_of_another_sequence_are_withheld(stack: LyingStack, tenant_key: str) -> None:
+    stack.prefill.behaviour = Behaviour(pool_tokens=POOL_TOKENS, prompt_scores_shift=1)
+    try:
+        response = echo_request(stack, tenant_key, max_tokens=0)
+    finally:
+        stack.prefill.behaviour = Behaviour(pool_tokens=POOL_TOKENS)
+    assert response.status_code == 502, response.text
+    assert response.json()["error"]["code"] == "isolation_check_failed"
+    assert "Say something" not in response.text
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [({"max_tokens": 0, "echo": False}, "max_tokens"), ({"stream": True}, "echo")],
+)
+def test_echo_refusals_say_which_field(
+    stack: LyingStack, tenant_key: str, fields: dict[str, Any], param: str
+) -> None:
+    response = echo_request(stack, tenant_key, **fields)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
