@@ -10,8 +10,9 @@
     GET    /admin/keys/{key_id}                              → key
     POST   /admin/keys/{key_id}/revoke  (or DELETE /admin/keys/{key_id}) → key, revoked
 
-Disabling a tenant and revoking a key take effect at once in this process and within
-``auth_cache_ttl_s`` in other replicas. Store calls are blocking, so they run in a thread.
+Disabling a tenant and revoking a key take effect at once in this process and, through
+Redis, in every other replica (``gateway.revocations``; without Redis, within
+``auth_cache_ttl_s``). Store calls are blocking, so they run in a thread.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ async def disable_tenant(request: Request) -> Response:
     components = await _admin(request)
     tenant_id = request.path_params["tenant_id"]
     tenant = await _call(components.store.set_tenant_disabled, tenant_id, True)
-    components.authenticator.forget_tenant(tenant_id)
+    await components.revocations.tenant_changed(tenant_id)
     return _json(tenant.to_json())
 
 
@@ -93,7 +94,7 @@ async def enable_tenant(request: Request) -> Response:
     components = await _admin(request)
     tenant_id = request.path_params["tenant_id"]
     tenant = await _call(components.store.set_tenant_disabled, tenant_id, False)
-    components.authenticator.forget_tenant(tenant_id)
+    await components.revocations.tenant_changed(tenant_id)
     return _json(tenant.to_json())
 
 
@@ -137,7 +138,7 @@ async def revoke_key(request: Request) -> Response:
     components = await _admin(request)
     key_id = request.path_params["key_id"]
     key = await _call(components.store.revoke_key, key_id)
-    components.authenticator.forget_key(key_id)
+    await components.revocations.key_revoked(key_id)
     return _json(key.to_json())
 
 

@@ -3,8 +3,9 @@
 Keys are 256-bit random tokens (``sk-iso-...``) stored only as their SHA-256. A presented
 key is hashed and looked up in a small in-memory cache first; the database is asked only on
 a miss, from a thread. Cache entries live ``settings.auth_cache_ttl_s``: a key revoked (or a
-tenant disabled) through this process is forgotten at once (``forget_key``,
-``forget_tenant``), through another replica within the TTL. Unknown keys are cached too
+tenant disabled) is forgotten at once (``forget_key``, ``forget_tenant``) by the replica that
+made the change and, through Redis, by every other (``gateway.revocations``); without Redis,
+other replicas within the TTL. Unknown keys are cached too
 (negatively), so a client retrying a bad key does not reach the database on every request;
 a new key is a fresh random token, so no negative entry can stand in its way.
 
@@ -66,6 +67,9 @@ class Authenticator:
         self._cache: OrderedDict[str, tuple[KeyLookup | None, float]] = OrderedDict()
         # Concurrent misses on one key share one database lookup.
         self._pending: dict[str, asyncio.Future[KeyLookup | None]] = {}
+        # Bumped by every forget: a lookup that began before one may have read what it forgot,
+        # so its answer is returned but not cached.
+        self._forgets = 0
 
     async def authenticate(self, authorization: str | None) -> Principal:
         token = _bearer_token(authorization)
@@ -95,6 +99,13 @@ class Authenticator:
         """Drop every key of a tenant from the cache at once (after disabling it)."""
         self._forget(lambda lookup: lookup.tenant_id == tenant_id)
 
+    def expire_all(self) -> None:
+        """Make every entry ask the store again on its next use (kept for stale-if-error)."""
+        now = time.monotonic()
+        for key_hash, (lookup, expires_at) in self._cache.items():
+            if expires_at > now:
+                self._cache[key_hash] = (lookup, now)
+
     async def _lookup(self, key_hash: str) -> KeyLookup | None:
         now = time.monotonic()
         cached = self._cache.get(key_hash)
@@ -114,6 +125,7 @@ class Authenticator:
                 raise _store_unavailable() from exc
         future: asyncio.Future[KeyLookup | None] = asyncio.get_running_loop().create_future()
         self._pending[key_hash] = future
+        forgets = self._forgets
         try:
             lookup = await asyncio.to_thread(self._store.lookup_key, key_hash)
         except Exception as exc:
@@ -130,6 +142,8 @@ class Authenticator:
             self._store_down_until = 0.0
             log.warning("auth: key store reachable again")
         future.set_result(lookup)
+        if forgets != self._forgets:
+            return lookup
         self._cache[key_hash] = (lookup, time.monotonic() + self._ttl_s)
         self._cache.move_to_end(key_hash)
         while len(self._cache) > _CACHE_MAX_ENTRIES:
@@ -153,6 +167,7 @@ class Authenticator:
         self._store_down_until = time.monotonic() + _STORE_RETRY_S
 
     def _forget(self, matches: Callable[[KeyLookup], bool]) -> None:
+        self._forgets += 1
         stale = [
             key_hash
             for key_hash, (lookup, _) in self._cache.items()

@@ -23,6 +23,7 @@ from .limits import TenantLimiter
 from .metrics import Metrics
 from .pair_queues import PairQueues, QueueSettings
 from .policies import Policies, load_policies
+from .revocations import Revocations
 from .routing import RoutingCache
 from .scanner import CanaryScanner, alert_on_hit
 from .settings import Settings
@@ -53,8 +54,15 @@ class Components:
     redis: Any | None = None
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
     core: GenerationCore = field(init=False)
+    revocations: Revocations = field(init=False)
 
     def __post_init__(self) -> None:
+        self.revocations = Revocations(
+            self.authenticator,
+            self.redis,
+            self.settings.redis_key_prefix,
+            self.metrics.auth_invalidations,
+        )
         self.core = GenerationCore(
             catalog=self,
             routes=self.routes,
@@ -160,6 +168,9 @@ async def build_components(settings: Settings) -> Components:
     )
     await components.audit.start()
     components.tasks.append(asyncio.create_task(capacity.run(), name="capacity-poller"))
+    components.tasks.append(
+        asyncio.create_task(components.revocations.run(), name="auth-invalidations")
+    )
     start_canaries(components)
     return components
 

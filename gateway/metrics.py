@@ -114,6 +114,13 @@ class Metrics:
             ["pool", "tenant", "reason"],
             registry=self.registry,
         )
+        self.auth_invalidations = Counter(
+            "isogate_auth_invalidations_received",
+            "Key revocations and tenant changes of other replicas applied to this one's key "
+            "cache (through Redis), by kind (key, tenant).",
+            ["kind"],
+            registry=self.registry,
+        )
         # The children of every request's two series, by labels: ``labels()`` validates and
         # locks on each call. As bounded as the series themselves (models x tenants x outcomes).
         self._request_series: dict[tuple[str, str, str], tuple[Any, Any]] = {}
