@@ -130,6 +130,7 @@ async def _body(components: Components, request: Request) -> bytes:
             request.receive,
             request.headers.get("content-length"),
             components.settings.max_body_bytes,
+            components.settings.body_timeout_s,
         )
     except ClientDisconnect:
         raise APIError(

@@ -25,9 +25,9 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-from gateway.errors import APIError, forbidden, unauthorized
+from gateway.errors import APIError, forbidden, rate_limited, unauthorized
 from gateway.settings import Settings
 from gateway.store import ADMIN_TENANT_ID, KeyLookup
 
@@ -195,3 +195,63 @@ def _bearer_token(authorization: str | None) -> str:
     if scheme.lower() != "bearer" or not token or " " in token:
         raise unauthorized("Malformed Authorization header: expected 'Bearer <key>'.")
     return token
+
+
+class RefusalCounter(Protocol):
+    def unauthenticated(self, code: str) -> None: ...
+
+
+class UnauthenticatedClients:
+    """What a request that fails authentication costs: a count, a sampled log line, and one
+    token of its client address's allowance, never an audit row (anyone could write those).
+
+    An address that spent its allowance (``per_minute``, refilled continuously, per replica) is
+    answered 429 before its key is even looked at, so a flood of made-up keys stops costing key
+    lookups. Valid keys from that address wait too, for as long as it keeps failing.
+    """
+
+    def __init__(self, metrics: RefusalCounter, *, per_minute: int, log_every_s: float = 1.0):
+        self._metrics = metrics
+        self._per_minute = float(per_minute)
+        self._log_every_s = log_every_s
+        self._logged_at = 0.0
+        self._unlogged = 0
+        # address -> (allowance left, when it was last refilled); least recently failed first out
+        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()
+
+    def check(self, address: str) -> None:
+        """429 while ``address`` has no allowance left."""
+        bucket = self._buckets.get(address)
+        if bucket is None:
+            return
+        left = self._refilled(bucket, time.monotonic())
+        if left < 1:
+            self._metrics.unauthenticated("rate_limit_exceeded")
+            raise rate_limited(
+                "Too many unauthenticated requests from this address; send a valid API key.",
+                (1 - left) * 60 / self._per_minute,
+            )
+
+    def refused(self, address: str, error: APIError) -> None:
+        """Count a failed authentication against ``address``."""
+        now = time.monotonic()
+        bucket = self._buckets.get(address)
+        left = self._per_minute if bucket is None else self._refilled(bucket, now)
+        self._buckets[address] = (left - 1, now)
+        self._buckets.move_to_end(address)
+        while len(self._buckets) > _CACHE_MAX_ENTRIES:
+            self._buckets.popitem(last=False)
+        self._metrics.unauthenticated(error.code or str(error.status))
+        # Sampled: one line a second at most, with how many were not logged.
+        if now - self._logged_at >= self._log_every_s:
+            log.info(
+                "unauthenticated request refused",
+                extra={"client": address, "code": error.code, "not_logged": self._unlogged},
+            )
+            self._logged_at, self._unlogged = now, 0
+        else:
+            self._unlogged += 1
+
+    def _refilled(self, bucket: tuple[float, float], now: float) -> float:
+        left, at = bucket
+        return min(self._per_minute, left + (now - at) * self._per_minute / 60)

@@ -53,6 +53,7 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from .app import create_app
+    from .http_server import ClientBounds, bounded_protocol
     from .logs import configure_logging
 
     settings = Settings()
@@ -75,7 +76,14 @@ def _serve(args: argparse.Namespace) -> int:
         proxy_headers=False,
         server_header=False,
         loop="uvloop",
-        http="httptools",
+        http=bounded_protocol(
+            ClientBounds(
+                header_timeout_s=settings.header_timeout_s,
+                max_header_bytes=settings.max_header_bytes,
+                max_connections=settings.max_connections,
+            )
+        ),
+        timeout_keep_alive=settings.keep_alive_timeout_s,
         timeout_graceful_shutdown=30,
     )
     return 0

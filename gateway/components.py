@@ -14,11 +14,12 @@ from typing import Any
 
 from .admission import ClaimLedger
 from .audit import AuditLog
-from .auth import Authenticator
+from .auth import Authenticator, UnauthenticatedClients
 from .canary import CanaryMetrics, CanaryProber
 from .capacity import CapacityRegistry, Role
 from .dispatch import PDDispatcher
 from .generation import GenerationCore
+from .intake import BodyParser
 from .limits import TenantLimiter
 from .metrics import Metrics
 from .pair_queues import PairQueues, QueueSettings
@@ -50,6 +51,8 @@ class Components:
     limiter: TenantLimiter
     metrics: Metrics
     queues: PairQueues
+    unauthenticated: UnauthenticatedClients
+    parser: BodyParser
     scanner: ContentScanner = field(default_factory=NoScanner)
     redis: Any | None = None
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
@@ -163,9 +166,17 @@ async def build_components(settings: Settings) -> Components:
             ),
             metrics,
         ),
+        unauthenticated=UnauthenticatedClients(
+            metrics, per_minute=settings.unauthenticated_per_address_per_minute
+        ),
+        parser=BodyParser(
+            off_loop_min_bytes=settings.parse_off_loop_min_bytes,
+            processes=settings.parse_processes,
+        ),
         scanner=scanner,
         redis=redis_client,
     )
+    components.parser.start()
     await components.audit.start()
     components.tasks.append(asyncio.create_task(capacity.run(), name="capacity-poller"))
     components.tasks.append(
@@ -204,6 +215,7 @@ async def close_components(components: Components) -> None:
     for task in components.tasks:
         task.cancel()
     await asyncio.gather(*components.tasks, return_exceptions=True)
+    components.parser.close()
     await components.audit.close()
     await components.capacity.close()
     await components.dispatcher.aclose()

@@ -120,6 +120,9 @@ class GenerationAsk:
     abandoned: Callable[[], Awaitable[object]] | None = None
     # How outputs are read into reasoning, text and tool calls; None: they are text.
     output: OutputSpec | None = None
+    # The tenant's request, counted already (``GenerationCore.enter``); its tokens are reserved
+    # at admission. None: ``limits`` (when set) are claimed whole at admission.
+    lease: LimitLease | None = None
 
 
 class Catalog(Protocol):
@@ -271,6 +274,14 @@ class GenerationCore:
 
     # -- admit and claim --------------------------------------------------------------------
 
+    async def enter(self, tenant_id: str, limits: TenantLimits, held: AsyncExitStack) -> LimitLease:
+        """Count the tenant's request and take its concurrency slot (held on ``held``) as soon as
+        its key is known, before its body is read: what a request costs the gateway to refuse is
+        paid only while the tenant has requests left."""
+        lease = await self._limiter.enter(tenant_id, limits)
+        held.push_async_callback(lease.release)
+        return lease
+
     async def admit(self, ask: GenerationAsk, trace: Trace, held: AsyncExitStack) -> Admitted:
         """Gate 1 for every prompt, then the claims for every choice (pushed onto ``held``),
         on one pair; raises ``APIError`` on refusal."""
@@ -299,10 +310,13 @@ class GenerationCore:
             share = Share(ask.tenant_id, tenant.weight, tenant.priority)
             slot = await self._queues.take(model, pair, share, len(prompt_lengths), ask.abandoned)
             held.callback(slot.release)
-            lease = await self._limiter.acquire(
-                ask.tenant_id, ask.limits, prompt_total + max_tokens * len(prompt_lengths)
-            )
-            held.push_async_callback(lease.release)
+            reserved = prompt_total + max_tokens * len(prompt_lengths)
+            if ask.lease is not None:
+                lease = ask.lease
+                await lease.reserve(reserved)
+            else:
+                lease = await self._limiter.acquire(ask.tenant_id, ask.limits, reserved)
+                held.push_async_callback(lease.release)
         need = prompt_total + (max_tokens + margin) * len(prompt_lengths)
         if not (
             self._ledger.free_now(pair.prefill_state) >= need

@@ -2,10 +2,13 @@
 
 RPM and TPM are token buckets that hold one minute's allowance and refill continuously
 (``limit / 60`` per second), so a tenant may burst up to its per-minute limit and then
-proceeds at the limit's rate. A request takes one RPM token and reserves ``prompt +
-max_tokens`` TPM tokens at admission; ``settle`` gives back what it did not use (or takes
-the overshoot, leaving the bucket in debt). Concurrency is a set of leases that expire after
-``lease_ttl_s``, so a replica that dies holding slots does not hold them forever.
+proceeds at the limit's rate. A request takes one RPM token and a concurrency slot as soon as
+its key is known (``enter``, before its body is even read: a tenant out of requests gets 429
+however cheap or broken its bodies are), and reserves ``prompt + max_tokens`` TPM tokens at
+admission (``LimitLease.reserve``); ``acquire`` does both at once. ``settle`` gives back what
+it did not use (or takes the overshoot, leaving the bucket in debt). Concurrency is a set of
+leases that expire after ``lease_ttl_s``, so a replica that dies holding slots does not
+hold them forever.
 
 With Redis, one Lua script checks all three limits and takes from them atomically (nothing
 is taken unless all three pass), using Redis's clock, so any number of gateway replicas hold
@@ -114,6 +117,22 @@ def limiter_scripts(now: str = _REDIS_NOW_LUA) -> tuple[str, str]:
 
 _ACQUIRE_LUA, _SETTLE_LUA = limiter_scripts()
 
+# KEYS: bucket hash. ARGV: rpm, tpm, reserved. The TPM reservation of a request that entered
+# already. Returns {0, 0, requests left, tokens left} when it fits, else {3, retry after (ms)}.
+_RESERVE_BODY_LUA = """
+local rpm = tonumber(ARGV[1])
+local tpm = tonumber(ARGV[2])
+local reserved = tonumber(ARGV[3])
+local r, tokens = refill(KEYS[1], rpm, tpm, now)
+if tokens < reserved then
+  return {3, math.ceil((reserved - tokens) * 60000 / tpm)}
+end
+redis.call('HSET', KEYS[1], 'r', r, 't', tokens - reserved, 'ts', now)
+redis.call('PEXPIRE', KEYS[1], 600000)
+return {0, 0, math.floor(r), math.floor(tokens - reserved)}
+"""
+_RESERVE_LUA = _REDIS_NOW_LUA + _REFILL_LUA + _RESERVE_BODY_LUA
+
 
 @dataclass(slots=True)
 class _Bucket:
@@ -180,6 +199,14 @@ class LimitLease:
     def headers(self) -> list[tuple[bytes, bytes]]:
         return [] if self.left is None else rate_limit_headers(self._limits, self.left)
 
+    async def reserve(self, tokens: int) -> None:
+        """Reserve a request's TPM tokens once it is counted (after ``enter``); 429 if they
+        are not there. Its request and slot stay taken either way (released with the lease)."""
+        reserved = max(0, tokens)
+        _refuse_if_too_large(reserved, self._limits)
+        self.left = await self._limiter._reserve(self, reserved)
+        self.reserved_tokens = reserved
+
     async def settle(self, actual_tokens: int) -> None:
         """Correct the TPM reservation to the real count (once; later calls do nothing)."""
         if self._settled:
@@ -217,6 +244,7 @@ class TenantLimiter:
         self._lease_ttl_ms = lease_ttl_s * 1000
         self._buckets: dict[str, _Bucket] = {}
         self._acquire_script = redis.register_script(_ACQUIRE_LUA) if redis is not None else None
+        self._reserve_script = redis.register_script(_RESERVE_LUA) if redis is not None else None
         self._settle_script = redis.register_script(_SETTLE_LUA) if redis is not None else None
         self._warned_fallback = False
         self._redis_timeout_s = redis_timeout_s
@@ -226,14 +254,7 @@ class TenantLimiter:
         self, tenant_id: str, limits: TenantLimits, reserved_tokens: int
     ) -> LimitLease:
         reserved = max(0, reserved_tokens)
-        if reserved > limits.tokens_per_minute:
-            # Like OpenAI's "Request too large": a 429 that waiting alone will not cure.
-            raise rate_limited(
-                f"Request too large: {reserved} tokens (prompt + max_tokens) exceed the "
-                f"tenant's limit of {limits.tokens_per_minute} tokens per minute; "
-                "lower max_tokens or shorten the prompt.",
-                60.0,
-            )
+        _refuse_if_too_large(reserved, limits)
         lease_id = secrets.token_hex(8)
         if self._acquire_script is not None and time.monotonic() >= self._redis_down_until:
             try:
@@ -266,6 +287,41 @@ class TenantLimiter:
         lease = LimitLease(self, tenant_id, limits, reserved, lease_id, in_redis=False)
         lease.left = left
         return lease
+
+    async def enter(self, tenant_id: str, limits: TenantLimits) -> LimitLease:
+        """Count one request and take a concurrency slot, before anything about the request is
+        known but its key; its tokens are reserved later (``LimitLease.reserve``)."""
+        return await self.acquire(tenant_id, limits, 0)
+
+    async def _reserve(self, lease: LimitLease, reserved: int) -> Allowance:
+        limits = lease._limits
+        if lease._in_redis and self._reserve_script is not None:
+            try:
+                verdict, retry_ms, *left = await self._with_timeout(
+                    self._reserve_script(
+                        keys=[self._key(lease.tenant_id, "bucket")],
+                        args=[limits.requests_per_minute, limits.tokens_per_minute, reserved],
+                    )
+                )
+            except Exception as exc:
+                if not _redis_unreachable(exc):
+                    raise
+                self._warn_fallback(exc)
+            else:
+                _raise_if_refused(int(verdict), int(retry_ms) / 1000, limits)
+                return Allowance(int(left[0]), int(left[1]))
+        now = time.monotonic() * 1000
+        bucket = self._buckets.get(lease.tenant_id)
+        if bucket is None:
+            bucket = self._buckets[lease.tenant_id] = _Bucket(
+                limits.requests_per_minute, limits.tokens_per_minute, now
+            )
+        bucket.refill(limits, now)
+        if bucket.tokens < reserved:
+            wait_ms = (reserved - bucket.tokens) * _WINDOW_MS / limits.tokens_per_minute
+            _raise_if_refused(3, wait_ms / 1000, limits)
+        bucket.tokens -= reserved
+        return Allowance(math.floor(bucket.requests), math.floor(bucket.tokens))
 
     def _acquire_local(
         self, tenant_id: str, limits: TenantLimits, reserved: int, lease_id: str
@@ -346,6 +402,17 @@ class TenantLimiter:
         if not self._warned_fallback:
             self._warned_fallback = True
             log.error("limits: Redis unreachable (%r); enforcing limits per replica in memory", exc)
+
+
+def _refuse_if_too_large(reserved: int, limits: TenantLimits) -> None:
+    if reserved > limits.tokens_per_minute:
+        # Like OpenAI's "Request too large": a 429 that waiting alone will not cure.
+        raise rate_limited(
+            f"Request too large: {reserved} tokens (prompt + max_tokens) exceed the "
+            f"tenant's limit of {limits.tokens_per_minute} tokens per minute; "
+            "lower max_tokens or shorten the prompt.",
+            60.0,
+        )
 
 
 def _raise_if_refused(verdict: int, retry_after_s: float, limits: TenantLimits) -> None:

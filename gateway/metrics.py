@@ -64,6 +64,12 @@ class Metrics:
             ["tenant"],
             registry=self.registry,
         )
+        self.unauthenticated_requests = Counter(
+            "isogate_unauthenticated_requests",
+            "Generation requests refused before a tenant was known, by error code.",
+            ["code"],
+            registry=self.registry,
+        )
         self.latency = Histogram(
             "isogate_request_duration_seconds",
             "Request latency through the gateway.",
@@ -124,6 +130,9 @@ class Metrics:
         # The children of every request's two series, by labels: ``labels()`` validates and
         # locks on each call. As bounded as the series themselves (models x tenants x outcomes).
         self._request_series: dict[tuple[str, str, str], tuple[Any, Any]] = {}
+
+    def unauthenticated(self, code: str) -> None:
+        self.unauthenticated_requests.labels(code).inc()
 
     def refused_untokenized_inc(self, model: str) -> None:
         self.refused_untokenized.labels(model).inc()

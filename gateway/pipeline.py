@@ -27,6 +27,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from . import protocol
+from .auth import Principal
 from .components import Components
 from .dispatch import UpstreamStreamError
 from .errors import APIError, bad_request, not_found
@@ -74,11 +75,12 @@ async def handle_generation(components: Components, request: Request, kind: Kind
     current_generation_id.set(trace.generation_id)
     held = AsyncExitStack()
     try:
-        # auth
+        # auth: a request that fails it is counted, not audited (anyone could write those rows)
         headers = ClientHeaders.of(request.scope)
-        trace.principal = principal = await components.authenticator.authenticate(
-            headers.authorization
-        )
+        try:
+            trace.principal = principal = await _authenticate(components, request.scope, headers)
+        except APIError as error:
+            return error.response()
         if principal.is_admin:
             raise APIError(
                 403,
@@ -93,11 +95,19 @@ async def handle_generation(components: Components, request: Request, kind: Kind
                 code="reserved_header",
             )
 
+        # The tenant's request counts from here, whatever its body turns out to be.
+        limits = components.policies.tenant(principal.tenant_id).limits
+        lease = await core.enter(principal.tenant_id, limits, held)
+
         # parse
+        settings = components.settings
         body = await read_body(
-            request.receive, headers.content_length, components.settings.max_body_bytes
+            request.receive,
+            headers.content_length,
+            settings.max_body_bytes,
+            settings.body_timeout_s,
         )
-        parsed = protocol.parse_request(
+        parsed = await components.parser.parse(
             body, ChatCompletionRequest if kind == "chat" else CompletionRequest
         )
         trace.stream = parsed.streaming
@@ -119,7 +129,8 @@ async def handle_generation(components: Components, request: Request, kind: Kind
             prompts=_prompts(parsed),
             max_tokens=max_tokens,
             sampling_params=parsed.sampling_params(max_tokens),
-            limits=policies.tenant(principal.tenant_id).limits,
+            limits=limits,
+            lease=lease,
             n=parsed.candidates if isinstance(parsed, CompletionRequest) else parsed.choices,
             top_logprobs=parsed.top_logprobs_num,
             abandoned=lambda: _client_left(request.receive),
@@ -207,6 +218,19 @@ async def _unless_client_leaves(receive: Receive, work: Coroutine[Any, Any, _T])
     raise ClientDisconnect()
 
 
+async def _authenticate(components: Components, scope: Scope, headers: ClientHeaders) -> Principal:
+    client = scope.get("client")
+    address = client[0] if client else ""
+    unauthenticated = components.unauthenticated
+    unauthenticated.check(address)
+    try:
+        return await components.authenticator.authenticate(headers.authorization)
+    except APIError as error:
+        if error.status in (401, 403):
+            unauthenticated.refused(address, error)
+        raise
+
+
 def _with_generation_id(response: Response, trace: Trace) -> Response:
     response.headers[GENERATION_ID_HEADER] = trace.generation_id
     return response
@@ -241,8 +265,25 @@ class ClientHeaders:
 _RESERVED_PREFIXES = tuple(prefix.encode() for prefix in RESERVED_HEADER_PREFIXES)
 
 
-async def read_body(receive: Receive, declared_length: str | None, limit: int) -> bytes:
-    """The whole body, or a 413 as soon as it is known to exceed ``limit`` bytes."""
+async def read_body(
+    receive: Receive, declared_length: str | None, limit: int, timeout_s: float
+) -> bytes:
+    """The whole body, a 413 as soon as it is known to exceed ``limit`` bytes, or a 408 (and
+    the connection closed) if it has not all arrived within ``timeout_s``."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await _read_body(receive, declared_length, limit)
+    except TimeoutError:
+        raise APIError(
+            408,
+            f"The request body did not arrive within {timeout_s} s.",
+            "invalid_request_error",
+            "request_timeout",
+            headers={"Connection": "close"},
+        ) from None
+
+
+async def _read_body(receive: Receive, declared_length: str | None, limit: int) -> bytes:
     if declared_length is not None and declared_length.isdigit() and int(declared_length) > limit:
         raise APIError(
             413,

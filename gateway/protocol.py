@@ -64,6 +64,7 @@ MAX_CHOICES = 16
 MAX_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
 MAX_PROMPTS = 64
+MAX_MESSAGES = 4096
 MAX_STOP = 4
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS = 300
@@ -417,7 +418,7 @@ def _invalid(param: str, message: str) -> PydanticCustomError:
 
 
 class ChatCompletionRequest(_Request):
-    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=4096)]
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
@@ -648,10 +649,34 @@ def parse_request(body: bytes, schema: type[_Request]) -> Any:
         raise bad_request(f"Request body is not valid JSON: {exc}", code="invalid_json") from exc
     if not isinstance(raw, dict):
         raise bad_request("Request body must be a JSON object.", code="invalid_json")
+    check_counts(raw)
     try:
         return schema.model_validate(raw)
     except ValidationError as exc:
         raise _validation_error(exc) from exc
+
+
+def check_counts(raw: dict[str, Any]) -> None:
+    """The list bounds, checked before validation: validating a list item by item costs time
+    in proportion to the list, so an over-long one is refused before any item is looked at."""
+    messages = raw.get("messages")
+    if isinstance(messages, list) and len(messages) > MAX_MESSAGES:
+        raise too_many_messages()
+    prompt = raw.get("prompt")
+    if isinstance(prompt, list) and len(prompt) > MAX_PROMPTS and not isinstance(prompt[0], int):
+        raise bad_request(
+            f"Invalid value for 'prompt': at most {MAX_PROMPTS} prompts per request.",
+            code="invalid_value",
+            param="prompt",
+        )
+
+
+def too_many_messages() -> APIError:
+    return bad_request(
+        f"Invalid value for 'messages': at most {MAX_MESSAGES} messages per request.",
+        code="invalid_value",
+        param="messages",
+    )
 
 
 def _validation_error(exc: ValidationError) -> APIError:

@@ -24,9 +24,22 @@ class Settings(BaseSettings):
     log_level: str = "info"
     log_json: bool = True
 
+    # Client bounds (gateway.http_server, gateway.pipeline.read_body): how long a client may
+    # take to send a request's headers and its body, how large its headers may be, how many
+    # connections may be open at once, and how long an idle keep-alive connection stays open.
+    header_timeout_s: float = Field(default=10.0, gt=0)
+    body_timeout_s: float = Field(default=30.0, gt=0)
+    max_header_bytes: int = Field(default=32 * 1024, gt=0)
+    max_connections: int = Field(default=4096, gt=0)
+    keep_alive_timeout_s: int = Field(default=5, gt=0)
+
     # Request bounds. The body limit sits above the largest prompt we want to refuse
     # *cheaply* (by byte length, without tokenizing) rather than with a bare 413.
     max_body_bytes: int = 64 * 1024 * 1024
+    # Bodies at least this long are parsed and validated in a child process (gateway.intake),
+    # in at most this many at once.
+    parse_off_loop_min_bytes: int = Field(default=256 * 1024, ge=0)
+    parse_processes: int = Field(default=1, gt=0)
     # Prompts whose text is at least this long are tokenized off the event loop.
     tokenize_in_thread_min_chars: int = 16_384
 
@@ -69,6 +82,9 @@ class Settings(BaseSettings):
     # that requests arriving meanwhile wait out. 20 ms keeps bursts under ~0.5 ms; a hard kill
     # loses less.
     audit_flush_interval_s: float = 0.02
+    # Failed authentications a client address may make per minute (per replica) before it is
+    # answered 429 without its key being looked at.
+    unauthenticated_per_address_per_minute: int = Field(default=600, gt=0)
     auth_cache_ttl_s: float = 5.0
     # While the key store cannot be reached, a key this process saw valid within this long
     # keeps working (a database outage must not take the gateway down); 0 turns it off.

@@ -60,13 +60,13 @@ def test_a_body_in_several_messages_is_joined() -> None:
         {"type": "http.request", "body": b"cd", "more_body": True},
         {"type": "http.request", "body": b"", "more_body": False},
     )
-    assert asyncio.run(read_body(receive, None, 10)) == b"abcd"
+    assert asyncio.run(read_body(receive, None, 10, 5.0)) == b"abcd"
 
 
 def test_a_declared_length_over_the_limit_is_refused_before_reading() -> None:
     receive = receiver({"type": "http.request", "body": b"x" * 11})
     with pytest.raises(APIError) as refused:
-        asyncio.run(read_body(receive, "11", 10))
+        asyncio.run(read_body(receive, "11", 10, 5.0))
     assert refused.value.status == 413 and receive.calls == []  # type: ignore[attr-defined]
 
 
@@ -77,7 +77,7 @@ def test_an_undeclared_body_is_refused_as_soon_as_it_passes_the_limit() -> None:
         {"type": "http.request", "body": b"never read", "more_body": False},
     )
     with pytest.raises(APIError) as refused:
-        asyncio.run(read_body(receive, None, 10))
+        asyncio.run(read_body(receive, None, 10, 5.0))
     assert refused.value.code == "request_too_large" and len(receive.calls) == 2  # type: ignore[attr-defined]
 
 
@@ -86,7 +86,7 @@ def test_a_client_that_leaves_mid_body_is_a_disconnect_not_a_short_body() -> Non
         {"type": "http.request", "body": b'{"mod', "more_body": True}, {"type": "http.disconnect"}
     )
     with pytest.raises(ClientDisconnect):
-        asyncio.run(read_body(receive, None, 100))
+        asyncio.run(read_body(receive, None, 100, 5.0))
 
 
 def test_a_served_response_declares_its_length_type_and_generation_id() -> None:

@@ -1,0 +1,187 @@
+"""The HTTP/1.1 server protocol: uvicorn's httptools protocol with the client bounds it lacks.
+
+uvicorn closes a connection idle *between* requests (``timeout_keep_alive``), but nothing
+bounds a client that never finishes its headers, sends headers without end, or opens more
+connections than the process can serve. This protocol adds, each from ``ClientBounds``:
+
+- a header timeout, from the connection's first byte (or its opening, for a socket that sends
+  nothing) and from each later request's first byte, to the end of that request's headers;
+- a limit on the bytes of a request line and its headers (431);
+- a limit on open connections (503 once the headers are in, as uvicorn's own limit does).
+
+Each refusal is an OpenAI error object with ``connection: close``, written before the
+connection is closed, where the client can still read one. The body's own timeout is checked
+where the body is read (``gateway.pipeline.read_body``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+import httptools
+import orjson
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from .errors import APIError
+
+_REASONS = {
+    400: b"Bad Request",
+    408: b"Request Timeout",
+    431: b"Request Header Fields Too Large",
+    503: b"Service Unavailable",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ClientBounds:
+    header_timeout_s: float
+    max_header_bytes: int
+    max_connections: int
+
+
+class _Refused(Exception):
+    def __init__(self, error: APIError) -> None:
+        self.error = error
+
+
+def bounded_protocol(bounds: ClientBounds) -> type[HttpToolsProtocol]:
+    """uvicorn's ``http=``: its httptools protocol, bounded by ``bounds``."""
+
+    class BoundedHttpToolsProtocol(HttpToolsProtocol):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self._header_bytes = 0  # of the request line and headers parsed so far
+            # Bytes received while a request's headers are not complete: the parser hands a
+            # header over only once it is whole, so a header without end is counted here.
+            self._awaiting_headers = True
+            self._received_in_headers = 0
+            self._header_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm_header_timer()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm_header_timer()
+            super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:
+            if self.transport.is_closing():
+                return
+            self._unset_keepalive_if_required()
+            if self._header_timer is None and (self.cycle is None or self.cycle.response_complete):
+                self._arm_header_timer()  # the first byte of the next request
+            if self._awaiting_headers:
+                self._received_in_headers += len(data)
+            try:
+                self.parser.feed_data(data)
+                if self._awaiting_headers and self._received_in_headers > bounds.max_header_bytes:
+                    raise _Refused(_header_too_large(bounds))
+            except _Refused as refused:
+                self._refuse(refused.error)
+            except httptools.HttpParserUpgrade:
+                if self._should_upgrade():
+                    self.handle_websocket_upgrade()
+                else:
+                    self._unsupported_upgrade_warning()
+            except httptools.HttpParserCallbackError as exc:
+                cause = exc.__context__
+                self._refuse(cause.error if isinstance(cause, _Refused) else _bad_request())
+            except httptools.HttpParserError:
+                self._refuse(_bad_request())
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._header_bytes = 0
+
+        def on_url(self, url: bytes) -> None:
+            self._count_header_bytes(len(url))
+            super().on_url(url)
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self._count_header_bytes(len(name) + len(value) + 4)
+            super().on_header(name, value)
+
+        def on_headers_complete(self) -> None:
+            self._disarm_header_timer()
+            self._awaiting_headers, self._received_in_headers = False, 0
+            if len(self.connections) > bounds.max_connections:
+                raise _Refused(
+                    APIError(
+                        503,
+                        "The gateway has too many open connections; try again shortly.",
+                        "service_unavailable_error",
+                        "too_many_connections",
+                        headers={"Retry-After": "1"},
+                    )
+                )
+            super().on_headers_complete()
+
+        def on_message_complete(self) -> None:
+            super().on_message_complete()
+            self._awaiting_headers = True  # the next request's
+
+        def _count_header_bytes(self, count: int) -> None:
+            self._header_bytes += count
+            if self._header_bytes > bounds.max_header_bytes:
+                raise _Refused(_header_too_large(bounds))
+
+        def _arm_header_timer(self) -> None:
+            self._disarm_header_timer()
+            self._header_timer = self.loop.call_later(
+                bounds.header_timeout_s, self._headers_timed_out
+            )
+
+        def _disarm_header_timer(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _headers_timed_out(self) -> None:
+            self._header_timer = None
+            if self.transport.is_closing():
+                return
+            if self.cycle is not None and not self.cycle.response_complete:
+                return  # a request is being served: its body has its own timeout
+            self._refuse(
+                APIError(
+                    408,
+                    f"The request's headers did not arrive within {bounds.header_timeout_s} s.",
+                    "invalid_request_error",
+                    "request_timeout",
+                )
+            )
+
+        def _refuse(self, error: APIError) -> None:
+            self._disarm_header_timer()
+            if not self.transport.is_closing():
+                self.transport.write(_error_response(error))
+                self.transport.close()
+
+    return BoundedHttpToolsProtocol
+
+
+def _header_too_large(bounds: ClientBounds) -> APIError:
+    return APIError(
+        431,
+        f"The request line and headers exceed {bounds.max_header_bytes} bytes.",
+        "invalid_request_error",
+        "request_header_too_large",
+    )
+
+
+def _bad_request() -> APIError:
+    return APIError(400, "Invalid HTTP request received.", "invalid_request_error", "invalid_http")
+
+
+def _error_response(error: APIError) -> bytes:
+    body = orjson.dumps(error.body())
+    head = [b"HTTP/1.1 %d %s\r\n" % (error.status, _REASONS.get(error.status, b"Error"))]
+    head += [b"%s: %s\r\n" % (k.encode(), v.encode()) for k, v in error.headers.items()]
+    head += [
+        b"content-type: application/json\r\ncontent-length: %d\r\n" % len(body),
+        b"connection: close\r\n\r\n",
+    ]
+    return b"".join(head) + body

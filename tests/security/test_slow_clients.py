@@ -1,0 +1,157 @@
+"""Slow and oversized clients cannot hold connections: half a body, a half-sent chunked body,
+half-sent headers and an idle socket are answered 408 (OpenAI format) and closed once their
+timeout passes; oversized headers get 431; connections past the limit get 503.
+
+Raw sockets against a gateway process with short timeouts. A connection still open long after
+its timeout fails the test (the socket's own read timeout, far past the gateway's), so nothing
+here measures time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+from collections.abc import Iterator
+from urllib.parse import urlsplit
+
+import orjson
+import pytest
+
+from tests.reliability.stack import MODEL, StandInStack, standin_stack
+
+TIMEOUT_S = 1
+# How long a test waits for the gateway to close a connection it should close after TIMEOUT_S.
+PATIENCE_S = 30
+MAX_CONNECTIONS = 4
+
+
+@pytest.fixture(scope="module")
+def slow_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StandInStack]:
+    with standin_stack(
+        tmp_path_factory.mktemp("slow-clients"),
+        env={
+            "ISOGATE_HEADER_TIMEOUT_S": str(TIMEOUT_S),
+            "ISOGATE_BODY_TIMEOUT_S": str(TIMEOUT_S),
+            "ISOGATE_KEEP_ALIVE_TIMEOUT_S": str(TIMEOUT_S),
+        },
+    ) as running:
+        yield running
+
+
+@contextlib.contextmanager
+def connection(stack: StandInStack) -> Iterator[socket.socket]:
+    address = urlsplit(stack.gateway.url)
+    sock = socket.create_connection((address.hostname, address.port), timeout=PATIENCE_S)
+    try:
+        yield sock
+    finally:
+        sock.close()
+
+
+def until_closed(sock: socket.socket) -> bytes:
+    """Everything the gateway writes until it closes the connection."""
+    received = b""
+    while True:
+        try:
+            chunk = sock.recv(65536)
+        except ConnectionResetError:
+            return received
+        except TimeoutError:
+            raise AssertionError(f"still open after {PATIENCE_S} s: {received[:200]!r}") from None
+        if not chunk:
+            return received
+        received += chunk
+
+
+def assert_openai_error(response: bytes, status: int, code: str) -> None:
+    head, _, body = response.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 %d " % status), response[:300]
+    assert b"connection: close" in head.lower(), head
+    error = orjson.loads(body)["error"]
+    assert error["code"] == code and error["message"], error
+
+
+def _request_head(stack: StandInStack, **headers: str) -> bytes:
+    key = stack.key("slow-client")
+    lines = [
+        "POST /v1/chat/completions HTTP/1.1",
+        "Host: gateway",
+        f"Authorization: Bearer {key}",
+        "Content-Type: application/json",
+        *(f"{name.replace('_', '-')}: {value}" for name, value in headers.items()),
+    ]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+def _chat() -> bytes:
+    return orjson.dumps(
+        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    )
+
+
+def test_half_a_body_is_answered_408_and_closed(slow_stack: StandInStack) -> None:
+    body = _chat()
+    with connection(slow_stack) as sock:
+        sock.sendall(_request_head(slow_stack, Content_Length=str(len(body))) + body[:10])
+        assert_openai_error(until_closed(sock), 408, "request_timeout")
+
+
+def test_a_half_sent_chunked_body_is_answered_408_and_closed(slow_stack: StandInStack) -> None:
+    body = _chat()
+    with connection(slow_stack) as sock:
+        first = b"%x\r\n%s\r\n" % (10, body[:10])
+        sock.sendall(_request_head(slow_stack, Transfer_Encoding="chunked") + first)
+        assert_openai_error(until_closed(sock), 408, "request_timeout")
+
+
+def test_half_sent_headers_are_answered_408_and_closed(slow_stack: StandInStack) -> None:
+    with connection(slow_stack) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\nAuthoriz")
+        assert_openai_error(until_closed(sock), 408, "request_timeout")
+
+
+def test_an_idle_socket_is_closed(slow_stack: StandInStack) -> None:
+    with connection(slow_stack) as sock:
+        until_closed(sock)
+
+
+def test_an_idle_keep_alive_connection_is_closed_after_its_answer(
+    slow_stack: StandInStack,
+) -> None:
+    body = _chat()
+    with connection(slow_stack) as sock:
+        sock.sendall(_request_head(slow_stack, Content_Length=str(len(body))) + body)
+        answer = until_closed(sock)
+    assert answer.startswith(b"HTTP/1.1 200 "), answer[:300]
+
+
+def test_a_16_mb_header_is_refused(slow_stack: StandInStack) -> None:
+    header = b"GET /healthz HTTP/1.1\r\nHost: gateway\r\nX-Padding: " + b"a" * (16 << 20)
+    with connection(slow_stack) as sock:
+        sent_all = True
+        try:
+            sock.sendall(header + b"\r\n\r\n")
+        except (BrokenPipeError, ConnectionResetError):
+            sent_all = False  # closed on us before the header was all in: refused
+        response = until_closed(sock)
+    if response or sent_all:
+        assert_openai_error(response, 431, "request_header_too_large")
+
+
+def test_connections_past_the_limit_get_503(tmp_path_factory: pytest.TempPathFactory) -> None:
+    with (
+        standin_stack(
+            tmp_path_factory.mktemp("connection-limit"),
+            env={"ISOGATE_MAX_CONNECTIONS": str(MAX_CONNECTIONS)},
+        ) as stack,
+        contextlib.ExitStack() as held,
+    ):
+        for _ in range(MAX_CONNECTIONS):
+            held.enter_context(connection(stack))  # open, idle
+        with connection(stack) as sock:
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: gateway\r\n\r\n")
+            assert_openai_error(until_closed(sock), 503, "too_many_connections")
+        held.close()
+        with connection(stack) as sock:
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: gateway\r\nConnection: close\r\n\r\n")
+            assert until_closed(sock).startswith(b"HTTP/1.1 200 ")
