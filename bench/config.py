@@ -21,7 +21,7 @@ def _env_flag(name: str, default: bool = False) -> bool:
     return default if value is None else value.strip().lower() not in ("", "0", "false", "no")
 
 
-SECTIONS = frozenset({"routing", "memory", "prompt", "peers", "real", "fair"})
+SECTIONS = frozenset({"routing", "memory", "prompt", "peers", "real", "fair", "hostile"})
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 from bench.fair_share_bench import render as render_fair
+from bench.hostile_bench import render as render_hostile
 from bench.serving_bench import serving_tables
 
 TARGET_ADDED_P50_MS = 0.5
@@ -455,6 +456,9 @@ def render(results: dict[str, Any]) -> str:
                 "(about 0 when client disconnects are noticed).",
                 "",
             ]
+    hostile = results.get("hostile")
+    if hostile:
+        out += ["## Hostile clients (issue 17)", "", *render_hostile(hostile)]
     fair = results.get("fair_share")
     if fair:
         out += ["## Fair share on a real SGLang CPU PD pair (issue 18)", "", *render_fair(fair)]

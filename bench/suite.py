@@ -7,8 +7,8 @@ section-1 cell), BENCH_PIN (default on),
 BENCH_PRIORITY (autogroup nice of the bench's processes, e.g. -10 on a busy shared machine),
 BENCH_REAL_ENGINE (default on in a full run), BENCH_REAL_REQUESTS, BENCH_SERVING (0: no
 sglang.bench_serving in the real section), BENCH_SERVING_PROMPTS, BENCH_SERVING_RATE, BENCH_PEERS,
-BENCH_AUDIT_ROWS, BENCH_SECTIONS (comma list of routing,memory,prompt,peers,real,fair; default
-all), BENCH_FAIR_SECONDS, BENCH_FAIR_CAP (bench/fair_share_bench.py),
+BENCH_AUDIT_ROWS, BENCH_SECTIONS (comma list of routing,memory,prompt,peers,real,fair,hostile;
+default all), BENCH_FAIR_SECONDS, BENCH_FAIR_CAP (bench/fair_share_bench.py),
 BENCH_GATEWAY_ROOT (run a patched copy of the gateway). Writes ``bench/results/latest.md`` and
 ``latest.json``.
 """
@@ -28,6 +28,7 @@ import httpx
 
 from bench.config import BenchConfig
 from bench.fair_share_bench import run_fair_share_bench
+from bench.hostile_bench import run_hostile_bench
 from bench.machine import describe_machine, load_average
 from bench.memory_bench import memory_as_json, run_memory_bench
 from bench.peer_benches import run_peer_benches
@@ -138,6 +139,15 @@ def main() -> int:
     except Exception as exc:
         errors.append(f"instant-backend rig: {type(exc).__name__}: {exc}")
         log(traceback.format_exc())
+    if config.runs("hostile"):
+        _section(
+            "hostile clients on an instant backend",
+            results,
+            errors,
+            lambda: results.__setitem__(
+                "hostile", run_hostile_bench(config, work / "hostile", log)
+            ),
+        )
     if config.peer_benches and config.runs("peers"):
         _section(
             "3. other benches",

@@ -2,10 +2,10 @@
 
 RPM and TPM are token buckets that hold one minute's allowance and refill continuously
 (``limit / 60`` per second), so a tenant may burst up to its per-minute limit and then
-proceeds at the limit's rate. A request takes one RPM token and a concurrency slot as soon as
-its key is known (``enter``, before its body is even read: a tenant out of requests gets 429
-however cheap or broken its bodies are), and reserves ``prompt + max_tokens`` TPM tokens at
-admission (``LimitLease.reserve``); ``acquire`` does both at once. ``settle`` gives back what
+proceeds at the limit's rate. A request takes one RPM token as soon as its key is known
+(``enter``, before its body is even read: a tenant out of requests gets 429 however cheap or
+broken its bodies are), and a concurrency slot and ``prompt + max_tokens`` TPM tokens at
+admission (``LimitLease.reserve``); ``acquire`` takes all three at once. ``settle`` gives back what
 it did not use (or takes the overshoot, leaving the bucket in debt). Concurrency is a set of
 leases that expire after ``lease_ttl_s``, so a replica that dies holding slots does not
 hold them forever.
@@ -28,7 +28,7 @@ import secrets
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 from gateway.errors import rate_limited
 from gateway.policies import TenantLimits
@@ -39,6 +39,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("isogate.limits")
 
 _T = TypeVar("_T")
+# What one limiter call takes: everything, the request only (at entry), or the rest.
+_Mode = Literal["all", "count", "rest"]
 
 _WINDOW_MS = 60_000.0
 # Retry hint when the concurrency limit is reached: when a slot frees is unknown.
@@ -69,30 +71,41 @@ end
 """
 
 # KEYS: bucket hash, in-flight zset. ARGV: rpm, tpm, max_concurrent, reserved, lease id,
-# lease ttl (ms). Returns {0, 0, requests left, tokens left} when admitted, else {which
-# (1 concurrency, 2 rpm, 3 tpm), retry after (ms)}.
+# lease ttl (ms), and what to take: "all" (default), "count" (the request only, at entry) or
+# "rest" (the concurrency slot and tokens of a request counted already). Returns {0, 0,
+# requests left, tokens left} when admitted, else {which (1 concurrency, 2 rpm, 3 tpm),
+# retry after (ms)}.
 _ACQUIRE_BODY_LUA = """
 local rpm = tonumber(ARGV[1])
 local tpm = tonumber(ARGV[2])
 local max_concurrent = tonumber(ARGV[3])
 local reserved = tonumber(ARGV[4])
 local lease_ttl = tonumber(ARGV[6])
+local mode = ARGV[7] or 'all'
 local r, tokens = refill(KEYS[1], rpm, tpm, now)
-redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
-if redis.call('ZCARD', KEYS[2]) >= max_concurrent then
-  return {1, 1000}
+if mode ~= 'count' then
+  redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
+  if redis.call('ZCARD', KEYS[2]) >= max_concurrent then
+    return {1, 1000}
+  end
 end
-if r < 1 then
-  return {2, math.ceil((1 - r) * 60000 / rpm)}
+local taken = 0
+if mode ~= 'rest' then
+  if r < 1 then
+    return {2, math.ceil((1 - r) * 60000 / rpm)}
+  end
+  taken = 1
 end
 if tokens < reserved then
   return {3, math.ceil((reserved - tokens) * 60000 / tpm)}
 end
-redis.call('HSET', KEYS[1], 'r', r - 1, 't', tokens - reserved, 'ts', now)
+redis.call('HSET', KEYS[1], 'r', r - taken, 't', tokens - reserved, 'ts', now)
 redis.call('PEXPIRE', KEYS[1], 600000)
-redis.call('ZADD', KEYS[2], now + lease_ttl, ARGV[5])
-redis.call('PEXPIRE', KEYS[2], lease_ttl + 60000)
-return {0, 0, math.floor(r - 1), math.floor(tokens - reserved)}
+if mode ~= 'count' then
+  redis.call('ZADD', KEYS[2], now + lease_ttl, ARGV[5])
+  redis.call('PEXPIRE', KEYS[2], lease_ttl + 60000)
+end
+return {0, 0, math.floor(r - taken), math.floor(tokens - reserved)}
 """
 
 # KEYS: bucket hash. ARGV: rpm, tpm, tokens to give back (negative: to take). The bucket is
@@ -116,22 +129,6 @@ def limiter_scripts(now: str = _REDIS_NOW_LUA) -> tuple[str, str]:
 
 
 _ACQUIRE_LUA, _SETTLE_LUA = limiter_scripts()
-
-# KEYS: bucket hash. ARGV: rpm, tpm, reserved. The TPM reservation of a request that entered
-# already. Returns {0, 0, requests left, tokens left} when it fits, else {3, retry after (ms)}.
-_RESERVE_BODY_LUA = """
-local rpm = tonumber(ARGV[1])
-local tpm = tonumber(ARGV[2])
-local reserved = tonumber(ARGV[3])
-local r, tokens = refill(KEYS[1], rpm, tpm, now)
-if tokens < reserved then
-  return {3, math.ceil((reserved - tokens) * 60000 / tpm)}
-end
-redis.call('HSET', KEYS[1], 'r', r, 't', tokens - reserved, 'ts', now)
-redis.call('PEXPIRE', KEYS[1], 600000)
-return {0, 0, math.floor(r), math.floor(tokens - reserved)}
-"""
-_RESERVE_LUA = _REDIS_NOW_LUA + _REFILL_LUA + _RESERVE_BODY_LUA
 
 
 @dataclass(slots=True)
@@ -200,11 +197,13 @@ class LimitLease:
         return [] if self.left is None else rate_limit_headers(self._limits, self.left)
 
     async def reserve(self, tokens: int) -> None:
-        """Reserve a request's TPM tokens once it is counted (after ``enter``); 429 if they
-        are not there. Its request and slot stay taken either way (released with the lease)."""
+        """Take the concurrency slot and reserve the tokens of a request counted already
+        (``TenantLimiter.enter``); 429 if either is not there (the request stays counted)."""
         reserved = max(0, tokens)
         _refuse_if_too_large(reserved, self._limits)
-        self.left = await self._limiter._reserve(self, reserved)
+        left = await self._limiter._reserve(self, reserved)
+        # Requests left as counted when this one was (the bucket has refilled a little since).
+        self.left = Allowance(self.left.requests if self.left else left.requests, left.tokens)
         self.reserved_tokens = reserved
 
     async def settle(self, actual_tokens: int) -> None:
@@ -244,7 +243,6 @@ class TenantLimiter:
         self._lease_ttl_ms = lease_ttl_s * 1000
         self._buckets: dict[str, _Bucket] = {}
         self._acquire_script = redis.register_script(_ACQUIRE_LUA) if redis is not None else None
-        self._reserve_script = redis.register_script(_RESERVE_LUA) if redis is not None else None
         self._settle_script = redis.register_script(_SETTLE_LUA) if redis is not None else None
         self._warned_fallback = False
         self._redis_timeout_s = redis_timeout_s
@@ -253,10 +251,30 @@ class TenantLimiter:
     async def acquire(
         self, tenant_id: str, limits: TenantLimits, reserved_tokens: int
     ) -> LimitLease:
+        """Count the request, take a concurrency slot and reserve its tokens, all or nothing."""
         reserved = max(0, reserved_tokens)
         _refuse_if_too_large(reserved, limits)
-        lease_id = secrets.token_hex(8)
-        if self._acquire_script is not None and time.monotonic() >= self._redis_down_until:
+        lease = LimitLease(self, tenant_id, limits, reserved, secrets.token_hex(8), in_redis=False)
+        lease.left = await self._take(lease, reserved, "all")
+        return lease
+
+    async def enter(self, tenant_id: str, limits: TenantLimits) -> LimitLease:
+        """Count one request, before anything about it is known but its key; its concurrency
+        slot and tokens are taken later (``LimitLease.reserve``)."""
+        lease = LimitLease(self, tenant_id, limits, 0, secrets.token_hex(8), in_redis=False)
+        lease.left = await self._take(lease, 0, "count")
+        return lease
+
+    async def _reserve(self, lease: LimitLease, reserved: int) -> Allowance:
+        return await self._take(lease, reserved, "rest")
+
+    async def _take(self, lease: LimitLease, reserved: int, mode: _Mode) -> Allowance:
+        tenant_id, limits = lease.tenant_id, lease._limits
+        if (
+            self._acquire_script is not None
+            and time.monotonic() >= self._redis_down_until
+            and (mode != "rest" or lease._in_redis)
+        ):
             try:
                 verdict, retry_ms, *left = await self._with_timeout(
                     self._acquire_script(
@@ -266,8 +284,9 @@ class TenantLimiter:
                             limits.tokens_per_minute,
                             limits.max_concurrent,
                             reserved,
-                            lease_id,
+                            lease._lease_id,
                             int(self._lease_ttl_ms),
+                            mode,
                         ],
                     )
                 )
@@ -280,51 +299,13 @@ class TenantLimiter:
                     self._warned_fallback = False
                     log.warning("limits: Redis reachable again; limits are shared again")
                 _raise_if_refused(int(verdict), int(retry_ms) / 1000, limits)
-                lease = LimitLease(self, tenant_id, limits, reserved, lease_id, in_redis=True)
-                lease.left = Allowance(int(left[0]), int(left[1]))
-                return lease
-        left = self._acquire_local(tenant_id, limits, reserved, lease_id)
-        lease = LimitLease(self, tenant_id, limits, reserved, lease_id, in_redis=False)
-        lease.left = left
-        return lease
-
-    async def enter(self, tenant_id: str, limits: TenantLimits) -> LimitLease:
-        """Count one request and take a concurrency slot, before anything about the request is
-        known but its key; its tokens are reserved later (``LimitLease.reserve``)."""
-        return await self.acquire(tenant_id, limits, 0)
-
-    async def _reserve(self, lease: LimitLease, reserved: int) -> Allowance:
-        limits = lease._limits
-        if lease._in_redis and self._reserve_script is not None:
-            try:
-                verdict, retry_ms, *left = await self._with_timeout(
-                    self._reserve_script(
-                        keys=[self._key(lease.tenant_id, "bucket")],
-                        args=[limits.requests_per_minute, limits.tokens_per_minute, reserved],
-                    )
-                )
-            except Exception as exc:
-                if not _redis_unreachable(exc):
-                    raise
-                self._warn_fallback(exc)
-            else:
-                _raise_if_refused(int(verdict), int(retry_ms) / 1000, limits)
+                lease._in_redis = True
                 return Allowance(int(left[0]), int(left[1]))
-        now = time.monotonic() * 1000
-        bucket = self._buckets.get(lease.tenant_id)
-        if bucket is None:
-            bucket = self._buckets[lease.tenant_id] = _Bucket(
-                limits.requests_per_minute, limits.tokens_per_minute, now
-            )
-        bucket.refill(limits, now)
-        if bucket.tokens < reserved:
-            wait_ms = (reserved - bucket.tokens) * _WINDOW_MS / limits.tokens_per_minute
-            _raise_if_refused(3, wait_ms / 1000, limits)
-        bucket.tokens -= reserved
-        return Allowance(math.floor(bucket.requests), math.floor(bucket.tokens))
+        lease._in_redis = False
+        return self._acquire_local(tenant_id, limits, reserved, lease._lease_id, mode)
 
     def _acquire_local(
-        self, tenant_id: str, limits: TenantLimits, reserved: int, lease_id: str
+        self, tenant_id: str, limits: TenantLimits, reserved: int, lease_id: str, mode: _Mode
     ) -> Allowance:
         now = time.monotonic() * 1000
         bucket = self._buckets.get(tenant_id)
@@ -333,22 +314,24 @@ class TenantLimiter:
                 limits.requests_per_minute, limits.tokens_per_minute, now
             )
         bucket.refill(limits, now)
-        if len(bucket.inflight) >= limits.max_concurrent:
+        if mode != "count" and len(bucket.inflight) >= limits.max_concurrent:
             # Leases past their TTL no longer count; they can only matter at the limit, so they
             # are looked for there, not on every request (and never exceed the limit in number).
             for expired in [lid for lid, expiry in bucket.inflight.items() if expiry <= now]:
                 del bucket.inflight[expired]
             if len(bucket.inflight) >= limits.max_concurrent:
                 _raise_if_refused(1, _CONCURRENCY_RETRY_S, limits)
-        if bucket.requests < 1:
+        if mode != "rest" and bucket.requests < 1:
             wait_ms = (1 - bucket.requests) * _WINDOW_MS / limits.requests_per_minute
             _raise_if_refused(2, wait_ms / 1000, limits)
         if bucket.tokens < reserved:
             wait_ms = (reserved - bucket.tokens) * _WINDOW_MS / limits.tokens_per_minute
             _raise_if_refused(3, wait_ms / 1000, limits)
-        bucket.requests -= 1
+        if mode != "rest":
+            bucket.requests -= 1
         bucket.tokens -= reserved
-        bucket.inflight[lease_id] = now + self._lease_ttl_ms
+        if mode != "count":
+            bucket.inflight[lease_id] = now + self._lease_ttl_ms
         return Allowance(math.floor(bucket.requests), math.floor(bucket.tokens))
 
     async def _settle(self, lease: LimitLease, delta: int) -> None:
