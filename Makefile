@@ -39,7 +39,7 @@ lint: install
 # unit tests against the real SGLang classes, which need the engine venv.
 test: lint install engine services
 	$(PY) -m pytest -ra --durations=25
-	$(ENGINE_PY) -m pytest -ra --durations=25 tests/engine_patch
+	$(ENGINE_PY) -m pytest -ra --durations=25 tests/engine_patch tests/engine_parity
 
 # Without the real SGLang cluster (unit tests and stand-in workers only).
 test-fast: lint install services

@@ -62,6 +62,23 @@ ANSWERS: list[tuple[type[pydantic.BaseModel], dict[str, Any]]] = [
             FP,
         ),
     ),
+    # A turn that only calls tools (content null), and one that reasoned first.
+    (
+        protocol.ChatCompletion,
+        protocol.chat_completion(
+            GID,
+            MODEL,
+            CREATED,
+            [
+                protocol.chat_choice(
+                    0, "", "tool_calls", None, None, [protocol.tool_call("call_1", "f", "{}")]
+                ),
+                protocol.chat_choice(1, "Hi", "stop", None, "thinking"),
+            ],
+            USAGE,
+            FP,
+        ),
+    ),
     (
         protocol.Completion,
         protocol.completion(
@@ -92,6 +109,18 @@ ANSWERS: list[tuple[type[pydantic.BaseModel], dict[str, Any]]] = [
         protocol.chat_chunk(GID, MODEL, CREATED, {"content": "Hi"}, None),
     ),
     (protocol.ChatCompletionChunk, protocol.chat_chunk(GID, MODEL, CREATED, {}, "stop")),
+    (protocol.ChatCompletionChunk, protocol.chat_chunk(GID, MODEL, CREATED, {}, "tool_calls")),
+    (
+        protocol.ChatCompletionChunk,
+        protocol.chat_chunk(GID, MODEL, CREATED, {"reasoning_content": "hm"}, None),
+    ),
+    *(
+        (
+            protocol.ChatCompletionChunk,
+            protocol.chat_chunk(GID, MODEL, CREATED, {"tool_calls": [piece]}, None),
+        )
+        for piece in protocol.tool_call_deltas(0, "call_1", "f", '{"a": 1}')
+    ),
     (protocol.ChatCompletionChunk, protocol.chat_chunk(GID, MODEL, CREATED, {}, "length")),
     (
         protocol.ChatCompletionChunk,
