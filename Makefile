@@ -35,15 +35,18 @@ lint: install
 	$(VENV)/bin/ruff format --check $(LINT_PATHS)
 	$(VENV)/bin/mypy
 
-# The gateway's suite (unit, stand-in and real-SGLang end-to-end tests), then engine_patch's
-# unit tests against the real SGLang classes, which need the engine venv.
+# The gateway's suite (unit, stand-in and real-SGLang end-to-end tests) on TEST_WORKERS xdist
+# workers (one module at a time each; tests/conftest.py), then engine_patch's unit tests against
+# the real SGLang classes, which need the engine venv.
+TEST_WORKERS ?= 2
+PARALLEL := -n $(TEST_WORKERS) --dist loadgroup
 test: lint install engine services
-	$(PY) -m pytest -ra --durations=25
+	$(PY) -m pytest -ra --durations=25 $(PARALLEL)
 	$(ENGINE_PY) -m pytest -ra --durations=25 tests/engine_patch tests/engine_parity
 
 # Without the real SGLang cluster (unit tests and stand-in workers only).
 test-fast: lint install services
-	$(PY) -m pytest -ra -m "not engine"
+	$(PY) -m pytest -ra -m "not engine" $(PARALLEL)
 
 bench: install engine services
 	scripts/bench

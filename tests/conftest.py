@@ -2,6 +2,11 @@
 
 A PD pair takes about 35 s and 4.5 GB to start, so every end-to-end test shares this one;
 tests that need another shape (the incident's) start their own and stop it.
+
+``make test`` runs the suite on two pytest-xdist workers: much of it waits (on a pair
+starting, a timeout, a fault) while the other core is idle. Each module runs whole on one
+worker (its module fixtures and its fixed ports are never set up twice at once), and every
+module that uses the session pair runs on the same worker, so the pair starts once.
 """
 
 from __future__ import annotations
@@ -35,6 +40,24 @@ SESSION_POOL_TOKENS = 8192
 # 5 s of every stop, and neither dump exists on this CPU-only machine (no py-spy installed).
 os.environ.setdefault("SGLANG_PYSPY_DUMP_BEFORE_CRASH", "0")
 os.environ.setdefault("SGLANG_CUDA_COREDUMP_BEFORE_CRASH", "0")
+
+
+SESSION_FIXTURES = frozenset({"pd_cluster", "pd_router", "gateway", "tenant"})
+SESSION_GROUP = "session-pair"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The xdist group of each test (used by ``--dist loadgroup``): its module's, or the
+    session pair's for every module where any test uses it."""
+    on_session_pair = {
+        item.module.__name__
+        for item in items
+        if isinstance(item, pytest.Function) and SESSION_FIXTURES & set(item.fixturenames)
+    }
+    for item in items:
+        module = item.module.__name__ if isinstance(item, pytest.Function) else item.nodeid
+        group = SESSION_GROUP if module in on_session_pair else module
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 @dataclass(frozen=True)

@@ -22,11 +22,12 @@ import pytest
 from gateway.dev.harness import GatewayProcess
 from gateway.dev.model import ensure_tiny_model
 from tests.harness import PoolSpec, write_policies
+from tests.ports import worker_share
 from tests.standin_worker import Behaviour, StandInWorker
 
 MODEL = "tiny-llama"
-_GATEWAY_PORTS = itertools.cycle(range(35020, 35040))
-_WORKER_PORTS = itertools.cycle(range(35040, 35068))
+_GATEWAY_PORTS = itertools.cycle(worker_share(35020, 35040))
+_WORKER_PORTS = itertools.cycle(worker_share(35040, 35068))
 
 
 def port_from(ports: Iterator[int]) -> int:

@@ -225,3 +225,30 @@ def test_client_supplied_isolation_header_is_refused(
 def test_health_and_readiness(gateway: GatewayProcess) -> None:
     assert httpx.get(gateway.url + "/healthz").status_code == 200
     assert httpx.get(gateway.url + "/readyz").json() == {"status": "ready"}
+
+
+def test_echo_scores_the_prompt_as_the_model_sees_it(client: openai.OpenAI) -> None:
+    """Evaluation harnesses score a text with echo, logprobs and max_tokens 0. The model is
+    causal, so a prompt's scores are those of the same tokens at the start of a longer prompt:
+    what prefill scored is this prompt, position by position."""
+
+    def scored(prompt: str) -> openai.types.CompletionChoice:
+        reply = client.completions.create(
+            model=MODEL, prompt=prompt, echo=True, logprobs=1, max_tokens=0, temperature=0
+        )
+        assert reply.usage is not None and reply.usage.completion_tokens == 0
+        choice = reply.choices[0]
+        assert choice.text == prompt and choice.logprobs is not None
+        assert len(choice.logprobs.tokens or []) == reply.usage.prompt_tokens
+        return choice
+
+    short = scored("The quick brown fox")
+    longer = scored("The quick brown fox jumps over the lazy dog")
+    assert short.logprobs is not None and longer.logprobs is not None
+    short_scores = short.logprobs.token_logprobs or []
+    long_scores = longer.logprobs.token_logprobs or []
+    assert short_scores[0] is None and long_scores[0] is None
+    assert all(score is not None and score <= 0 for score in short_scores[1:])
+    common = len(short_scores)
+    assert short.logprobs.tokens == (longer.logprobs.tokens or [])[:common]
+    assert short_scores[1:] == pytest.approx(long_scores[1:common], abs=1e-3)

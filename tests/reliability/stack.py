@@ -23,6 +23,7 @@ import httpx
 from gateway.dev.harness import GatewayProcess, port_is_free
 from gateway.dev.model import DEFAULT_MODEL_DIR, ensure_tiny_model
 from tests.harness import PoolSpec, write_policies
+from tests.ports import worker_share
 from tests.standin_worker import Behaviour, StandInWorker
 
 MODEL = "tiny-llama"
@@ -31,18 +32,20 @@ STANDIN_POOL_TOKENS = 8192
 # Limits no test here means to reach (the harness's defaults for every other tenant).
 UNLIMITED = {"requests_per_minute": 100000, "tokens_per_minute": 100000000, "max_concurrent": 1000}
 # This suite's port range for stand-ins and gateways (36000-36099); the real SGLang pairs use 301xx.
-# Each test process starts at its own offset, so two runs of these suites at once rarely collide.
-_FIRST = 36000 + random.randrange(100)
-_PORTS = itertools.cycle([*range(_FIRST, 36100), *range(36000, _FIRST)])
+# Each xdist worker has its own share of it, and each test process starts at its own offset in
+# it, so two runs of these suites at once rarely collide.
+_RANGE = worker_share(36000, 36100)
+_FIRST = random.randrange(len(_RANGE))
+_PORTS = itertools.cycle([*_RANGE[_FIRST:], *_RANGE[:_FIRST]])
 
 
 def range_port() -> int:
     """A free port from this suite's range, so parallel suites never collide."""
-    for _ in range(100):
+    for _ in range(len(_RANGE)):
         port = next(_PORTS)
         if port_is_free(port):
             return port
-    raise RuntimeError("no free port in 36000-36099")
+    raise RuntimeError(f"no free port in {_RANGE}")
 
 
 @dataclass

@@ -1,5 +1,8 @@
 """Fixtures for the security suite: one gateway process in front of stand-in workers per module,
-and a tally of how many fuzz cases each test sent (printed at the end of the run)."""
+and a tally of how many fuzz cases each test sent (printed at the end of the run).
+
+Each test's cases travel in its report's ``user_properties``, so that the tally is whole when
+xdist workers ran the tests (the summary runs in the controller, which ran none)."""
 
 from __future__ import annotations
 
@@ -30,10 +33,27 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StandInStack]:
         yield running
 
 
+@pytest.fixture(autouse=True)
+def fuzz_cases_of_this_test(request: pytest.FixtureRequest) -> Iterator[None]:
+    before = Counter(FUZZ_CASES)
+    yield
+    sent = FUZZ_CASES - before
+    if sent:
+        request.node.user_properties.append(("fuzz_cases", dict(sent)))
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    if not FUZZ_CASES:
+    tally: Counter[str] = Counter()
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if getattr(report, "when", None) != "teardown":
+                continue
+            for name, value in getattr(report, "user_properties", ()):
+                if name == "fuzz_cases":
+                    tally.update(value)
+    if not tally:
         return
     terminalreporter.section("fuzz cases sent to the gateway")
-    for name, count in sorted(FUZZ_CASES.items()):
+    for name, count in sorted(tally.items()):
         terminalreporter.write_line(f"{count:6d}  {name}")
-    terminalreporter.write_line(f"{sum(FUZZ_CASES.values()):6d}  total")
+    terminalreporter.write_line(f"{sum(tally.values()):6d}  total")

@@ -22,15 +22,17 @@ import orjson
 from gateway.dev.harness import GatewayProcess
 from gateway.dev.model import DEFAULT_MODEL_DIR, ensure_tiny_model
 from tests.harness import PoolSpec, write_policies
+from tests.ports import worker_share
 from tests.standin_worker import Behaviour, StandInWorker
 
 MODEL = "tiny-llama"
 POOL_TOKENS = 8192
-_PORTS = itertools.cycle(range(33000, 33050))
+_RANGE = worker_share(33000, 33050)
+_PORTS = itertools.cycle(_RANGE)
 
 
 def range_port() -> int:
-    for _ in range(50):
+    for _ in range(len(_RANGE)):
         port = next(_PORTS)
         with socket.socket() as sock:
             try:
@@ -38,7 +40,7 @@ def range_port() -> int:
             except OSError:
                 continue
             return port
-    raise RuntimeError("no free port in 33000-33049")
+    raise RuntimeError(f"no free port in {_RANGE}")
 
 
 @dataclass
