@@ -146,7 +146,7 @@ async def tokenize(components: Components, tenant_id: str, ask: TokenizeRequest)
 
     if ask.messages is not None:
         # What ``gateway.pipeline`` asks the core for: the same turns, the same template.
-        chat = ChatPrompt([ChatTurn(m.role, m.text()) for m in ask.messages])
+        chat = ChatPrompt([ChatTurn(m.role, m.text(), m.template_fields()) for m in ask.messages])
         _refuse_if_never_fits(tokenizer, model, chat, "messages")
         tokens: list[int] | list[list[int]] = await tokenizer.encode_chat(
             chat.turns, control_text=model.chat_control_text

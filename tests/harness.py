@@ -37,7 +37,12 @@ def write_policies(
     max_output_tokens: int = 1024,
     tenants: dict[str, Any] | None = None,
     default_limits: dict[str, int] | None = None,
+    tool_call_parser: str | None = None,
+    plain_twin: str | None = None,
 ) -> Path:
+    """The policy files for one model (``tool_call_parser`` names its tool-call format); with
+    ``plain_twin``, also a second model of that name on the same tokenizer and pools, with no
+    tool calling."""
     directory.mkdir(parents=True, exist_ok=True)
     models = {
         "models": [
@@ -62,6 +67,11 @@ def write_policies(
             }
         ]
     }
+    if tool_call_parser is not None:
+        models["models"][0]["tool_call_parser"] = tool_call_parser
+    if plain_twin is not None:
+        models["models"].append({**models["models"][0], "name": plain_twin})
+        models["models"][-1].pop("tool_call_parser", None)
     (directory / "models.yaml").write_text(yaml.safe_dump(models))
     tenants_file = {
         "defaults": {

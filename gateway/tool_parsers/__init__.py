@@ -109,8 +109,11 @@ class OutputParser:
     def parse(self, text: str) -> ParsedOutput:
         """The whole output at once."""
         first, last = self.feed(text), self.finish()
+        calls = first.calls + last.calls
+        answer = first.text + last.text
+        # Around calls, whitespace is the tags' layout, not the answer's (as SGLang trims it).
         return ParsedOutput(
-            first.reasoning + last.reasoning, first.text + last.text, first.calls + last.calls
+            first.reasoning + last.reasoning, answer.strip() if calls else answer, calls
         )
 
     def _answer(self, reasoning: str, text: str, final: bool) -> ParsedOutput:

@@ -77,7 +77,11 @@ def gateway_metric(gateway: GatewayProcess, name: str, **labels: str) -> float:
 
 @contextlib.contextmanager
 def lying_stack(
-    work_dir: Path, *, env: dict[str, str] | None = None, decode: Behaviour | None = None
+    work_dir: Path,
+    *,
+    env: dict[str, str] | None = None,
+    decode: Behaviour | None = None,
+    tool_call_parser: str | None = None,
 ) -> Iterator[LyingStack]:
     model_dir = ensure_tiny_model(DEFAULT_MODEL_DIR)
     with contextlib.ExitStack() as stack:
@@ -94,6 +98,7 @@ def lying_stack(
             pools=[PoolSpec("shared", ((prefill_worker.url, range_port()),), (decode_worker.url,))],
             max_context_tokens=POOL_TOKENS,
             require_engine_tags=True,
+            tool_call_parser=tool_call_parser,
         )
         gateway = start_gateway(policies, work_dir, env or {})
         stack.callback(gateway.stop)
