@@ -479,6 +479,14 @@ class ChatCompletionRequest(_Request):
             )
         return self
 
+    def sampling_params(self, max_tokens: int) -> dict[str, Any]:
+        params = super().sampling_params(max_tokens)
+        if self.offered_tools and self.skip_special_tokens is None:
+            # Some families' call markers are special tokens (Llama's <|python_tag|>); the
+            # parser must see them, as SGLang's server keeps them whenever tools are offered.
+            params["skip_special_tokens"] = False
+        return params
+
     @property
     def offered_tools(self) -> list[ToolDefinition]:
         """The tools the model may call: none with ``tool_choice`` none; all of them otherwise
