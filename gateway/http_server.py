@@ -17,6 +17,7 @@ where the body is read (``gateway.pipeline.read_body``).
 from __future__ import annotations
 
 import asyncio
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,121 +47,123 @@ class _Refused(Exception):
         self.error = error
 
 
-def bounded_protocol(bounds: ClientBounds) -> type[HttpToolsProtocol]:
-    """uvicorn's ``http=``: its httptools protocol, bounded by ``bounds``."""
+def bounded_protocol(bounds: ClientBounds) -> Any:
+    """uvicorn's ``http=``: its httptools protocol, bounded by ``bounds`` (a partial, not a
+    class made here, so that it pickles for ``--workers`` > 1)."""
+    return functools.partial(BoundedHttpToolsProtocol, bounds=bounds)
 
-    class BoundedHttpToolsProtocol(HttpToolsProtocol):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            self._header_bytes = 0  # of the request line and headers parsed so far
-            # Bytes received while a request's headers are not complete: the parser hands a
-            # header over only once it is whole, so a header without end is counted here.
-            self._awaiting_headers = True
-            self._received_in_headers = 0
-            self._header_timer: asyncio.TimerHandle | None = None
 
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            self._arm_header_timer()
+class BoundedHttpToolsProtocol(HttpToolsProtocol):
+    def __init__(self, *args: Any, bounds: ClientBounds, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._bounds = bounds
+        self._header_bytes = 0  # of the request line and headers parsed so far
+        # Bytes received while a request's headers are not complete: the parser hands a
+        # header over only once it is whole, so a header without end is counted here.
+        self._awaiting_headers = True
+        self._received_in_headers = 0
+        self._header_timer: asyncio.TimerHandle | None = None
 
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._disarm_header_timer()
-            super().connection_lost(exc)
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_header_timer()
 
-        def data_received(self, data: bytes) -> None:
-            if self.transport.is_closing():
-                return
-            self._unset_keepalive_if_required()
-            if self._header_timer is None and (self.cycle is None or self.cycle.response_complete):
-                self._arm_header_timer()  # the first byte of the next request
-            if self._awaiting_headers:
-                self._received_in_headers += len(data)
-            try:
-                self.parser.feed_data(data)
-                if self._awaiting_headers and self._received_in_headers > bounds.max_header_bytes:
-                    raise _Refused(_header_too_large(bounds))
-            except _Refused as refused:
-                self._refuse(refused.error)
-            except httptools.HttpParserUpgrade:
-                if self._should_upgrade():
-                    self.handle_websocket_upgrade()
-                else:
-                    self._unsupported_upgrade_warning()
-            except httptools.HttpParserCallbackError as exc:
-                cause = exc.__context__
-                self._refuse(cause.error if isinstance(cause, _Refused) else _bad_request())
-            except httptools.HttpParserError:
-                self._refuse(_bad_request())
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_header_timer()
+        super().connection_lost(exc)
 
-        def on_message_begin(self) -> None:
-            super().on_message_begin()
-            self._header_bytes = 0
+    def data_received(self, data: bytes) -> None:
+        if self.transport.is_closing():
+            return
+        self._unset_keepalive_if_required()
+        if self._header_timer is None and (self.cycle is None or self.cycle.response_complete):
+            self._arm_header_timer()  # the first byte of the next request
+        if self._awaiting_headers:
+            self._received_in_headers += len(data)
+        try:
+            self.parser.feed_data(data)
+            if self._awaiting_headers and self._received_in_headers > self._bounds.max_header_bytes:
+                raise _Refused(_header_too_large(self._bounds))
+        except _Refused as refused:
+            self._refuse(refused.error)
+        except httptools.HttpParserUpgrade:
+            if self._should_upgrade():
+                self.handle_websocket_upgrade()
+            else:
+                self._unsupported_upgrade_warning()
+        except httptools.HttpParserCallbackError as exc:
+            cause = exc.__context__
+            self._refuse(cause.error if isinstance(cause, _Refused) else _bad_request())
+        except httptools.HttpParserError:
+            self._refuse(_bad_request())
 
-        def on_url(self, url: bytes) -> None:
-            self._count_header_bytes(len(url))
-            super().on_url(url)
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._header_bytes = 0
 
-        def on_header(self, name: bytes, value: bytes) -> None:
-            self._count_header_bytes(len(name) + len(value) + 4)
-            super().on_header(name, value)
+    def on_url(self, url: bytes) -> None:
+        self._count_header_bytes(len(url))
+        super().on_url(url)
 
-        def on_headers_complete(self) -> None:
-            self._disarm_header_timer()
-            self._awaiting_headers, self._received_in_headers = False, 0
-            if len(self.connections) > bounds.max_connections:
-                raise _Refused(
-                    APIError(
-                        503,
-                        "The gateway has too many open connections; try again shortly.",
-                        "service_unavailable_error",
-                        "too_many_connections",
-                        headers={"Retry-After": "1"},
-                    )
-                )
-            super().on_headers_complete()
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count_header_bytes(len(name) + len(value) + 4)
+        super().on_header(name, value)
 
-        def on_message_complete(self) -> None:
-            super().on_message_complete()
-            self._awaiting_headers = True  # the next request's
-
-        def _count_header_bytes(self, count: int) -> None:
-            self._header_bytes += count
-            if self._header_bytes > bounds.max_header_bytes:
-                raise _Refused(_header_too_large(bounds))
-
-        def _arm_header_timer(self) -> None:
-            self._disarm_header_timer()
-            self._header_timer = self.loop.call_later(
-                bounds.header_timeout_s, self._headers_timed_out
-            )
-
-        def _disarm_header_timer(self) -> None:
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-                self._header_timer = None
-
-        def _headers_timed_out(self) -> None:
-            self._header_timer = None
-            if self.transport.is_closing():
-                return
-            if self.cycle is not None and not self.cycle.response_complete:
-                return  # a request is being served: its body has its own timeout
-            self._refuse(
+    def on_headers_complete(self) -> None:
+        self._disarm_header_timer()
+        self._awaiting_headers, self._received_in_headers = False, 0
+        if len(self.connections) > self._bounds.max_connections:
+            raise _Refused(
                 APIError(
-                    408,
-                    f"The request's headers did not arrive within {bounds.header_timeout_s} s.",
-                    "invalid_request_error",
-                    "request_timeout",
+                    503,
+                    "The gateway has too many open connections; try again shortly.",
+                    "service_unavailable_error",
+                    "too_many_connections",
+                    headers={"Retry-After": "1"},
                 )
             )
+        super().on_headers_complete()
 
-        def _refuse(self, error: APIError) -> None:
-            self._disarm_header_timer()
-            if not self.transport.is_closing():
-                self.transport.write(_error_response(error))
-                self.transport.close()
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._awaiting_headers = True  # the next request's
 
-    return BoundedHttpToolsProtocol
+    def _count_header_bytes(self, count: int) -> None:
+        self._header_bytes += count
+        if self._header_bytes > self._bounds.max_header_bytes:
+            raise _Refused(_header_too_large(self._bounds))
+
+    def _arm_header_timer(self) -> None:
+        self._disarm_header_timer()
+        self._header_timer = self.loop.call_later(
+            self._bounds.header_timeout_s, self._headers_timed_out
+        )
+
+    def _disarm_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _headers_timed_out(self) -> None:
+        self._header_timer = None
+        if self.transport.is_closing():
+            return
+        if self.cycle is not None and not self.cycle.response_complete:
+            return  # a request is being served: its body has its own timeout
+        self._refuse(
+            APIError(
+                408,
+                f"The request's headers did not arrive within {self._bounds.header_timeout_s} s.",
+                "invalid_request_error",
+                "request_timeout",
+            )
+        )
+
+    def _refuse(self, error: APIError) -> None:
+        self._disarm_header_timer()
+        if not self.transport.is_closing():
+            self.transport.write(_error_response(error))
+            self.transport.close()
 
 
 def _header_too_large(bounds: ClientBounds) -> APIError:
