@@ -26,6 +26,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import multiprocessing
 import socket
 import statistics
 import tempfile
@@ -102,38 +103,58 @@ def _well_behaved(url: str, key: str, seconds: float) -> dict[str, Any]:
 
 
 class Hostile:
-    """One pattern, run on threads until stopped; counts what the gateway answered it."""
+    """One pattern, run on threads of a process of its own until stopped (so the hostile
+    client's own work, e.g. framing a 60 MB body, never holds the well-behaved client's GIL);
+    counts what the gateway answered it."""
 
     def __init__(self, name: str, workers: int, step: Callable[[threading.Event], str]) -> None:
         self.name = name
         self._workers = workers
         self._step = step
-        self._stop = threading.Event()
-        self._threads: list[threading.Thread] = []
         self.answers: dict[str, int] = {}
-        self._lock = threading.Lock()
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                answer = self._step(self._stop)
-            except Exception as exc:  # a refused connection is an answer too
-                answer = type(exc).__name__
-            with self._lock:
-                self.answers[answer] = self.answers.get(answer, 0) + 1
+    def _run_threads(self, stop: Any, results: Any) -> None:
+        answers: dict[str, int] = {}
+        lock = threading.Lock()
+        stopped = threading.Event()
+
+        def run() -> None:
+            while not stopped.is_set():
+                try:
+                    answer = self._step(stopped)
+                except Exception as exc:  # a refused connection is an answer too
+                    answer = type(exc).__name__
+                with lock:
+                    answers[answer] = answers.get(answer, 0) + 1
+
+        threads = [threading.Thread(target=run, daemon=True) for _ in range(self._workers)]
+        for thread in threads:
+            thread.start()
+        stop.wait()
+        stopped.set()
+        for thread in threads:
+            thread.join(timeout=120)
+        with lock:
+            results.put(dict(answers))
 
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:
-        self._threads = [threading.Thread(target=self._run) for _ in range(self._workers)]
-        for thread in self._threads:
-            thread.start()
+        # fork: the pattern's closures (and the 60 MB body) go to the child as they are.
+        context = multiprocessing.get_context("fork")
+        stop, results = context.Event(), context.Queue()
+        process = context.Process(target=self._run_threads, args=(stop, results))
+        process.start()
         time.sleep(0.5)  # under way before the measurement starts
         try:
             yield
         finally:
-            self._stop.set()
-            for thread in self._threads:
-                thread.join(timeout=120)
+            stop.set()
+            try:
+                self.answers = results.get(timeout=150)
+            finally:
+                process.join(timeout=30)
+                if process.is_alive():
+                    process.kill()
 
 
 def _post(url: str, key: str | None, body: bytes, path: str = "/v1/chat/completions") -> str:

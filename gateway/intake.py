@@ -7,6 +7,11 @@ scan by msgspec (an over-long message list is refused without building a Python 
 message). Why a process, not a thread: orjson, msgspec and pydantic-core each hold the GIL for
 the whole of a call, so in a thread a 60 MB body would stall the event loop just the same.
 
+A body that large is never joined in memory either: ``read_large_body`` writes its chunks to a
+file (``SpooledBody``, in ``/dev/shm`` where there is one) as they arrive, and the child reads
+it there. Joining or pickling 60 MB holds the loop or the GIL for as long as copying 60 MB
+takes (about 100 ms on a busy host), which is what every other request would wait.
+
 The pool is bounded (``parse_processes``); bodies beyond it wait their turn off the loop.
 """
 
@@ -15,8 +20,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import os
+import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from pathlib import Path
 from types import TracebackType
 from typing import Annotated, Any
 
@@ -59,6 +67,44 @@ def parse_in_child(body: bytes, schema: type[Any]) -> _Parsed:
         return None, (error.status, error.message, error.type, error.code, error.param)
 
 
+def parse_file_in_child(path: str, schema: type[Any]) -> _Parsed:
+    with open(path, "rb") as spooled:
+        body = spooled.read()
+    return parse_in_child(body, schema)
+
+
+class SpooledBody:
+    """A large body, written to a file chunk by chunk as it arrives (0600, removed after)."""
+
+    def __init__(self, directory: Path) -> None:
+        self._fd, self.path = tempfile.mkstemp(prefix="isogate-body-", dir=directory)
+        self._open = True
+        self.size = 0
+
+    def write(self, chunk: bytes) -> None:
+        view = memoryview(chunk)
+        while view:
+            view = view[os.write(self._fd, view) :]
+        self.size += len(chunk)
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            os.close(self._fd)
+
+    def discard(self) -> None:
+        self.close()
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+def _spool_directory() -> Path:
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+
+
 def _warm() -> None:
     """Nothing: the first call starts the process (and its imports) before a body waits on it."""
 
@@ -73,20 +119,38 @@ class BodyParser:
         self._context.set_forkserver_preload(["gateway.intake"])
         self._pool: ProcessPoolExecutor | None = None
         self._slots = asyncio.Semaphore(processes)
+        self._spool_directory = _spool_directory()
+
+    @property
+    def spill_at(self) -> int:
+        """Bodies of at least this many bytes are spooled (``spool``) and parsed in a child."""
+        return self._min_bytes
+
+    def spool(self) -> SpooledBody:
+        return SpooledBody(self._spool_directory)
 
     def start(self) -> None:
         self._pool = ProcessPoolExecutor(self._processes, mp_context=self._context)
         self._pool.submit(_warm)
 
-    async def parse(self, body: bytes, schema: type[Any]) -> Any:
+    async def parse(self, body: bytes | SpooledBody, schema: type[Any]) -> Any:
+        if isinstance(body, SpooledBody):
+            body.close()
+            try:
+                return await self._in_child(parse_file_in_child, body.path, schema)
+            finally:
+                body.discard()
         if len(body) < self._min_bytes or self._pool is None:
             return protocol.parse_request(body, schema)
+        return await self._in_child(parse_in_child, body, schema)
+
+    async def _in_child(self, parse: Any, body: Any, schema: type[Any]) -> Any:
+        if self._pool is None:
+            raise unavailable("The request body parser is not running.", code="parser_unavailable")
         async with self._slots:
             pool = self._pool
             try:
-                parsed, refused = await asyncio.wrap_future(
-                    pool.submit(parse_in_child, body, schema)
-                )
+                parsed, refused = await asyncio.wrap_future(pool.submit(parse, body, schema))
             except BrokenProcessPool:
                 # A child died (killed, out of memory): a fresh pool for the next body.
                 log.error("intake: a body-parsing process died; starting a new pool")

@@ -48,6 +48,7 @@ from .generation import (
     best_of,
 )
 from .ids import new_generation_id
+from .intake import BodyParser, SpooledBody
 from .logs import current_generation_id
 from .policies import ModelPolicy
 from .protocol import (
@@ -101,11 +102,12 @@ async def handle_generation(components: Components, request: Request, kind: Kind
 
         # parse
         settings = components.settings
-        body = await read_body(
+        body = await read_large_body(
             request.receive,
             headers.content_length,
             settings.max_body_bytes,
             settings.body_timeout_s,
+            components.parser,
         )
         parsed = await components.parser.parse(
             body, ChatCompletionRequest if kind == "chat" else CompletionRequest
@@ -270,9 +272,23 @@ async def read_body(
 ) -> bytes:
     """The whole body, a 413 as soon as it is known to exceed ``limit`` bytes, or a 408 (and
     the connection closed) if it has not all arrived within ``timeout_s``."""
+    body = await read_large_body(receive, declared_length, limit, timeout_s, None)
+    assert isinstance(body, bytes)  # nothing is spooled without a spool
+    return body
+
+
+async def read_large_body(
+    receive: Receive,
+    declared_length: str | None,
+    limit: int,
+    timeout_s: float,
+    parser: BodyParser | None,
+) -> bytes | SpooledBody:
+    """``read_body``, but a body of at least ``parser.spill_at`` bytes is written to a file as
+    it arrives (``gateway.intake``) instead of being joined in memory."""
     try:
         async with asyncio.timeout(timeout_s):
-            return await _read_body(receive, declared_length, limit)
+            return await _read_body(receive, declared_length, limit, parser)
     except TimeoutError:
         raise APIError(
             408,
@@ -283,32 +299,47 @@ async def read_body(
         ) from None
 
 
-async def _read_body(receive: Receive, declared_length: str | None, limit: int) -> bytes:
+async def _read_body(
+    receive: Receive, declared_length: str | None, limit: int, parser: BodyParser | None
+) -> bytes | SpooledBody:
     if declared_length is not None and declared_length.isdigit() and int(declared_length) > limit:
-        raise APIError(
-            413,
-            f"Request body exceeds {limit} bytes.",
-            "invalid_request_error",
-            "request_too_large",
-        )
+        raise _too_large(limit)
     chunks: list[bytes] = []
     size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ClientDisconnect()
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise APIError(
-                413,
-                f"Request body exceeds {limit} bytes.",
-                "invalid_request_error",
-                "request_too_large",
-            )
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    spooled: SpooledBody | None = None
+    try:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise ClientDisconnect()
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(limit)
+            if spooled is not None:
+                spooled.write(chunk)
+            elif parser is not None and size >= parser.spill_at:
+                spooled = parser.spool()
+                for earlier in chunks:
+                    spooled.write(earlier)
+                spooled.write(chunk)
+                chunks = []
+            else:
+                chunks.append(chunk)
+            if not message.get("more_body", False):
+                if spooled is not None:
+                    return spooled
+                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    except BaseException:
+        if spooled is not None:
+            spooled.discard()
+        raise
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(
+        413, f"Request body exceeds {limit} bytes.", "invalid_request_error", "request_too_large"
+    )
 
 
 class JSONBodyResponse(Response):
