@@ -100,9 +100,17 @@ class SpooledBody:
             pass
 
 
+# /dev/shm is used only with this much room: a container's default (64 MB) is not enough.
+_SPOOL_MIN_FREE_BYTES = 1 << 30
+
+
 def _spool_directory() -> Path:
     shm = Path("/dev/shm")
-    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+    if shm.is_dir() and os.access(shm, os.W_OK):
+        room = os.statvfs(shm)
+        if room.f_bavail * room.f_frsize >= _SPOOL_MIN_FREE_BYTES:
+            return shm
+    return Path(tempfile.gettempdir())
 
 
 def _warm() -> None:
