@@ -220,14 +220,16 @@ class InProcessGateway:
             "asgi": {"version": "3.0"},
         }
         sent_body = False
-        never: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
 
         async def receive() -> dict[str, object]:
             nonlocal sent_body
             if not sent_body:
                 sent_body = True
                 return {"type": "http.request", "body": self.body, "more_body": False}
-            await never  # the client stays connected
+            # The client stays connected. A future of each call's own: the gateway cancels the
+            # calls it gave up on, and a shared one would be cancelled for all of them.
+            await loop.create_future()
             raise AssertionError("unreachable")
 
         status: list[int] = []
