@@ -28,6 +28,8 @@ from gateway.dev.harness import GatewayProcess
 from tests.harness import PoolSpec, write_policies
 
 MODEL = "tiny-llama"
+# The same model under a policy without tool calling (the session gateway serves both).
+PLAIN_MODEL = "tiny-llama-plain"
 # Ports of the shared session cluster (other suites use other ranges).
 SESSION_PREFILL_PORT, SESSION_DECODE_PORT, SESSION_BOOTSTRAP_PORT = 32000, 32001, 32002
 SESSION_ROUTER_PORT, SESSION_ROUTER_PROMETHEUS_PORT = 32003, 32004
@@ -132,6 +134,9 @@ def gateway(
             )
         ],
         require_engine_tags=os.environ.get("ISOGATE_TEST_REQUIRE_ENGINE_TAGS", "1") == "1",
+        # The dev model's template writes calls in the Qwen 2.5 format; its twin has no parser.
+        tool_call_parser="qwen25",
+        plain_twin=PLAIN_MODEL,
     )
     with GatewayProcess(policies_dir=policies, work_dir=work) as process:
         yield process
