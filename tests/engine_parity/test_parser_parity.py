@@ -23,7 +23,12 @@ sglang_protocol = pytest.importorskip("sglang.srt.entrypoints.openai.protocol")
 from sglang.srt.function_call.function_call_parser import FunctionCallParser  # noqa: E402
 from sglang.srt.parser.reasoning_parser import ReasoningParser  # noqa: E402
 
-from gateway.tool_parsers import REASONING_PARSERS, TOOL_CALL_PARSERS, Function  # noqa: E402
+from gateway.tool_parsers import (  # noqa: E402
+    REASONING_PARSERS,
+    TOOL_CALL_PARSERS,
+    Function,
+    OutputParser,
+)
 from gateway.tool_parsers.base import ToolCallStream, parse  # noqa: E402
 from gateway.tool_parsers.reasoning import ReasoningStream, split_reasoning  # noqa: E402
 
@@ -101,7 +106,7 @@ def _corpus() -> Iterator[Case]:
         yield Case(family, "plain", PLAIN)
         yield Case(family, "one call", "Let me check.\n" + section(one("Paris")))
         yield Case(family, "two calls", section(one("Paris") + sep + one("北京")))
-        yield Case(family, "after reasoning", section(one("Rome")))
+        yield Case(family, "call alone", section(one("Rome")))
         broken = one("Oslo").replace('"days"', "days").replace("2</arg_value>", "2")
         yield Case(family, "malformed", "Hm. " + section(broken), ours_drops_tags=True)
     yield Case("llama3", "plain", PLAIN)
@@ -111,12 +116,12 @@ def _corpus() -> Iterator[Case]:
         "two calls",
         _json_call("Paris", "parameters") + ";" + _json_call("北京", "parameters"),
     )
-    yield Case("llama3", "after reasoning", _json_call("Rome", "parameters"))
+    yield Case("llama3", "call alone", _json_call("Rome", "parameters"))
     yield Case("mistral", "plain", PLAIN)
     array = "[" + _json_call("Paris") + ", " + _json_call("北京") + "]"
     yield Case("mistral", "one call", "Checking. [TOOL_CALLS] [" + _json_call("Paris") + "]")
     yield Case("mistral", "two calls", "[TOOL_CALLS] " + array)
-    yield Case("mistral", "after reasoning", "[TOOL_CALLS] [" + _json_call("Rome") + "]")
+    yield Case("mistral", "call alone", "[TOOL_CALLS] [" + _json_call("Rome") + "]")
 
 
 CASES = list(_corpus())
@@ -254,3 +259,78 @@ def test_reasoning_parser_splits_as_sglang_whole_and_streamed(family: str, text:
         their_reasoning, their_answer = their_reasoning + (r or ""), their_answer + (n or "")
         assert (reasoning, answer) == (ours.reasoning, ours.text), pieces
         assert (_loose(their_reasoning), _loose(their_answer)) == expected, pieces
+
+
+# Reasoning, then calls: SGLang's server runs the reasoning parser first and hands the answer
+# to the tool-call parser; ``OutputParser`` does the same in one pass.
+COMBINED = [
+    (
+        "qwen3",
+        "qwen25",
+        "<think>The user wants weather.</think>\n\n<tool_call>\n"
+        + _json_call("Paris")
+        + "\n</tool_call>",
+    ),
+    ("glm45", "glm47", "<think>Plan a call.</think>" + _glm47("北京")),
+    ("glm45", "glm45", "<think>Plan.</think>Calling.\n" + _glm45("Rome")),
+    ("deepseek-r1", "deepseekv31", "Think first.</think>" + f"{DS_BEGIN}{_ds31('Oslo')}{DS_END}"),
+    ("deepseek-r1", "deepseekv3", "<think>Hm.</think>ok" + f"{DS_BEGIN}{_ds3('Oslo')}{DS_END}"),
+]
+
+
+def _theirs_combined(reasoning: str, family: str, pieces: list[str]) -> tuple[str, str, Calls]:
+    reasoner = ReasoningParser(reasoning, stream_reasoning=True)
+    tools = FunctionCallParser(TOOLS, family)
+    thought, text, names, arguments = "", "", {}, {}
+
+    def answer(normal: str) -> None:
+        nonlocal text
+        got, calls = tools.parse_stream_chunk(normal)
+        text += got
+        for call in calls:
+            if call.name:
+                names[call.tool_index] = call.name
+            arguments[call.tool_index] = arguments.get(call.tool_index, "") + call.parameters
+
+    for piece in pieces:
+        r, n = reasoner.parse_stream_chunk(piece)
+        thought += r or ""
+        if n:
+            answer(n)
+    r, n = reasoner.parse_stream_end()
+    thought += r or ""
+    if n:
+        answer(n)
+    return thought, text, [(names[i], json.loads(arguments[i])) for i in sorted(names)]
+
+
+@pytest.mark.parametrize(("reasoning", "family", "text"), COMBINED)
+def test_reasoning_then_calls_match_sglang_whole_and_streamed(
+    reasoning: str, family: str, text: str
+) -> None:
+    # SGLang whole: reasoning split off, then the answer through the detector.
+    thought, answer = ReasoningParser(reasoning, stream_reasoning=True).parse_non_stream(text)
+    their_text, their_calls = FunctionCallParser(TOOLS, family).parse_non_stream(answer or "")
+    expected = (
+        _loose(thought or ""),
+        _loose(their_text),
+        [(c.name, json.loads(c.parameters)) for c in their_calls],
+    )
+    assert expected[2], "the corpus case must hold a call"
+
+    def ours(pieces: list[str]) -> tuple[str, str, Calls]:
+        parser = OutputParser(reasoning=reasoning, tool_format=family, functions=FUNCTIONS)
+        thought, text, calls = "", "", []
+        for piece in pieces:
+            out = parser.feed(piece)
+            thought, text, calls = thought + out.reasoning, text + out.text, calls + out.calls
+        out = parser.finish()
+        thought, text, calls = thought + out.reasoning, text + out.text, calls + out.calls
+        return _loose(thought), _loose(text), [(c.name, json.loads(c.arguments)) for c in calls]
+
+    assert ours([text]) == expected
+    for pieces in _splits(text):
+        assert ours(pieces) == expected, pieces
+    streamed = _theirs_combined(reasoning, family, _token_like(text))
+    assert ours(_token_like(text))[2] == streamed[2]
+    assert _loose(streamed[0]) == expected[0]
