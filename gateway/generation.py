@@ -16,6 +16,8 @@ The invariant, for every ``GenerationAsk``:
    every exit path; a stream takes the stack over whole and closes it when it ends;
 3. dispatch and verify: nothing of decode's answer is handed out before its ``meta_info`` has
    passed ``check_meta``, its text the content scan, and its finish reason the abort check;
+   where outputs are read into reasoning, text and tool calls (``GenerationAsk.output``),
+   every field handed out is scanned too, and output that broke its constraint fails;
 4. audit: a ``Trace`` collects what happened and ``GenerationCore.record`` files its one audit
    event (built by ``Trace.event``, the only builder).
 
