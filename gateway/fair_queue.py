@@ -27,9 +27,9 @@ import itertools
 import math
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Literal, Protocol
 
 Priority = Literal["high", "normal", "low"]
 PRIORITY_ORDER: tuple[Priority, ...] = ("high", "normal", "low")
@@ -56,10 +56,6 @@ class WaitExpired(Exception):
         self.over_share = over_share
         self.retry_after_s = retry_after_s
         self.reason = reason
-
-
-class Abandoned(Exception):
-    """The caller's ``abandoned`` finished (without raising) while its request waited."""
 
 
 def _granted(waiter: _Waiter) -> bool:
@@ -179,18 +175,10 @@ class FairQueue:
         self.capacity = max(1, capacity)
         self._dispatch()
 
-    async def acquire(
-        self,
-        share: Share,
-        max_wait_s: float,
-        cost: int = 1,
-        abandoned: Callable[[], Awaitable[object]] | None = None,
-    ) -> Slot:
+    async def acquire(self, share: Share, max_wait_s: float, cost: int = 1) -> Slot:
         """A slot on this pair for one request of ``share``'s tenant, waiting at most
-        ``max_wait_s``; raises ``WaitExpired``. While it waits, ``abandoned()`` (when given)
-        runs alongside: if it finishes first (the client left), the request leaves the queue
-        and what it raised is raised (``Abandoned`` if nothing); a cancelled caller leaves
-        the queue as well."""
+        ``max_wait_s``; raises ``WaitExpired``. A cancelled caller (its client left: the HTTP
+        layer cancels the request) leaves the queue at once."""
         cost = min(max(1, cost), self.capacity)
         tenant = self._tenant(share)
         if self._queued == 0 and self._in_flight + cost <= self.capacity:
@@ -202,34 +190,21 @@ class FairQueue:
             raise self._refusal(tenant, "tenant_queue_full", over_share=True)
         waiter = _Waiter(share, cost, self.clock(), asyncio.get_running_loop().create_future())
         self._enqueue(tenant, waiter)
-        # Only a request that actually waits pays for a watcher task.
-        watcher = asyncio.ensure_future(abandoned()) if abandoned is not None else None
-        waits: set[asyncio.Future[Any]] = {waiter.future}
-        if watcher is not None:
-            waits.add(watcher)
         try:
             await asyncio.wait(
-                waits,
-                timeout=max_wait_s if math.isfinite(max_wait_s) else None,
-                return_when=asyncio.FIRST_COMPLETED,
+                (waiter.future,), timeout=max_wait_s if math.isfinite(max_wait_s) else None
             )
-        except BaseException:
+        except BaseException as gone:
             if _granted(waiter):
                 Slot(self, tenant, cost).release()  # granted as the caller went: give it back
             else:
                 self._leave(tenant, waiter)
+                if isinstance(gone, asyncio.CancelledError):
+                    self._observer.refused(share.tenant_id, "abandoned")
             raise
-        finally:
-            if watcher is not None and not watcher.done():
-                watcher.cancel()
         if _granted(waiter):
             self._observer.waited(share.tenant_id, self.clock() - waiter.enqueued_at)
             return Slot(self, tenant, cost)
-        if watcher is not None and watcher.done():
-            self._leave(tenant, waiter)
-            self._observer.refused(share.tenant_id, "abandoned")
-            failure = None if watcher.cancelled() else watcher.exception()
-            raise failure if failure is not None else Abandoned()
         self._leave(tenant, waiter, refusing=True)
         raise self._refusal(tenant, "wait_expired")
 

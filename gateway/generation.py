@@ -117,9 +117,6 @@ class GenerationAsk:
     pair: WorkerPair | None = None
     # The content check, where it is not the gateway's scanner (the canary's own-marker check).
     scanner: ContentScanner | None = None
-    # Finishes (or raises) when the caller no longer wants the answer, e.g. its client left:
-    # a request waiting for its turn then leaves the queue at once.
-    abandoned: Callable[[], Awaitable[object]] | None = None
     # How outputs are read into reasoning, text and tool calls; None: they are text.
     output: OutputSpec | None = None
     # The tenant's request, counted already (``GenerationCore.enter``); its tokens are reserved
@@ -310,7 +307,7 @@ class GenerationCore:
         if ask.limits is not None:
             tenant = self._catalog.policies.tenant(ask.tenant_id)
             share = Share(ask.tenant_id, tenant.weight, tenant.priority)
-            slot = await self._queues.take(model, pair, share, len(prompt_lengths), ask.abandoned)
+            slot = await self._queues.take(model, pair, share, len(prompt_lengths))
             held.callback(slot.release)
             reserved = prompt_total + max_tokens * len(prompt_lengths)
             if ask.lease is not None:

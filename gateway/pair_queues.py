@@ -15,7 +15,6 @@ request leaves the queue (``gateway.admission``), and a pair whose pool is full 
 from __future__ import annotations
 
 import math
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from .errors import APIError, unavailable
@@ -85,13 +84,12 @@ class PairQueues:
         pair: WorkerPair,
         share: Share,
         cost: int,
-        abandoned: Callable[[], Awaitable[object]] | None = None,
     ) -> Slot:
         """A slot of ``pair`` for one request; waits its turn at most ``max_wait_s``, then
         refuses in OpenAI's terms: 429 for a tenant over its share, 503 for a full pair."""
         queue = self.queue(model, pair)
         try:
-            return await queue.acquire(share, self._settings.max_wait_s, cost, abandoned)
+            return await queue.acquire(share, self._settings.max_wait_s, cost)
         except WaitExpired as expired:
             raise queue_refusal(expired, pair.pool) from None
 

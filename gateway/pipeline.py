@@ -15,11 +15,11 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncGenerator, Coroutine
+from collections.abc import AsyncGenerator
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 import orjson
 from starlette.requests import ClientDisconnect, Request
@@ -135,23 +135,23 @@ async def handle_generation(components: Components, request: Request, kind: Kind
             lease=lease,
             n=parsed.candidates if isinstance(parsed, CompletionRequest) else parsed.choices,
             top_logprobs=parsed.top_logprobs_num,
-            abandoned=lambda: _client_left(request.receive),
             output=output_spec(parsed, model)
             if isinstance(parsed, ChatCompletionRequest)
             else None,
             prompt_logprobs=isinstance(parsed, CompletionRequest) and parsed.prompt_logprobs,
         )
 
-        # admit → claim → dispatch → verify (the core), then the response
-        admitted = await core.admit(ask, trace, held)
-        limit_headers = admitted.lease.headers() if admitted.lease is not None else []
-        if parsed.streaming:
-            streams = await core.open_stream(admitted, trace)
-            events = _sse_events(trace, streams, kind, parsed.include_usage)
-            return GuardedStream(core, trace, events, streams, held.pop_all(), limit_headers)
-        generated = completions = await _unless_client_leaves(
-            request.receive, core.complete(admitted, trace)
-        )
+        # admit → claim → dispatch → verify (the core), then the response; a client that
+        # leaves meanwhile (queued, or waiting on the workers) cancels it
+        async with ClientWatch(request.receive):
+            admitted = await core.admit(ask, trace, held)
+            limit_headers = admitted.lease.headers() if admitted.lease is not None else []
+            if parsed.streaming:
+                streams = await core.open_stream(admitted, trace)
+                events = _sse_events(trace, streams, kind, parsed.include_usage)
+                # From here the stream listens for the disconnect itself.
+                return GuardedStream(core, trace, events, streams, held.pop_all(), limit_headers)
+            generated = completions = await core.complete(admitted, trace)
         if isinstance(parsed, CompletionRequest) and parsed.candidates > parsed.choices:
             completions = best_of(generated, parsed.candidates, parsed.choices)
             if parsed.logprobs is None:  # asked for the ranking, not by the client
@@ -197,27 +197,46 @@ async def _client_left(receive: Receive) -> None:
             raise ClientDisconnect()
 
 
-_T = TypeVar("_T")
+class ClientWatch:
+    """While inside: the client hanging up cancels the task serving it, and the cancellation
+    comes out of the ``async with`` as ``ClientDisconnect``.
 
+    Cancelling is how a request is given up everywhere below: a queued one leaves its queue,
+    one on the workers is aborted on both (``gateway.dispatch``), and the claims are
+    released on the way out. One watcher task per request; the work runs in the request's
+    own task (no task of its own).
+    """
 
-async def _unless_client_leaves(receive: Receive, work: Coroutine[Any, Any, _T]) -> _T:
-    """``work``'s result, or ``ClientDisconnect`` as soon as the client hangs up: ``work`` is
-    cancelled, which aborts the generation on its workers (``gateway.dispatch``) and leaves
-    the claims to be released."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_client_left(receive))
-    try:
-        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
-    finally:
+    __slots__ = ("_receive", "_served", "_watcher", "left")
+
+    def __init__(self, receive: Receive) -> None:
+        self._receive = receive
+        self.left = False
+
+    async def __aenter__(self) -> ClientWatch:
+        served = asyncio.current_task()
+        assert served is not None  # a request is always served by a task
+        self._served = served
+        self._watcher = asyncio.ensure_future(_client_left(self._receive))
+        self._watcher.add_done_callback(self._on_watcher_done)
+        return self
+
+    def _on_watcher_done(self, watcher: asyncio.Future[None]) -> None:
+        if not watcher.cancelled() and isinstance(watcher.exception(), ClientDisconnect):
+            self.left = True
+            self._served.cancel()
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object
+    ) -> None:
+        watcher = self._watcher
+        watcher.remove_done_callback(self._on_watcher_done)
         watcher.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-    if not task.cancelled():
-        return task.result()
-    if not watcher.cancelled():
-        watcher.exception()  # the ClientDisconnect, retrieved: raised anew here
-    raise ClientDisconnect()
+        # The served task can only have been cancelled while it waited inside the block, so
+        # the cancellation is what leaves it.
+        if self.left and exc_type is not None and issubclass(exc_type, asyncio.CancelledError):
+            self._served.uncancel()
+            raise ClientDisconnect() from None
 
 
 async def _authenticate(components: Components, scope: Scope, headers: ClientHeaders) -> Principal:

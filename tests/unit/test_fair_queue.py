@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
-from gateway.fair_queue import Abandoned, FairQueue, Share, Slot, WaitExpired
+from gateway.fair_queue import FairQueue, Share, Slot, WaitExpired
 from gateway.pair_queues import pair_cap, queue_refusal
 from gateway.policies import PolicyError, load_policies
 from tests.harness import PoolSpec, write_policies
@@ -207,36 +207,35 @@ def test_a_cancelled_waiter_leaves_the_queue_at_once_and_is_charged_nothing() ->
     assert asyncio.run(scenario()) == ["b", "a"] * 3
 
 
-def test_a_waiter_whose_client_leaves_gets_what_the_watcher_raised() -> None:
-    class Gone(Exception):
-        pass
+def test_a_waiter_whose_caller_is_cancelled_leaves_the_queue_at_once() -> None:
+    """The HTTP layer cancels a request whose client left; queued, it is gone at once, and
+    the one behind it moves up."""
+
+    class Refusals:
+        def __init__(self) -> None:
+            self.reasons: list[str] = []
+
+        def queued(self, tenant_id: str, delta: int) -> None: ...
+        def served(self, tenant_id: str) -> None: ...
+        def waited(self, tenant_id: str, seconds: float) -> None: ...
+        def refused(self, tenant_id: str, reason: str) -> None:
+            self.reasons.append(reason)
 
     async def scenario() -> None:
-        queue = FairQueue(1, max_queued_per_tenant=10)
+        observer = Refusals()
+        queue = FairQueue(1, max_queued_per_tenant=10, observer=observer)
         slot = await queue.acquire(Share("x"), FOREVER)
-        left = asyncio.Event()
-
-        async def client_left() -> None:
-            await left.wait()
-            raise Gone
-
-        async def client_left_quietly() -> None:
-            await left.wait()
-
-        waiting = asyncio.ensure_future(queue.acquire(Share("a"), FOREVER, abandoned=client_left))
-        quiet = asyncio.ensure_future(
-            queue.acquire(Share("b"), FOREVER, abandoned=client_left_quietly)
-        )
+        leaving = asyncio.ensure_future(queue.acquire(Share("a"), FOREVER))
+        staying = asyncio.ensure_future(queue.acquire(Share("b"), FOREVER))
         await asyncio.sleep(0)
         assert queue.queued == 2
-        left.set()
-        with pytest.raises(Gone):
-            await waiting
-        with pytest.raises(Abandoned):
-            await quiet
-        assert queue.queued == 0
+        leaving.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await leaving
+        assert queue.queued == 1 and observer.reasons == ["abandoned"]
         slot.release()
-        assert queue.in_flight == 0
+        (await staying).release()
+        assert queue.in_flight == 0 and queue.queued == 0
 
     asyncio.run(scenario())
 
