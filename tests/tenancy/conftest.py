@@ -28,6 +28,8 @@ from gateway.admin_api import admin_routes
 from gateway.audit_api import audit_routes
 from gateway.auth import Authenticator
 from gateway.errors import APIError
+from gateway.metrics import Metrics
+from gateway.revocations import Revocations
 from gateway.settings import Settings
 from gateway.store import Store, create_store, normalize_url
 
@@ -165,10 +167,13 @@ def tenancy_app(components: object) -> Starlette:
 
 @pytest.fixture
 async def api(store: Store, settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
+    authenticator = Authenticator(store, settings)
     components = types.SimpleNamespace(
         settings=settings,
         store=store,
-        authenticator=Authenticator(store, settings),
+        authenticator=authenticator,
+        # One replica, no Redis: a revocation is forgotten here and published nowhere.
+        revocations=Revocations(authenticator, None, "test", Metrics().auth_invalidations),
         audit=None,
         limiter=None,
         policies=None,
