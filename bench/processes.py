@@ -8,19 +8,21 @@ affinity of the thread that starts them).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import yaml
 
-from gateway.dev.cluster import group_members
+from gateway.capacity import ENGINE_PATCH_MARKER
+from gateway.dev.cluster import PDCluster, group_members
 from gateway.dev.harness import GatewayProcess, port_is_free
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -385,3 +387,43 @@ def start_gateway(
         gateway.stop()
         raise
     return gateway, key
+
+
+@contextlib.contextmanager
+def peers_in_front(
+    cluster: PDCluster,
+    work_dir: Path,
+    *,
+    router_port: int,
+    gateway_port: int,
+    model: str = "tiny-llama",
+    root: Path | None = None,
+) -> Iterator[tuple[Managed, GatewayProcess, str, bool]]:
+    """sglang_router and the gateway (with a tenant key) in front of a running PD pair, and
+    whether the pair runs engine_patch; both stopped on leaving."""
+    info = httpx.get(f"{cluster.decode_url}/server_info", timeout=10).json()
+    tags = bool(info.get(ENGINE_PATCH_MARKER))
+    router = sglang_router(
+        cluster.prefill_url,
+        cluster.bootstrap_port,
+        cluster.decode_url,
+        router_port,
+        work_dir,
+        cpus=None,
+    )
+    try:
+        pool = BenchPool(cluster.prefill_url, cluster.bootstrap_port, cluster.decode_url)
+        policies = write_bench_policies(
+            work_dir / "real-policies",
+            tokenizer_dir=cluster.spec.model_dir,
+            models=[BenchModel(model, cluster.spec.prefill.max_total_tokens, pool, tags)],
+        )
+        gateway, key = start_gateway(
+            policies, work_dir / "real-gateway", gateway_port, cpus=None, root=root
+        )
+        try:
+            yield router, gateway, key, tags
+        finally:
+            gateway.stop()
+    finally:
+        router.stop()

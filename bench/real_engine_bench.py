@@ -17,29 +17,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import httpx
 import orjson
 
-from bench.config import BenchConfig, Ports
+from bench.config import BenchConfig
 from bench.processes import (
-    BenchModel,
-    BenchPool,
-    Managed,
     free_ports,
-    sglang_router,
-    start_gateway,
-    write_bench_policies,
+    peers_in_front,
 )
 from bench.routing_bench import PROMPT
 from bench.serving_bench import ServingTarget, run_serving_bench_from_env
 from bench.stream_client import RunResult, Target, run_load, run_pd_direct
-from gateway.capacity import ENGINE_PATCH_MARKER
 from gateway.dev.cluster import ClusterStartError, PDCluster, default_cluster_spec
-from gateway.dev.harness import GatewayProcess
 
 MIN_AVAILABLE_GIB = 7.0
 MODEL = "tiny-llama"
@@ -81,40 +72,6 @@ def _cell(name: str, mode: str, concurrency: int, result: RunResult) -> RealCell
     )
 
 
-@contextlib.contextmanager
-def peers_in_front(
-    cluster: PDCluster, work_dir: Path, ports: Ports, *, root: Path | None = None
-) -> Iterator[tuple[Managed, GatewayProcess, str, bool]]:
-    """sglang_router and the gateway (with a tenant key) in front of a running PD pair, and
-    whether the pair runs engine_patch; both stopped on leaving."""
-    info = httpx.get(f"{cluster.decode_url}/server_info", timeout=10).json()
-    tags = bool(info.get(ENGINE_PATCH_MARKER))
-    router = sglang_router(
-        cluster.prefill_url,
-        cluster.bootstrap_port,
-        cluster.decode_url,
-        ports.real_router,
-        work_dir,
-        cpus=None,
-    )
-    try:
-        pool = BenchPool(cluster.prefill_url, cluster.bootstrap_port, cluster.decode_url)
-        policies = write_bench_policies(
-            work_dir / "real-policies",
-            tokenizer_dir=cluster.spec.model_dir,
-            models=[BenchModel(MODEL, cluster.spec.prefill.max_total_tokens, pool, tags)],
-        )
-        gateway, key = start_gateway(
-            policies, work_dir / "real-gateway", ports.real_gateway, cpus=None, root=root
-        )
-        try:
-            yield router, gateway, key, tags
-        finally:
-            gateway.stop()
-    finally:
-        router.stop()
-
-
 def run_real_engine_bench(config: BenchConfig, work_dir: Path, log=print) -> dict:
     if not config.real_engine:
         return {"skipped": "BENCH_REAL_ENGINE=0"}
@@ -146,7 +103,15 @@ def run_real_engine_bench(config: BenchConfig, work_dir: Path, log=print) -> dic
             time.sleep(5)
             cluster.start()
         log(f"  PD pair ready in {time.monotonic() - started:.0f} s")
-        router, gateway, key, tags = peers.enter_context(peers_in_front(cluster, work_dir, ports))
+        router, gateway, key, tags = peers.enter_context(
+            peers_in_front(
+                cluster,
+                work_dir,
+                router_port=ports.real_router,
+                gateway_port=ports.real_gateway,
+                model=MODEL,
+            )
+        )
         cells = []
         for stream in (False, True):
             mode = "stream" if stream else "plain"

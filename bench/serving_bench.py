@@ -367,8 +367,7 @@ def serving_tables(section: dict) -> list[str]:
 def main() -> int:
     # Started here only when run alone; make bench runs it from bench/real_engine_bench.py.
     from bench.config import BenchConfig
-    from bench.processes import free_ports
-    from bench.real_engine_bench import peers_in_front  # it imports this module: here, late
+    from bench.processes import free_ports, peers_in_front
     from gateway.dev.cluster import PDCluster, default_cluster_spec
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -389,7 +388,13 @@ def main() -> int:
         started = time.monotonic()
         cluster.start()
         print(f"PD pair ready in {time.monotonic() - started:.0f} s", flush=True)
-        peers = peers_in_front(cluster, work, ports, root=config.gateway_root)
+        peers = peers_in_front(
+            cluster,
+            work,
+            router_port=ports.real_router,
+            gateway_port=ports.real_gateway,
+            root=config.gateway_root,
+        )
         with peers as (router, gateway, key, _):
             section = run_serving_bench(
                 [
