@@ -146,20 +146,26 @@ def _parse(body: bytes, schema: type[_Body]) -> _Body:
 
 
 async def workers(request: Request) -> Response:
-    """The capacity view this replica decides on (admin only): one record per worker."""
+    """The capacity view this replica decides on (admin only): one record per worker, with its
+    two signals, capacity (``capacity_fresh``, ``error``) and liveness (``alive``,
+    ``liveness_error``), and whether it is routed to (``fresh``: a record to route on)."""
     components = _components(request)
     await components.authenticator.require_admin(request.headers.get("authorization"))
+    capacity = components.capacity
     data = []
     for url, role in components.workers():
-        state = components.capacity.get(url)
+        state = capacity.get(url)
         data.append(
             {
                 "url": url,
                 "role": role,
                 "fresh": state is not None,
+                "capacity_fresh": capacity.fresh(url),
+                "alive": capacity.alive(url),
                 "capacity": state.as_dict() if state else None,
                 "claimed_tokens": components.ledger.claimed.get(url, 0),
-                "error": components.capacity.error(url),
+                "error": capacity.error(url),
+                "liveness_error": capacity.liveness_error(url),
             }
         )
     return _json({"object": "list", "data": data})

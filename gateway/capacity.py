@@ -5,7 +5,16 @@ tokens in use, read from shared memory: cheap even on a busy worker), and every 
 after an error on ``/server_info`` and ``/v1/models`` (``max_req_input_len``, page size, context
 length, whether ``engine_patch`` is loaded). An observation older than
 ``capacity_stale_after_s`` is no observation: ``CapacityRegistry.get`` returns ``None`` and the
-worker is not routed to.
+worker is not routed to, with one exception: slow is not dead.
+
+Capacity and liveness are two signals. Liveness is the worker answering: a capacity poll, a
+generation (``seen_serving``, from dispatch) or, for a worker whose polls fail, SGLang's
+``/health`` (a one-token generation on an idle worker, so it is asked only then). A busy
+worker's ``/server_info`` can take many seconds while it serves at full speed, and taking it
+out for that turned load into an outage. So while a worker is alive, its last capacity record
+keeps being used up to ``max_age_if_alive_s`` old: the claims ledger (``gateway.admission``)
+still bounds what is routed to it, on top of the use that record saw. A worker whose polls
+fail and whose ``/health`` fails too is taken out at once, however young its record.
 Numbers are never guessed.
 
 With Redis configured, one replica per interval polls each worker (a short Redis lease),
@@ -184,9 +193,16 @@ class CapacityRegistry:
         redis: Any | None = None,
         key_prefix: str = "isogate",
         config_refresh_s: float = 10.0,
+        max_age_if_alive_s: float | None = None,
+        liveness_timeout_s: float = 10.0,
     ) -> None:
         self._poll_interval_s = poll_interval_s
         self._stale_after_s = stale_after_s
+        self._max_age_if_alive_s = max(stale_after_s, max_age_if_alive_s or stale_after_s)
+        self._liveness_timeout_s = liveness_timeout_s
+        # Wall-clock time each worker last showed it serves (``/health`` or a capacity poll).
+        self._alive_at: dict[str, float] = {}
+        self._liveness_errors: dict[str, str] = {}
         self._redis = redis
         self._key_prefix = key_prefix
         self._workers: dict[str, Role] = {}
@@ -210,6 +226,10 @@ class CapacityRegistry:
         for url in list(self._observed):
             if url not in self._workers:
                 del self._observed[url]
+        for known in (self._alive_at, self._liveness_errors):
+            for url in list(known):
+                if url not in self._workers:
+                    del known[url]
         self.version += 1
 
     def adopt(self, state: WorkerCapacity) -> None:
@@ -218,14 +238,79 @@ class CapacityRegistry:
         self.version += 1
 
     def get(self, url: str) -> WorkerCapacity | None:
-        """The worker's capacity, or None if it is unknown or stale."""
+        """The capacity record to route on: fresh, or older (to ``max_age_if_alive_s``) while
+        the worker is alive; None if there is none, or the worker is dead."""
         state = self._observed.get(url)
-        if state is None or time.time() - state.observed_at > self._stale_after_s:
+        if state is None or url in self._liveness_errors:
             return None
-        return state
+        age = time.time() - state.observed_at
+        if age <= self._stale_after_s or (age <= self._max_age_if_alive_s and self.alive(url)):
+            return state
+        return None
+
+    def usable_until(self, state: WorkerCapacity) -> float:
+        """Wall-clock time after which ``get`` may no longer return ``state``."""
+        fresh_until = state.observed_at + self._stale_after_s
+        alive_at = self._alive_at.get(state.url)
+        if alive_at is None or state.url in self._liveness_errors:
+            return fresh_until
+        return max(
+            fresh_until,
+            min(state.observed_at + self._max_age_if_alive_s, alive_at + self._stale_after_s),
+        )
+
+    def fresh(self, url: str) -> bool:
+        """The worker's capacity record is fresh (its last poll is recent)."""
+        state = self._observed.get(url)
+        return state is not None and time.time() - state.observed_at <= self._stale_after_s
+
+    def alive(self, url: str) -> bool:
+        """The worker showed recently that it serves, and its last liveness probe passed."""
+        alive_at = self._alive_at.get(url)
+        return (
+            alive_at is not None
+            and url not in self._liveness_errors
+            and time.time() - alive_at <= self._stale_after_s
+        )
 
     def error(self, url: str) -> str | None:
         return self._errors.get(url)
+
+    def liveness_error(self, url: str) -> str | None:
+        return self._liveness_errors.get(url)
+
+    def seen_serving(self, url: str) -> None:
+        """The worker answered (a poll, a probe, or a generation through dispatch)."""
+        self._alive_at[url] = time.time()
+        if self._liveness_errors and self._liveness_errors.pop(url, None) is not None:
+            log.info("capacity: worker %s serves again", url)
+            self.version += 1
+
+    async def probe_liveness(self) -> None:
+        """Ask ``/health`` of every worker whose capacity poll failed, together (the others'
+        polls answered: that is liveness enough, and costs the worker no generation)."""
+        await asyncio.gather(*(self._probe(url) for url in self._workers if url in self._errors))
+
+    async def _probe(self, url: str) -> None:
+        try:
+            answer = await self._client.get(f"{url}/health", timeout=self._liveness_timeout_s)
+            answer.raise_for_status()
+        except Exception as exc:
+            if url not in self._liveness_errors:
+                log.warning("capacity: worker %s failed its liveness probe: %s", url, exc)
+                self.version += 1  # taken out now: what was derived from it is invalid
+            self._liveness_errors[url] = f"{type(exc).__name__}: {exc}"
+            return
+        self.seen_serving(url)
+
+    async def run_liveness(self) -> None:
+        while True:
+            started = time.monotonic()
+            try:
+                await self.probe_liveness()
+            except Exception:  # never let the prober die
+                log.exception("capacity: liveness probe failed")
+            await asyncio.sleep(max(0.0, self._poll_interval_s - (time.monotonic() - started)))
 
     async def wait_refreshed(self) -> None:
         await self._refreshed.wait()
@@ -251,10 +336,17 @@ class CapacityRegistry:
             if url not in self._errors:
                 log.warning("capacity: %s worker %s stopped answering polls: %s", role, url, exc)
             self._errors[url] = f"{type(exc).__name__}: {exc}"
-            self._configs.pop(url, None)  # it may come back with another configuration
+            kept = self._configs.get(url)
+            if kept is not None and self.alive(url):
+                # Slow, not gone: keep its configuration (a restart fails liveness) and try
+                # the cheap poll next time rather than /server_info, which is what is slow.
+                self._configs[url] = WorkerConfig(kept.server_info, kept.models, time.monotonic())
+            else:
+                self._configs.pop(url, None)  # it may come back with another configuration
             return
         if self._errors.pop(url, None) is not None:
             log.info("capacity: %s worker %s answers polls again", role, url)
+        self.seen_serving(url)
         self._configs[url] = config
         self.adopt(state)
         if self._redis is not None:

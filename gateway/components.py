@@ -130,6 +130,8 @@ async def build_components(settings: Settings) -> Components:
     capacity = CapacityRegistry(
         poll_interval_s=settings.capacity_poll_interval_s,
         stale_after_s=settings.capacity_stale_after_s,
+        max_age_if_alive_s=settings.capacity_max_age_if_alive_s,
+        liveness_timeout_s=settings.worker_liveness_timeout_s,
         redis=redis_client,
         key_prefix=settings.redis_key_prefix,
     )
@@ -150,7 +152,8 @@ async def build_components(settings: Settings) -> Components:
             UpstreamClient(
                 connect_timeout_s=settings.upstream_connect_timeout_s,
                 timeout_s=settings.upstream_timeout_s,
-            )
+            ),
+            seen_serving=capacity.seen_serving,
         ),
         store=store,
         authenticator=Authenticator(store, settings),
@@ -179,6 +182,7 @@ async def build_components(settings: Settings) -> Components:
     components.parser.start()
     await components.audit.start()
     components.tasks.append(asyncio.create_task(capacity.run(), name="capacity-poller"))
+    components.tasks.append(asyncio.create_task(capacity.run_liveness(), name="liveness-prober"))
     components.tasks.append(
         asyncio.create_task(components.revocations.run(), name="auth-invalidations")
     )

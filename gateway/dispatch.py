@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -88,13 +88,21 @@ def isolation_headers(request: EngineRequest) -> dict[str, str]:
 _JSON_HEADERS = {"Content-Type": "application/json"}
 
 
+def _ignore(url: str) -> None:
+    pass
+
+
 class UpstreamStreamError(Exception):
     """The engine reported an error inside a stream that had already started."""
 
 
 class PDDispatcher:
-    def __init__(self, client: UpstreamClient) -> None:
+    def __init__(
+        self, client: UpstreamClient, seen_serving: Callable[[str], None] | None = None
+    ) -> None:
         self._client = client
+        # Told of every worker that answered a generation in full (its liveness signal).
+        self._seen_serving = seen_serving or _ignore
         # Aborts in flight: referenced until done (the loop keeps only weak references).
         self._aborts: set[asyncio.Future[None]] = set()
 
@@ -135,6 +143,8 @@ class PDDispatcher:
                 answer[PREFILL_META] = (
                     prefill_answer.get("meta_info") if isinstance(prefill_answer, dict) else None
                 )
+            self._seen_serving(pair.prefill.url)
+            self._seen_serving(pair.decode.url)
             return answer
         finally:
             if len(exchanges) < 2 or not all(c.complete for _, c in exchanges):
@@ -182,6 +192,8 @@ class PDDispatcher:
                 await client.wait_for_answers((prefill,))
             ended = True
             _raise_unless_ok("prefill", prefill)
+            self._seen_serving(pair.prefill.url)
+            self._seen_serving(pair.decode.url)
         finally:
             if not (ended and prefill.complete):
                 self._abort(pair, request)

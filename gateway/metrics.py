@@ -95,6 +95,18 @@ class Metrics:
             ["worker", "role"],
             registry=self.registry,
         )
+        self.worker_alive = Gauge(
+            "isogate_worker_alive",
+            "1 when the worker passed its liveness probe recently (SGLang's /health).",
+            ["worker", "role"],
+            registry=self.registry,
+        )
+        self.worker_routed = Gauge(
+            "isogate_worker_routed",
+            "1 when the worker is routed to: fresh capacity, or an older record while alive.",
+            ["worker", "role"],
+            registry=self.registry,
+        )
         self.queue_length = Gauge(
             "isogate_queue_length",
             "Requests waiting for a slot of a worker pair, by pool and tenant.",
@@ -159,7 +171,9 @@ class Metrics:
     def export(self, capacity: CapacityRegistry, workers: list[tuple[str, str]]) -> bytes:
         for url, role in workers:
             state = capacity.get(url)
-            self.worker_fresh.labels(url, role).set(1 if state else 0)
+            self.worker_fresh.labels(url, role).set(1 if capacity.fresh(url) else 0)
+            self.worker_alive.labels(url, role).set(1 if capacity.alive(url) else 0)
+            self.worker_routed.labels(url, role).set(1 if state else 0)
             if state:
                 self.pool_tokens.labels(url, role).set(state.max_total_num_tokens)
                 self.used_tokens.labels(url, role).set(state.used_tokens)

@@ -201,10 +201,13 @@ class WorkerCapacity(_Body):
 class Worker(_Body):
     url: str
     role: Role
-    fresh: bool
+    fresh: bool  # routed to: a capacity record to route on, and not taken out as dead
+    capacity_fresh: bool  # the capacity signal: its last poll is recent
+    alive: bool  # the liveness signal: it answered /health (or a poll) recently
     capacity: WorkerCapacity | None
     claimed_tokens: int = Field(ge=0)
-    error: str | None
+    error: str | None  # why its capacity poll failed
+    liveness_error: str | None  # why its liveness probe failed
 
 
 class WorkerList(_Body):

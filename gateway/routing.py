@@ -70,7 +70,7 @@ class Candidates:
 
     pairs: list[WorkerPair]
     policy_max_context: int
-    # Wall-clock time at which the oldest observation used here goes stale.
+    # Wall-clock time after which some observation used here may no longer be routed on.
     fresh_until: float = math.inf
     _limits: dict[tuple[int, int], list[PromptLimit]] = field(default_factory=dict)
 
@@ -139,8 +139,9 @@ class RoutingCache:
     each request they took ~8 % of a request's time in a profile of the pipeline (53 µs of
     ~690, profiled; 13 µs with this cache, bench/RESULTS.md). The invariant: an entry
     says exactly what ``candidate_pairs`` would say now. It is dropped when the policies are
-    replaced, when the registry adopts or drops an observation (its ``version``), and once the
-    oldest observation it used goes stale. Errors (no pool, no fresh pair) are not kept.
+    replaced, when the registry adopts or drops an observation or a worker fails its liveness
+    probe (its ``version``), and once an observation it used may no longer be routed on.
+    Errors (no pool, no fresh pair) are not kept.
     """
 
     def __init__(self, registry: CapacityRegistry) -> None:
@@ -163,8 +164,9 @@ class RoutingCache:
         if entry is not None and time.time() <= entry.fresh_until:
             return entry
         pairs = candidate_pairs(policies, model, tenant_id, registry)
-        oldest = min(min(p.prefill_state.observed_at, p.decode_state.observed_at) for p in pairs)
-        entry = self._entries[key] = Candidates(
-            pairs, model.max_context_tokens, oldest + registry.stale_after_s
+        usable_until = min(
+            min(registry.usable_until(p.prefill_state), registry.usable_until(p.decode_state))
+            for p in pairs
         )
+        entry = self._entries[key] = Candidates(pairs, model.max_context_tokens, usable_until)
         return entry

@@ -49,6 +49,12 @@ class Settings(BaseSettings):
     # A worker that has not answered a capacity poll for this long is not routed to.
     capacity_poll_interval_s: float = 1.0
     capacity_stale_after_s: float = 5.0
+    # Slow is not dead: while a worker passes its liveness probe (SGLang's /health), its last
+    # capacity record is routed on up to this old (claims still bound what is sent to it).
+    capacity_max_age_if_alive_s: float = Field(default=30.0, gt=0)
+    # A worker whose capacity polls fail and whose /health does not answer 200 within this
+    # long is taken out at once.
+    worker_liveness_timeout_s: float = Field(default=10.0, gt=0)
     # Tokens kept free in every pool on top of prompt + max_tokens.
     admission_safety_margin_tokens: int = 16
 

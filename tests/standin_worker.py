@@ -57,6 +57,11 @@ class Behaviour:
     # Answer each request as if it were the one before it (its rid and tags): a choice's
     # answer swapped with, or duplicating, another's.
     swap_with_previous: bool = False
+    # Capacity endpoints (/server_info, /v1/loads, /v1/models) answer this much later: a worker
+    # busy serving, whose polls are slow.
+    capacity_delay_s: float = 0.0
+    # What /health answers (SGLang's liveness probe).
+    health_status: int = 200
     # A closed gate holds every /generate until the test opens it: a pair kept saturated for
     # exactly as long as a test needs, not for a guessed time.
     gate: threading.Event | None = None
@@ -105,6 +110,7 @@ class StandInWorker:
         loads = json.loads((DATA / f"loads_{self.role}.json").read_text())
 
         async def server_info(request: Request) -> Response:
+            await asyncio.sleep(self.behaviour.capacity_delay_s)
             body = dict(info)
             body["internal_states"] = [
                 dict(info["internal_states"][0], max_total_num_tokens=self.behaviour.pool_tokens)
@@ -114,6 +120,7 @@ class StandInWorker:
             return JSONResponse(body)
 
         async def v1_loads(request: Request) -> Response:
+            await asyncio.sleep(self.behaviour.capacity_delay_s)
             # Every poll sees a different use, so two observations are equal only if they are one.
             self.polls += 1
             body = dict(loads)
@@ -127,6 +134,7 @@ class StandInWorker:
             return JSONResponse(body)
 
         async def v1_models(request: Request) -> Response:
+            await asyncio.sleep(self.behaviour.capacity_delay_s)
             return JSONResponse(
                 {"object": "list", "data": [{"id": "standin", "max_model_len": 65536}]}
             )
@@ -165,6 +173,9 @@ class StandInWorker:
                 }
             )
 
+        async def health(request: Request) -> Response:
+            return Response(status_code=self.behaviour.health_status)
+
         async def abort_request(request: Request) -> Response:
             self.aborted.append(orjson.loads(await request.body()).get("rid", ""))
             return Response(status_code=200)
@@ -172,6 +183,7 @@ class StandInWorker:
         return Starlette(
             routes=[
                 Route("/abort_request", abort_request, methods=["POST"]),
+                Route("/health", health),
                 Route("/server_info", server_info),
                 Route("/v1/loads", v1_loads),
                 Route("/v1/models", v1_models),

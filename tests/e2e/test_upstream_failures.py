@@ -261,3 +261,72 @@ def _until(predicate, timeout_s: float = 10.0):
             return value
         time.sleep(0.05)
     return predicate()
+
+
+def _worker_view(gateway: GatewayProcess, url: str) -> dict:
+    with gateway.admin() as admin:
+        (view,) = [w for w in admin.get("/admin/workers").json()["data"] if w["url"] == url]
+        return view
+
+
+def test_a_worker_slow_on_capacity_polls_but_serving_is_routed_to_for_a_bounded_time(
+    tmp_path, tokenizer_dir, workers
+) -> None:
+    prefill, decode = workers
+    with _gateway(
+        tmp_path,
+        tokenizer_dir,
+        prefill.url,
+        decode.url,
+        ISOGATE_CAPACITY_STALE_AFTER_S="1.5",  # polls time out after 0.75 s
+        ISOGATE_CAPACITY_MAX_AGE_IF_ALIVE_S="8",
+    ) as gateway:
+        _, key = gateway.create_tenant()
+        assert _chat(gateway, key).status_code == 200
+        decode.behaviour = Behaviour(capacity_delay_s=60)  # busy: polls time out, it serves
+        slow = _until(
+            lambda: not (view := _worker_view(gateway, decode.url))["capacity_fresh"] and view,
+            timeout_s=30,
+        )
+        assert slow and not slow["capacity_fresh"] and slow["alive"], slow
+        # Routed on its last record: served, not 503.
+        assert _chat(gateway, key).status_code == 200
+        with gateway.admin() as admin:
+            metrics = admin.get("/metrics").text
+        assert (
+            f'isogate_worker_capacity_fresh{{role="decode",worker="{decode.url}"}} 0.0' in metrics
+        )
+        assert f'isogate_worker_alive{{role="decode",worker="{decode.url}"}} 1.0' in metrics
+        # For a bounded time: once the record is older than the bound, it is not routed on.
+        assert _until(lambda: not _worker_view(gateway, decode.url)["fresh"], timeout_s=30)
+        response = _chat(gateway, key)
+        assert response.status_code == 503, response.text
+        assert response.json()["error"]["code"] == "no_worker_available"
+
+
+@pytest.mark.parametrize("how", ["stopped", "health_503"])
+def test_a_worker_that_fails_its_liveness_probe_is_taken_out_however_young_its_record(
+    tmp_path, tokenizer_dir, workers, how: str
+) -> None:
+    prefill, decode = workers
+    with _gateway(
+        tmp_path,
+        tokenizer_dir,
+        prefill.url,
+        decode.url,
+        ISOGATE_CAPACITY_STALE_AFTER_S="10",  # polls time out after 5 s
+        ISOGATE_CAPACITY_MAX_AGE_IF_ALIVE_S="600",  # only liveness can take it out early
+    ) as gateway:
+        _, key = gateway.create_tenant()
+        assert _chat(gateway, key).status_code == 200
+        if how == "stopped":
+            decode.stop()
+        else:  # it still accepts connections, but neither polls nor /health succeed
+            decode.behaviour = Behaviour(capacity_delay_s=60, health_status=503)
+        dead = _until(
+            lambda: (view := _worker_view(gateway, decode.url))["liveness_error"] and view
+        )
+        assert dead and not dead["alive"] and not dead["fresh"], dead
+        response = _chat(gateway, key)
+        assert response.status_code == 503, response.text
+        assert response.json()["error"]["code"] == "no_worker_available"

@@ -3,6 +3,7 @@ judged."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -25,6 +26,11 @@ class Answer:
     code: str | None  # the error code, None when served
     generation_id: str | None  # the response id when served
     stream_error: bool = False  # a stream that started and ended with an error event
+    ended_at: float = 0.0  # time.monotonic() when the answer was complete (set by ``Load``)
+
+    @property
+    def started_at(self) -> float:
+        return self.ended_at - self.seconds
 
 
 @dataclass
@@ -60,6 +66,7 @@ class Load:
                     f"{type(exc).__name__}: {exc}"[:300],
                     None,
                 )
+            answer = dataclasses.replace(answer, ended_at=time.monotonic())
             with self._lock:
                 self.answers.append(answer)
 

@@ -265,19 +265,29 @@ def test_prefill_killed_during_transfers_fails_those_requests_cleanly_and_in_tim
         time.sleep(0.5)
         killed_at = time.monotonic()
         _kill_group(cluster.prefill)
+        dead_at = time.monotonic()  # the whole group is gone
         time.sleep(UPSTREAM_TIMEOUT_S / 3)
     finally:
         victim_answers = [a for load in (victims, *extra) for a in load.stop()]
         answers = bystanders.stop()
         _restart(cluster, "prefill")
+    # In flight when prefill died: served if prefill had finished with it, else a clean error.
+    in_flight = [a for a in victim_answers if a.started_at < dead_at and a.ended_at > killed_at]
+    assert in_flight, f"no victim request was in flight when prefill died: {victim_answers}"
     cut = [
         a
-        for a in victim_answers
+        for a in in_flight
         if a.code in ("worker_unavailable", "upstream_error", "upstream_timeout")
     ]
-    assert cut, f"no victim request was cut by the kill: {victim_answers}"
-    for answer in victim_answers:
+    assert cut, f"no victim request was cut by the kill: {in_flight}"
+    for answer in in_flight:
         assert answer.status in (200, 502, 503, 504), answer
+    # Sent while prefill was dead (it is restarted only after the load stopped): never served.
+    while_dead = [a for a in victim_answers if a.started_at >= dead_at]
+    assert while_dead, "no victim request was sent while prefill was dead"
+    for answer in while_dead:
+        assert answer.status in (502, 503, 504) and answer.code is not None, answer
+    for answer in victim_answers:
         assert answer.seconds < UPSTREAM_TIMEOUT_S + SLACK_S, answer
     _assert_all_served(by_tenant(answers, BYSTANDERS[0]) + by_tenant(answers, BYSTANDERS[1]))
     assert wait_until(
@@ -285,4 +295,3 @@ def test_prefill_killed_during_transfers_fails_those_requests_cleanly_and_in_tim
     )
     assert len(stack.audit_events(VICTIM)) == before + len(victim_answers)
     _assert_victim_served_again(cluster, stack, timeout_s=120)
-    assert killed_at

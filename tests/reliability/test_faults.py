@@ -50,8 +50,8 @@ VICTIM, BYSTANDERS = "victim", ("bystander-1", "bystander-2")
 
 @dataclass
 class CapacityFreezingWorker(StandInWorker):
-    """A stand-in whose capacity endpoints can stop answering while ``/generate`` still works:
-    the capacity data the gateway holds about it goes stale, the worker itself does not die."""
+    """A stand-in whose capacity and liveness endpoints can stop answering while ``/generate``
+    still works: the gateway can no longer tell that it serves, so it is taken out."""
 
     frozen: bool = field(default=False)
 
@@ -62,7 +62,7 @@ class CapacityFreezingWorker(StandInWorker):
             if (
                 self.frozen
                 and scope["type"] == "http"
-                and scope["path"] in ("/server_info", "/v1/loads", "/v1/models")
+                and scope["path"] in ("/server_info", "/v1/loads", "/v1/models", "/health")
             ):
                 await asyncio.sleep(3600)
             await inner(scope, receive, send)
@@ -186,12 +186,17 @@ def test_a_hanging_worker_costs_its_tenant_a_504_within_the_timeout_and_nobody_e
         assert outcomes == {("upstream_error", "upstream_timeout")}, outcomes
 
 
-def test_stale_capacity_data_refuses_at_once_then_recovers_and_bystanders_never_notice(
+def test_a_worker_that_answers_no_probe_is_taken_out_then_recovers_and_bystanders_never_notice(
     tmp_path: Path,
 ) -> None:
     decode = _standin("decode", cls=CapacityFreezingWorker)
     assert isinstance(decode, CapacityFreezingWorker)
-    with two_pools(tmp_path, victim_decode=decode, stale_after_s=STALE_AFTER_S) as stack:
+    with two_pools(
+        tmp_path,
+        victim_decode=decode,
+        stale_after_s=STALE_AFTER_S,
+        env={"ISOGATE_WORKER_LIVENESS_TIMEOUT_S": "1"},
+    ) as stack:
         load = _bystander_load(stack)
         victim_answers: list[Answer] = []
         send = send_chat(chat_body(max_tokens=1))
@@ -199,7 +204,7 @@ def test_stale_capacity_data_refuses_at_once_then_recovers_and_bystanders_never_
             victim_answers.append(send(client, VICTIM))
             assert victim_answers[-1].status == 200, victim_answers[-1]
             decode.frozen = True
-            # Never routed on numbers older than capacity_stale_after_s: refused, quickly.
+            # Its liveness probe times out: taken out, and refused quickly.
             assert wait_until(
                 lambda: (
                     victim_answers.append(send(client, VICTIM)) or victim_answers[-1].status == 503

@@ -223,7 +223,10 @@ def test_admin_workers_answer_conforms_to_its_model() -> None:
         workers=lambda: [(fresh.url, "prefill"), ("http://decode:30001", "decode")],
         capacity=types.SimpleNamespace(
             get=states.get,
+            fresh=lambda url: url in states,
+            alive=lambda url: url in states,
             error=lambda url: None if url in states else "connection refused",
+            liveness_error=lambda url: None if url in states else "connection refused",
         ),
         ledger=types.SimpleNamespace(claimed={fresh.url: 300}),
     )
