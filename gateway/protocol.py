@@ -537,7 +537,10 @@ class ChatCompletionRequest(_Request):
                     param="tool_choice",
                 )
             functions = [Function(t.function.name, t.function.parameters or {}) for t in forced]
-            calls = call_schema(functions, parallel=self.parallel_tool_calls is not False)
+            try:
+                calls = call_schema(functions, parallel=self.parallel_tool_calls is not False)
+            except ValueError as exc:
+                raise bad_request(str(exc) + ".", code="invalid_value", param="tools") from exc
             return {"json_schema": orjson.dumps(calls).decode()}
         response_format = self.response_format
         if response_format is not None and response_format.type != "text":

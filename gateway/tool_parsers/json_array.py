@@ -13,17 +13,24 @@ from .types import Function, Functions, InvalidToolOutput, Parsed, ToolCall, jso
 def call_schema(functions: list[Function], parallel: bool) -> dict[str, Any]:
     """The JSON schema the engine decodes under: at least one call (exactly one without
     ``parallel``), each naming one of ``functions`` with arguments under its parameters."""
-    items = [
-        {
-            "type": "object",
-            "properties": {
-                "name": {"type": "string", "enum": [f.name]},
-                "parameters": dict(f.parameters) or {"type": "object"},
-            },
-            "required": ["name", "parameters"],
-        }
-        for f in functions
-    ]
+    items = []
+    # A parameters schema's "$defs" move to the root, where its "#/$defs/..." refs now point.
+    definitions: dict[str, Any] = {}
+    for function in functions:
+        parameters = dict(function.parameters) or {"type": "object"}
+        for name, definition in (parameters.pop("$defs", None) or {}).items():
+            if definitions.setdefault(name, definition) != definition:
+                raise ValueError(f"two functions define '$defs/{name}' differently")
+        items.append(
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "enum": [function.name]},
+                    "parameters": parameters,
+                },
+                "required": ["name", "parameters"],
+            }
+        )
     schema: dict[str, Any] = {
         "type": "array",
         "minItems": 1,
@@ -31,6 +38,8 @@ def call_schema(functions: list[Function], parallel: bool) -> dict[str, Any]:
     }
     if not parallel:
         schema["maxItems"] = 1
+    if definitions:
+        schema["$defs"] = definitions
     return schema
 
 

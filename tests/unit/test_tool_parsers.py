@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import jsonschema
 import pytest
 
 from gateway.tool_parsers import (
@@ -165,3 +166,23 @@ def test_call_schema_names_each_function_and_bounds_parallel_calls() -> None:
     names = [item["properties"]["name"]["enum"] for item in schema["items"]["anyOf"]]
     assert names == [["a"], ["b"]]
     assert "maxItems" not in call_schema(functions[:1], parallel=True)
+
+
+def test_call_schema_hoists_parameter_defs_to_the_root_where_refs_point() -> None:
+    city = {"type": "string"}
+    with_defs = {
+        "type": "object",
+        "properties": {"c": {"$ref": "#/$defs/City"}},
+        "$defs": {"City": city},
+    }
+    schema = call_schema([Function("a", with_defs)], parallel=True)
+    assert (
+        schema["$defs"] == {"City": city}
+        and "$defs" not in schema["items"]["properties"]["parameters"]
+    )
+    jsonschema.validate([{"name": "a", "parameters": {"c": "Rome"}}], schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "a", "parameters": {"c": 1}}], schema)
+    clash = {**with_defs, "$defs": {"City": {"type": "integer"}}}
+    with pytest.raises(ValueError, match="City"):
+        call_schema([Function("a", with_defs), Function("b", clash)], parallel=True)
