@@ -36,13 +36,21 @@ lint: install
 	$(VENV)/bin/mypy
 
 # The gateway's suite (unit, stand-in and real-SGLang end-to-end tests) on TEST_WORKERS xdist
-# workers (one module at a time each; tests/conftest.py), then engine_patch's unit tests against
-# the real SGLang classes, which need the engine venv.
+# workers (one module at a time each; tests/conftest.py), and beside it engine_patch's unit tests
+# and the parser/template parity tests against the real SGLang classes (engine venv; they start
+# no server), whose output follows the gateway suite's. Fails if either fails.
 TEST_WORKERS ?= 2
 PARALLEL := -n $(TEST_WORKERS) --dist loadgroup
+ENGINE_SUITE_LOG := .run/engine-suite.log
 test: lint install engine services
-	$(PY) -m pytest -ra --durations=25 $(PARALLEL)
-	$(ENGINE_PY) -m pytest -ra --durations=25 tests/engine_patch tests/engine_parity
+	@mkdir -p .run
+	@$(ENGINE_PY) -m pytest -ra --durations=10 tests/engine_patch tests/engine_parity \
+		> $(ENGINE_SUITE_LOG) 2>&1 & engine=$$!; \
+	$(PY) -m pytest -ra --durations=25 $(PARALLEL); gateway=$$?; \
+	wait $$engine; engine_status=$$?; \
+	echo "== engine venv suite (tests/engine_patch tests/engine_parity) =="; \
+	cat $(ENGINE_SUITE_LOG); \
+	test $$gateway -eq 0 && test $$engine_status -eq 0
 
 # Without the real SGLang cluster (unit tests and stand-in workers only).
 test-fast: lint install services
