@@ -14,7 +14,8 @@ noisy neighbour with and without the gateway's fair queue, and weights 2 : 1.
 
 Side by side in one run, on one pair: ratios, not absolute figures, are the result.
 Environment: BENCH_FAIR_SECONDS (each timed window, default 12), BENCH_FAIR_CAP (the queue
-cap to run the gateway with instead of the measured knee).
+cap to run the gateway with instead of the measured knee), BENCH_FAIR_SWEEP=0 (with a cap
+given: skip the saturation sweep).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import httpx
 import orjson
 import yaml
 
@@ -163,49 +165,90 @@ async def _b_while_a(
     return b, a, time.perf_counter() - started
 
 
+def neighbour_cell(
+    gateway: GatewayProcess, keys: dict[str, str], name: str, a_in_flight: int, seconds: float
+) -> NeighbourCell:
+    b, a, _ = asyncio.run(_b_while_a(gateway, keys, a_in_flight, seconds))
+    bs = b.summary()
+    total_rps = bs["rps"] if a is None else a.summary()["rps"]
+    if a is not None:
+        # B's requests in the same window count towards what the pool served.
+        total_rps += bs["requests"] / a.wall_s
+    errors = int(bs["non_200"]) + (int(a.summary()["non_200"]) if a is not None else 0)
+    return NeighbourCell(
+        name,
+        a_in_flight,
+        int(bs["requests"]),
+        bs["total_p50_ms"],
+        bs["total_p99_ms"],
+        total_rps,
+        errors,
+    )
+
+
 def noisy_neighbour(
-    gateway: GatewayProcess, keys: dict[str, str], name: str, seconds: float, log=print
+    gateways: dict[str, tuple[GatewayProcess, dict[str, str]]], seconds: float, log=print
 ) -> list[NeighbourCell]:
+    """Each load with every gateway in turn, cell by cell: on a shared host the load of the
+    machine drifts, and interleaving puts the compared cells as close in time as they can be."""
     cells = []
     for a_in_flight in (0, 24, 64):
-        b, a, _ = asyncio.run(_b_while_a(gateway, keys, a_in_flight, seconds))
-        bs = b.summary()
-        total_rps = bs["rps"] if a is None else a.summary()["rps"]
-        if a is not None:
-            # B's requests in the same window count towards what the pool served.
-            total_rps += bs["requests"] / a.wall_s
-        errors = int(bs["non_200"]) + (int(a.summary()["non_200"]) if a is not None else 0)
-        cell = NeighbourCell(
-            name,
-            a_in_flight,
-            int(bs["requests"]),
-            bs["total_p50_ms"],
-            bs["total_p99_ms"],
-            total_rps,
-            errors,
-        )
-        cells.append(cell)
-        log(
-            f"  {name:8} A={a_in_flight:<3} B n={cell.b_requests:<4} p50 {cell.b_p50_ms:7.1f} ms"
-            f"  p99 {cell.b_p99_ms:7.1f} ms  pool {cell.total_rps:6.1f} req/s  errors {errors}"
-        )
+        for name, (gateway, keys) in gateways.items():
+            cell = neighbour_cell(gateway, keys, name, a_in_flight, seconds)
+            cells.append(cell)
+            log(
+                f"  {name:8} A={a_in_flight:<3} B n={cell.b_requests:<4} "
+                f"p50 {cell.b_p50_ms:7.1f} ms  p99 {cell.b_p99_ms:7.1f} ms  "
+                f"pool {cell.total_rps:6.1f} req/s  errors {cell.errors}"
+            )
     return cells
 
 
-def weights(gateway: GatewayProcess, keys: dict[str, str], seconds: float, log=print) -> dict:
-    async def both() -> tuple[RunResult, RunResult]:
-        heavy, light = await asyncio.gather(
-            run_load(_target(gateway, keys["heavy"]), concurrency=24, duration_s=seconds),
-            run_load(_target(gateway, keys["light"]), concurrency=24, duration_s=seconds),
-        )
-        return heavy, light
+def served_counts(gateway: GatewayProcess) -> dict[str, float]:
+    """Requests each tenant was served by the gateway's queues (its /metrics), so far."""
+    text = httpx.get(
+        gateway.url + "/metrics",
+        headers={"Authorization": f"Bearer {gateway.admin_key}"},
+        timeout=30,
+    ).text
+    counts: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("isogate_queue_served_total{"):
+            series, value = line.rsplit(" ", 1)
+            tenant = series.split('tenant="', 1)[1].split('"', 1)[0]
+            counts[tenant] = counts.get(tenant, 0.0) + float(value)
+    return counts
 
-    heavy, light = asyncio.run(both())
-    served = {"heavy": len(heavy.ok()), "light": len(light.ok())}
-    ratio = served["heavy"] / served["light"] if served["light"] else float("inf")
-    errors = heavy.errors + light.errors
-    log(f"  weights 2:1, both at 24 in flight: served {served}, ratio {ratio:.2f}")
-    return {"served": served, "ratio": ratio, "errors": errors}
+
+def weights(gateway: GatewayProcess, keys: dict[str, str], seconds: float, log=print) -> dict:
+    """Both tenants at 24 in flight for ``2 * seconds``; the shares are what the queue served
+    between a third of the way in (both long backlogged) and just before the end, so that
+    neither the first slots (taken in arrival order, before anyone waits) nor the last count."""
+    duration = 2 * seconds
+
+    async def both() -> tuple[RunResult, RunResult, dict[str, float]]:
+        loads = asyncio.gather(
+            run_load(_target(gateway, keys["heavy"]), concurrency=24, duration_s=duration),
+            run_load(_target(gateway, keys["light"]), concurrency=24, duration_s=duration),
+        )
+        await asyncio.sleep(duration / 3)
+        first = await asyncio.to_thread(served_counts, gateway)
+        await asyncio.sleep(duration * 0.6)
+        last = await asyncio.to_thread(served_counts, gateway)
+        heavy, light = await loads
+        window = {t: last.get(t, 0.0) - first.get(t, 0.0) for t in ("heavy", "light")}
+        return heavy, light, window
+
+    heavy, light, window = asyncio.run(both())
+    completed = {"heavy": len(heavy.ok()), "light": len(light.ok())}
+    ratio = window["heavy"] / window["light"] if window["light"] else float("inf")
+    errors = heavy.errors + light.errors + int(heavy.summary()["non_200"])
+    errors += int(light.summary()["non_200"])
+    log(
+        f"  weights 2:1, both at 24 in flight: served in the window {window}, ratio {ratio:.2f}"
+        f" (completed over the whole run {completed}); errors {errors}"
+    )
+    return {"served": window, "completed": completed, "ratio": ratio, "errors": errors}
 
 
 def targets(result: dict) -> dict[str, bool | None]:
@@ -248,13 +291,14 @@ def run_fair_share_bench(config: BenchConfig, work_dir: Path, log=print) -> dict
     try:
         cluster.start()
         log(f"  PD pair ready in {time.monotonic() - started:.0f} s")
-        import httpx
-
         info = httpx.get(f"{cluster.decode_url}/server_info", timeout=10).json()
         tags = bool(info.get(ENGINE_PATCH_MARKER))
-        points = sweep(cluster, log)
-        measured = knee(points)
-        cap = int(os.environ.get("BENCH_FAIR_CAP", measured))
+        given = os.environ.get("BENCH_FAIR_CAP")
+        # BENCH_FAIR_SWEEP=0 with a cap given: the noisy neighbour and weights alone.
+        run_sweep = os.environ.get("BENCH_FAIR_SWEEP", "1") != "0" or given is None
+        points = sweep(cluster, log) if run_sweep else []
+        measured = knee(points) if points else None
+        cap = int(given) if given is not None else int(measured or 1)
         log(f"  knee (>= {KNEE_FRACTION:.0%} of the best throughput): {measured}; queue cap {cap}")
         result: dict = {
             "sweep": [asdict(p) for p in points],
@@ -263,18 +307,24 @@ def run_fair_share_bench(config: BenchConfig, work_dir: Path, log=print) -> dict
             "seconds": seconds,
             "max_tokens": MAX_TOKENS,
         }
-        neighbour: list[NeighbourCell] = []
-        for name, gateway_cap in (("queue", cap), ("no queue", NO_QUEUE_CAP)):
-            with gateway_with_cap(
-                cluster,
-                work_dir / f"fair-{name.replace(' ', '-')}",
-                ports.real_gateway,
-                gateway_cap,
-                tags,
-            ) as (gateway, keys):
-                neighbour += noisy_neighbour(gateway, keys, name, seconds, log)
-                if name == "queue":
-                    result["weights"] = weights(gateway, keys, seconds, log)
+        with contextlib.ExitStack() as running:
+            # Both gateways up at once (an idle one costs the pair nothing), on their own ports.
+            gateways = {
+                name: running.enter_context(
+                    gateway_with_cap(
+                        cluster,
+                        work_dir / f"fair-{name.replace(' ', '-')}",
+                        ports.real_gateway + offset,
+                        gateway_cap,
+                        tags,
+                    )
+                )
+                for offset, (name, gateway_cap) in enumerate(
+                    (("queue", cap), ("no queue", NO_QUEUE_CAP))
+                )
+            }
+            neighbour = noisy_neighbour(gateways, seconds, log)
+            result["weights"] = weights(*gateways["queue"], seconds, log)
         result["neighbour"] = [asdict(c) for c in neighbour]
         result["targets"] = targets(result)
         for target, ok in result["targets"].items():
@@ -291,18 +341,23 @@ def render(result: dict) -> list[str]:
     """The section's lines for bench/results/latest.md."""
     if "sweep" not in result:
         return [f"Not run: {result.get('skipped') or result.get('failed')}", ""]
-    out = [
-        f"Saturation of the pair (straight to the workers, closed loop, {MAX_TOKENS} tokens "
-        f"out): knee = {result['knee']} in flight (smallest within {KNEE_FRACTION:.0%} of the "
-        f"best throughput); gateway queue cap {result['cap']}.",
-        "",
-        "| in flight | req/s | p50 ms | errors |",
-        "|---|---|---|---|",
-        *(
-            f"| {p['concurrency']} | {p['rps']:.1f} | {p['p50_ms']:.1f} | {p['errors']} |"
-            for p in result["sweep"]
-        ),
-        "",
+    if result["sweep"]:
+        out = [
+            f"Saturation of the pair (straight to the workers, closed loop, {MAX_TOKENS} tokens "
+            f"out): knee = {result['knee']} in flight (smallest within {KNEE_FRACTION:.0%} of "
+            f"the best throughput); gateway queue cap {result['cap']}.",
+            "",
+            "| in flight | req/s | p50 ms | errors |",
+            "|---|---|---|---|",
+            *(
+                f"| {p['concurrency']} | {p['rps']:.1f} | {p['p50_ms']:.1f} | {p['errors']} |"
+                for p in result["sweep"]
+            ),
+            "",
+        ]
+    else:
+        out = [f"Saturation sweep not run (BENCH_FAIR_SWEEP=0); queue cap {result['cap']}.", ""]
+    out += [
         f"Noisy neighbour ({result['seconds']:.0f} s windows): tenant B at 1 in flight.",
         "",
         "| gateway | A in flight | B requests | B p50 ms | B p99 ms | pool req/s | errors |",
@@ -317,7 +372,9 @@ def render(result: dict) -> list[str]:
     if "weights" in result:
         w = result["weights"]
         out += [
-            f"Weights 2 : 1, both at 24 in flight: served {w['served']}, ratio {w['ratio']:.2f}.",
+            f"Weights 2 : 1, both at 24 in flight: served (by the queue, in the steady part of "
+            f"the run) {w['served']}, ratio {w['ratio']:.2f}; completed over the whole run "
+            f"{w.get('completed')}.",
             "",
         ]
     out += [f"- {'met' if ok else 'MISSED'}: {t}" for t, ok in result.get("targets", {}).items()]
