@@ -62,7 +62,7 @@ class Settings(BaseSettings):
     # the rest queue, where neither the pool's policy nor the engine's own
     # max_running_requests sets a lower cap: where a CPU pair's throughput stopped growing
     # with concurrency (docs/operations.md, bench/saturation_bench.py).
-    queue_in_flight_per_pair: int = Field(default=8, gt=0)
+    queue_in_flight_per_pair: int = Field(default=12, gt=0)
     # The longest a request waits for its turn before 429 (its tenant is over its share) or
     # 503 (the pair is full), with Retry-After.
     queue_max_wait_s: float = Field(default=10.0, gt=0)
