@@ -7,7 +7,7 @@ ENGINE_PY := .venv-engine/bin/python
 GATEWAY_STAMP := $(VENV)/.installed
 LINT_PATHS := gateway engine_patch engine bench tests migrations
 
-.PHONY: run lint test test-fast bench install engine services check-pools clean
+.PHONY: run lint test test-fast bench soak install engine services check-pools clean
 
 $(GATEWAY_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -58,6 +58,10 @@ test-fast: lint install services
 
 bench: install engine services
 	scripts/bench
+
+# The incident replay at its real numbers (real SGLang, DeepSeek-V4 tokenizer; tens of minutes).
+soak: install engine services
+	scripts/soak incident-real
 
 check-pools: install
 	$(VENV)/bin/isogate check-pools

@@ -6,12 +6,15 @@ The chat template is DeepSeek's format, written here. The layers are the tiny mo
 (a 2-layer Llama, hidden 64, see gateway/dev/model.py) with weights from a seeded
 `random.Random`, so the directory is generated locally and bit for bit the same each time.
 
-The weights differ from the tiny model's in one designed way: attention is sharp (queries and
-keys scaled up), so a few KV pages another generation wrote outweigh a million empty ones in
-decode's softmax. A stale read at the incident's scale then changes greedy output, which is
-what the incident soak's differential detector looks for; with the tiny model's flat
-attention a million zero keys would drown any foreign page. Embeddings and the LM head are
-tied: one 129,280 x 64 matrix instead of two keeps generation to seconds.
+The weights differ from the tiny model's in one designed way: attention is sharper (queries
+and keys scaled up), so the KV pages other generations wrote outweigh a million empty ones in
+decode's softmax, yet no single key takes all the weight: a stale read at the incident's scale
+then follows whatever other tenants wrote last, and its greedy output changes with it, which is
+what the incident soak's differential detector looks for. With the tiny model's flat attention
+a million zero keys drown any foreign page; with attention so sharp that one key wins, the
+output changes only when that one key is overwritten. The LM head is its own random matrix,
+not the embeddings: tied, the current token's own embedding dominates its logits, the model
+repeats its last token whatever it attends to, and a stale read changes at most one step.
 """
 
 from __future__ import annotations
@@ -42,9 +45,12 @@ MAX_POSITION_EMBEDDINGS = 1_048_576
 MODEL_NAME = "deepseek-v4-tiny"
 WEIGHTS_SEED = 20261202
 # Query and key weights are drawn this many times larger than the other layers': attention
-# scores then spread over tens of units, so the best-matching written key dominates.
-QK_SCALE = 3.0
+# scores then spread over a few units (standard deviation ~4), enough for a thousand written
+# keys to outweigh a million zero keys, not enough for one key to win alone.
+QK_SCALE = 2.0
 EMBEDDING_STD = 1.0
+# Logits of about +-1.5 against a normalised residual of norm 8, as the tiny model's.
+LM_HEAD_STD = 0.2
 
 DEFAULT_MODEL_DIR = tiny.DEFAULT_MODEL_DIR.parent / MODEL_NAME
 
@@ -170,7 +176,7 @@ def llama_config(bos: int, eos: int, pad: int) -> dict[str, object]:
         **tiny.llama_config(),
         "vocab_size": VOCAB_SIZE,
         "max_position_embeddings": MAX_POSITION_EMBEDDINGS,
-        "tie_word_embeddings": True,
+        "tie_word_embeddings": False,
         "bos_token_id": bos,
         "eos_token_id": eos,
         "pad_token_id": pad,
@@ -192,7 +198,7 @@ def tokenizer_config() -> dict[str, object]:
 
 
 def build_weights() -> dict[str, tiny.Tensor]:
-    """Every tensor of the tied Llama config (HF names), from WEIGHTS_SEED."""
+    """Every tensor of the Llama config (HF names), from WEIGHTS_SEED."""
     rng = random.Random(WEIGHTS_SEED)
 
     def matrix(rows: int, cols: int, std: float) -> tiny.Tensor:
@@ -203,6 +209,7 @@ def build_weights() -> dict[str, tiny.Tensor]:
     tensors: dict[str, tiny.Tensor] = {
         "model.embed_tokens.weight": matrix(VOCAB_SIZE, d, EMBEDDING_STD),
         "model.norm.weight": ([d], [1.0] * d),
+        "lm_head.weight": matrix(VOCAB_SIZE, d, LM_HEAD_STD),
     }
     for layer in range(tiny.NUM_LAYERS):
         prefix = f"model.layers.{layer}."
