@@ -24,10 +24,10 @@ bootstrap triple, isolation headers), so only the engine's own layer stands in t
 With a random-weight model a stale read does not copy a marker verbatim, so
 ``foreign_canary_bytes`` alone could never fire. Two more checks see a leak as a leak:
 ``over_pool_served`` is the structural one, and the **differential** one (``differential``)
-proves that what was served came from someone else. In each of several rounds one tenant
-sends the same short request (the honest probe), the other tenants send traffic that differs
-from round to round, then, with nothing else in flight, the first sends the same over-pool
-request (the probe). An isolated stack answers each a function of its input alone: the probe is refused
+proves that what was served came from someone else. In each of several rounds one tenant sends
+the same short request (the honest probe), the other tenants send traffic that differs from
+round to round, then, with nothing else in flight, the first sends the same over-pool request
+(the probe). An isolated stack answers each a function of its input alone: the probe is refused
 every time, the honest probe gives identical greedy output every time. When the probe is served
 and its greedy output changes from one round to the next, data it did not send reached its
 decode: ``differential.changes`` counts those rounds. ``differential.honest_changes`` must be 0
