@@ -455,9 +455,13 @@ def bypass_sender(
         """The text delivered with a 200, or None (refused, failed, or a stream aborted)."""
         clients = getattr(local, "clients", None)
         if clients is None:
+            # A new connection per request: encoding a million-token prompt here takes longer
+            # than SGLang's keep-alive (uvicorn's 5 s), and a request sent on a connection the
+            # server is closing fails with "Server disconnected without sending a response".
+            fresh = httpx.Limits(max_keepalive_connections=0)
             clients = local.clients = (
-                httpx.Client(timeout=timeout_s),
-                httpx.Client(timeout=timeout_s),
+                httpx.Client(timeout=timeout_s, limits=fresh),
+                httpx.Client(timeout=timeout_s, limits=fresh),
                 ThreadPoolExecutor(1),
             )
         prefill_client, decode_client, background = clients
