@@ -48,6 +48,9 @@ SESSION_FIXTURES = frozenset({"pd_cluster", "pd_router", "gateway", "tenant"})
 SESSION_GROUP = "session-pair"
 
 
+# First: xdist's own hook reads the groups (into each test's node ID) in the same hook, and a
+# group added after it reads them is no group at all.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The xdist group of each test (used by ``--dist loadgroup``): its module's, or the
     session pair's for every module where any test uses it."""
