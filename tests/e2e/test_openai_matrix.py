@@ -196,3 +196,26 @@ def test_constrained_output_follows_its_grammar(
 def test_a_grammar_the_engine_cannot_compile_is_a_400(ours: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError):
         chat(ours, extra_body={"regex": "(unclosed"})
+
+
+def test_echo_answers_alike_and_the_prompt_is_scored_where_the_peer_scores_none(
+    ours: openai.OpenAI, peer: openai.OpenAI
+) -> None:
+    # The same text through both; sglang_router in PD mode returns the completion's log
+    # probabilities only (the prompt's are prefill's) and refuses max_tokens 0 with 400.
+    mine = completion(ours, echo=True, logprobs=1, max_tokens=4)
+    theirs = completion(peer, echo=True, logprobs=1, max_tokens=4)
+    assert mine.choices[0].text == theirs.choices[0].text
+    assert mine.choices[0].text.startswith("The weather today is")
+    ours_lp, theirs_lp = mine.choices[0].logprobs, theirs.choices[0].logprobs
+    prompt_tokens = mine.usage.prompt_tokens
+    assert len(ours_lp.tokens) == prompt_tokens + len(theirs_lp.tokens)
+    assert ours_lp.tokens[prompt_tokens:] == theirs_lp.tokens
+    assert ours_lp.token_logprobs[prompt_tokens:] == pytest.approx(
+        theirs_lp.token_logprobs, abs=1e-3
+    )
+    scored = completion(ours, echo=True, logprobs=1, max_tokens=0)
+    assert scored.choices[0].text == "The weather today is"
+    assert scored.choices[0].logprobs.tokens == ours_lp.tokens[:prompt_tokens]
+    with pytest.raises(openai.BadRequestError):
+        completion(peer, echo=True, logprobs=1, max_tokens=0)
