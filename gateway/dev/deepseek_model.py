@@ -184,17 +184,9 @@ def llama_config(bos: int, eos: int, pad: int) -> dict[str, object]:
 
 
 def tokenizer_config() -> dict[str, object]:
-    return {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": BOS_TOKEN,
-        "eos_token": EOS_TOKEN,
-        "pad_token": PAD_TOKEN,
-        "add_bos_token": False,
-        "add_eos_token": False,
-        "model_max_length": MAX_POSITION_EMBEDDINGS,
-        "chat_template": CHAT_TEMPLATE,
-        "clean_up_tokenization_spaces": False,
-    }
+    return tiny.tokenizer_config(
+        BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, MAX_POSITION_EMBEDDINGS, CHAT_TEMPLATE
+    )
 
 
 def build_weights() -> dict[str, tiny.Tensor]:

@@ -206,16 +206,23 @@ def llama_config() -> dict[str, object]:
     }
 
 
-def tokenizer_config() -> dict[str, object]:
+def tokenizer_config(
+    bos: str = BOS_TOKEN,
+    eos: str = EOS_TOKEN,
+    pad: str = PAD_TOKEN,
+    max_length: int = MAX_POSITION_EMBEDDINGS,
+    chat_template: str = CHAT_TEMPLATE,
+) -> dict[str, object]:
+    """A dev model's ``tokenizer_config.json`` (the tiny model's by default)."""
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": BOS_TOKEN,
-        "eos_token": EOS_TOKEN,
-        "pad_token": PAD_TOKEN,
+        "bos_token": bos,
+        "eos_token": eos,
+        "pad_token": pad,
         "add_bos_token": False,
         "add_eos_token": False,
-        "model_max_length": MAX_POSITION_EMBEDDINGS,
-        "chat_template": CHAT_TEMPLATE,
+        "model_max_length": max_length,
+        "chat_template": chat_template,
         "clean_up_tokenization_spaces": False,
     }
 

@@ -31,6 +31,7 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -174,6 +175,17 @@ def memory_for_a_pair() -> None:
     ), "the pair's ports are taken"
 
 
+def _bypassing_the_gateway(cluster: PDCluster) -> Any:
+    """A sender straight to the pair's workers, as a client with no gateway in front would."""
+    return bypass_sender(
+        cluster.prefill_url,
+        cluster.decode_url,
+        cluster.bootstrap_port,
+        cluster.spec.model_dir / "tokenizer.json",
+        timeout_s=TIMEOUT_S,
+    )
+
+
 def _report(tmp_path: Path, name: str, counts: dict[str, object]) -> None:
     line = json.dumps({"run": name, **counts})
     print("SOAK", line)
@@ -216,15 +228,7 @@ def test_gateway_alone_holds_the_incident_shape_and_the_bypass_control_leaks(
         control = Soak(
             SHAPE, make_tenants(TENANTS[:3]), CONTROL_REQUESTS_PER_TENANT, mix=(0.0, 1.0, 0.0)
         )
-        control_counts = control.run(
-            bypass_sender(
-                cluster.prefill_url,
-                cluster.decode_url,
-                cluster.bootstrap_port,
-                cluster.spec.model_dir / "tokenizer.json",
-                timeout_s=TIMEOUT_S,
-            )
-        ).to_json()
+        control_counts = control.run(_bypassing_the_gateway(cluster)).to_json()
         _report(tmp_path, "control-no_layer", control_counts)
         policies = write_policies(
             tmp_path / "policies",
@@ -271,15 +275,7 @@ def test_engine_patch_alone_holds_the_incident_shape_with_the_gateway_bypassed(
 ) -> None:
     with incident_cluster(tmp_path / "logs", "engine_patch_only") as cluster:
         soak = Soak(SHAPE, make_tenants(TENANTS), REQUESTS_PER_TENANT, mix=MIX)
-        counts = soak.run(
-            bypass_sender(
-                cluster.prefill_url,
-                cluster.decode_url,
-                cluster.bootstrap_port,
-                cluster.spec.model_dir / "tokenizer.json",
-                timeout_s=TIMEOUT_S,
-            )
-        ).to_json()
+        counts = soak.run(_bypassing_the_gateway(cluster)).to_json()
         _report(tmp_path, "gateway_off-engine_patch_on", counts)
     _assert_held(counts)
     _assert_differential_sees_nothing_foreign(counts)
