@@ -325,36 +325,6 @@ def group_cpu_seconds(pgid: int) -> float:
     return total
 
 
-class PatchedGatewayProcess(GatewayProcess):
-    """The gateway run from another checkout (``root``): to measure a locally patched copy."""
-
-    def __init__(self, root: Path, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.root = root
-
-    def start(self, *, wait_ready: bool = True, timeout_s: float = 60.0) -> GatewayProcess:
-        self.work_dir.mkdir(parents=True, exist_ok=True)
-        env = dict(self.environment(), PYTHONPATH=str(self.root))
-        subprocess.run(
-            [sys.executable, "-m", "gateway", "migrate"],
-            env=env,
-            check=True,
-            cwd=self.root,
-            stdout=subprocess.DEVNULL,
-        )
-        with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "gateway", "serve"],
-                env=env,
-                cwd=self.root,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        self._wait("/readyz" if wait_ready else "/healthz", timeout_s)
-        return self
-
-
 def start_gateway(
     policies_dir: Path,
     work_dir: Path,
@@ -364,21 +334,25 @@ def start_gateway(
     env: dict[str, str] | None = None,
     priority: int = 0,
     root: Path | None = None,
+    command_prefix: list[str] | None = None,
+    timeout_s: float = 60,
 ) -> tuple[GatewayProcess, str]:
     """``python -m gateway serve`` (``gateway.dev.harness.GatewayProcess``), pinned; returns it
     and a tenant key.
 
-    ``root``: run the ``gateway`` package of that directory instead of this checkout's.
+    ``root``: run the ``gateway`` package of that directory instead of this checkout's;
+    ``command_prefix``: run the server under it (callgrind, in ``bench.instructions``).
     """
-    kwargs = dict(
+    gateway = GatewayProcess(
         policies_dir=policies_dir,
         work_dir=work_dir,
         port=free_ports(port),
         env={"ISOGATE_CAPACITY_POLL_INTERVAL_S": "1.0", **(env or {})},
+        root=root or REPO_ROOT,
+        command_prefix=command_prefix or [],
     )
-    gateway = PatchedGatewayProcess(root, **kwargs) if root else GatewayProcess(**kwargs)
     try:
-        gateway.start(timeout_s=60)
+        gateway.start(timeout_s=timeout_s)
         assert gateway.process is not None
         pin(gateway.process.pid, cpus)
         boost(gateway.process.pid, priority)

@@ -51,6 +51,10 @@ class GatewayProcess:
     env: dict[str, str] = field(default_factory=dict)
     port: int = field(default_factory=free_port)
     admin_key: str = field(default_factory=lambda: "admin-" + secrets.token_hex(16))
+    # Run the server under this (e.g. valgrind's callgrind, to count its instructions).
+    command_prefix: list[str] = field(default_factory=list)
+    # The checkout whose ``gateway`` package runs (a patched copy, for before/after figures).
+    root: Path = REPO_ROOT
     process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -78,18 +82,20 @@ class GatewayProcess:
     def start(self, *, wait_ready: bool = True, timeout_s: float = 60.0) -> GatewayProcess:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         env = self.environment()
+        if self.root != REPO_ROOT:
+            env["PYTHONPATH"] = str(self.root)
         subprocess.run(
             [sys.executable, "-m", "gateway", "migrate"],
             env=env,
             check=True,
-            cwd=REPO_ROOT,
+            cwd=self.root,
             stdout=subprocess.DEVNULL,
         )
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "gateway", "serve"],
+                [*self.command_prefix, sys.executable, "-m", "gateway", "serve"],
                 env=env,
-                cwd=REPO_ROOT,
+                cwd=self.root,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,

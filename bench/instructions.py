@@ -1,0 +1,237 @@
+"""CPU per request counted in instructions: a before/after figure that repeats.
+
+The problem: on this kind of machine one cell of ``bench.compare_gateways`` moves by ±20 % from
+run to run (the neighbour, the CPU's clock, caches), and even its median of three rounds moved
+the baseline by half between two runs of one hour. A step of 5-10 % cannot be seen that way.
+valgrind's callgrind counts the instructions a process executes, every thread, user space: the
+same for the same code and the same requests, whatever else the machine is doing.
+
+Each gateway (A, B) runs as in ``compare_gateways`` (``python -m gateway serve`` in front of the
+instant backends), under callgrind with instrumentation off while it starts and warms up. It is
+switched on for exactly ``--requests`` requests sent by a fixed-count client at ``--concurrency``
+in flight, dumped and switched off; the figure is the instruction total over the requests.
+A and B alternate ``--rounds`` times.
+
+    .venv/bin/python -m bench.instructions --b OTHER_CHECKOUT [--a .] [--requests 300]
+        [--concurrency 16] [--stream] [--rounds 2]
+
+Not counted: the kernel's work in system calls (socket reads and writes, the same for both
+sides), which the seconds of ``compare_gateways`` do include. The gateway runs many times slower
+under valgrind, so at a given concurrency more requests wait together than in a timed run;
+both sides wait alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import tempfile
+from pathlib import Path
+
+import httpx
+
+from bench.config import BenchConfig
+from bench.processes import (
+    REPO_ROOT,
+    BenchModel,
+    BenchPool,
+    instant_backend,
+    start_gateway,
+    write_bench_policies,
+)
+from bench.rig import MODEL, POOL_TOKENS
+from bench.routing_bench import request_body
+from gateway.dev.harness import GatewayProcess
+from gateway.dev.model import ensure_tiny_model
+
+# The ``totals:`` line; a dump's ``summary:`` line is wrong after the first toggle.
+_TOTALS = re.compile(rb"^totals:\s+(\d+)", re.MULTILINE)
+
+
+def callgrind_prefix(out_dir: Path) -> list[str]:
+    if shutil.which("valgrind") is None:
+        raise SystemExit("valgrind is missing (Debian package valgrind)")
+    return [
+        "valgrind",
+        "--tool=callgrind",
+        "--instr-atstart=no",
+        f"--callgrind-out-file={out_dir}/callgrind.%p",
+        "--dump-line=no",
+    ]
+
+
+async def send_requests(
+    url: str, key: str, body: bytes, *, requests: int, concurrency: int, stream: bool
+) -> None:
+    """Exactly ``requests`` requests, ``concurrency`` at a time; each must be answered 200."""
+    headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+    left = requests
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+
+        async def worker() -> None:
+            nonlocal left
+            while left > 0:
+                left -= 1
+                if stream:
+                    async with client.stream("POST", url, content=body, headers=headers) as reply:
+                        await reply.aread()
+                else:
+                    reply = await client.post(url, content=body, headers=headers)
+                if reply.status_code != 200:
+                    raise RuntimeError(f"the gateway answered {reply.status_code}: {reply.text}")
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+
+
+def _callgrind_control(*args: str) -> None:
+    subprocess.run(
+        ["callgrind_control", *args],
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
+def instructions_per_request(
+    gateway: GatewayProcess,
+    key: str,
+    out_dir: Path,
+    *,
+    requests: int,
+    concurrency: int,
+    stream: bool,
+) -> float:
+    assert gateway.process is not None
+    pid = str(gateway.process.pid)
+    url, body = gateway.url + "/v1/completions", request_body(stream)
+    _callgrind_control("--instr=on", pid)
+    before = set(out_dir.glob(f"callgrind.{pid}*"))
+    asyncio.run(
+        send_requests(url, key, body, requests=requests, concurrency=concurrency, stream=stream)
+    )
+    _callgrind_control("--dump", pid)
+    _callgrind_control("--instr=off", pid)
+    (dump,) = set(out_dir.glob(f"callgrind.{pid}*")) - before
+    match = _TOTALS.search(dump.read_bytes())
+    if match is None:
+        raise RuntimeError(f"no instruction total in {dump}")
+    if not os.environ.get("KEEP_DUMPS"):
+        dump.unlink()
+    return int(match.group(1)) / requests
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--a", type=Path, default=REPO_ROOT, help="checkout of A (default: this)")
+    parser.add_argument("--b", type=Path, required=True, help="checkout of B")
+    parser.add_argument("--requests", type=int, default=300)
+    parser.add_argument("--warmup", type=int, default=100)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--stream", action="store_true")
+    parser.add_argument(
+        "--a-env", action="append", default=[], metavar="NAME=VALUE", help="extra environment for A"
+    )
+    parser.add_argument(
+        "--b-env", action="append", default=[], metavar="NAME=VALUE", help="extra environment for B"
+    )
+    args = parser.parse_args(argv)
+    config = BenchConfig.from_env()
+    work = Path(tempfile.mkdtemp(prefix="isogate-instructions-"))
+    backends, gateways = [], {}
+    try:
+        ports = config.ports
+        for role, port in (("prefill", ports.prefill), ("decode", ports.decode)):
+            backends.append(
+                instant_backend(role, port, work, cpus=config.helper_cpus, pool_tokens=POOL_TOKENS)
+            )
+        pool = BenchPool(
+            f"http://127.0.0.1:{backends[0].port}",
+            ports.bootstrap,
+            f"http://127.0.0.1:{backends[1].port}",
+        )
+        policies = write_bench_policies(
+            work / "policies",
+            tokenizer_dir=ensure_tiny_model(),
+            models=[BenchModel(MODEL, 65_536, pool)],
+        )
+        for name, root, port, env in (
+            ("A", args.a, ports.gateway, args.a_env),
+            ("B", args.b, ports.gateway + 1, args.b_env),
+        ):
+            out_dir = work / name / "callgrind"
+            out_dir.mkdir(parents=True)
+            gateways[name] = (
+                *start_gateway(
+                    policies,
+                    work / name,
+                    port,
+                    cpus=config.router_cpus,
+                    env=dict(item.split("=", 1) for item in env),
+                    root=root.resolve(),
+                    command_prefix=callgrind_prefix(out_dir),
+                    timeout_s=600,
+                ),
+                out_dir,
+            )
+        print(f"A = {args.a}\nB = {args.b}", flush=True)
+        mode = "stream" if args.stream else "plain"
+        for gateway, key, _ in gateways.values():  # warm-up, not counted
+            body = request_body(args.stream)
+            asyncio.run(
+                send_requests(
+                    gateway.url + "/v1/completions",
+                    key,
+                    body,
+                    requests=args.warmup,
+                    concurrency=args.concurrency,
+                    stream=args.stream,
+                )
+            )
+        counts: dict[str, list[float]] = {name: [] for name in gateways}
+        for _ in range(args.rounds):
+            for name, (gateway, key, out_dir) in gateways.items():
+                counts[name].append(
+                    instructions_per_request(
+                        gateway,
+                        key,
+                        out_dir,
+                        requests=args.requests,
+                        concurrency=args.concurrency,
+                        stream=args.stream,
+                    )
+                )
+                print(
+                    f"{mode} c={args.concurrency} {name}: "
+                    f"{counts[name][-1] / 1e3:8.0f} k instructions/request",
+                    flush=True,
+                )
+        a, b = (statistics.median(counts[name]) for name in ("A", "B"))
+        print(
+            f"{mode} c={args.concurrency} median k instructions/request: "
+            f"A {a / 1e3:.0f}  B {b / 1e3:.0f}  (B/A {b / a:.3f})",
+            flush=True,
+        )
+    finally:
+        for gateway, _, _ in gateways.values():
+            gateway.stop()
+        for backend in backends:
+            backend.stop()
+        if not os.environ.get("KEEP_DUMPS"):
+            shutil.rmtree(work, ignore_errors=True)
+        else:
+            print(work)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    raise SystemExit(main())
