@@ -22,6 +22,7 @@ Limits are passed on every call, so a policy reload takes effect on the next req
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import math
 import secrets
@@ -247,6 +248,10 @@ class TenantLimiter:
         self._warned_fallback = False
         self._redis_timeout_s = redis_timeout_s
         self._redis_down_until = 0.0
+        # Lease IDs: unique across replicas (a random prefix per limiter) without a system call
+        # for randomness per request.
+        self._lease_prefix = secrets.token_hex(8)
+        self._lease_numbers = itertools.count()
 
     async def acquire(
         self, tenant_id: str, limits: TenantLimits, reserved_tokens: int
@@ -254,16 +259,19 @@ class TenantLimiter:
         """Count the request, take a concurrency slot and reserve its tokens, all or nothing."""
         reserved = max(0, reserved_tokens)
         _refuse_if_too_large(reserved, limits)
-        lease = LimitLease(self, tenant_id, limits, reserved, secrets.token_hex(8), in_redis=False)
+        lease = LimitLease(self, tenant_id, limits, reserved, self._new_lease_id(), in_redis=False)
         lease.left = await self._take(lease, reserved, "all")
         return lease
 
     async def enter(self, tenant_id: str, limits: TenantLimits) -> LimitLease:
         """Count one request, before anything about it is known but its key; its concurrency
         slot and tokens are taken later (``LimitLease.reserve``)."""
-        lease = LimitLease(self, tenant_id, limits, 0, secrets.token_hex(8), in_redis=False)
+        lease = LimitLease(self, tenant_id, limits, 0, self._new_lease_id(), in_redis=False)
         lease.left = await self._take(lease, 0, "count")
         return lease
+
+    def _new_lease_id(self) -> str:
+        return f"{self._lease_prefix}{next(self._lease_numbers):x}"
 
     async def _reserve(self, lease: LimitLease, reserved: int) -> Allowance:
         return await self._take(lease, reserved, "rest")
