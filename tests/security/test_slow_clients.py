@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 import orjson
 import pytest
 
+from gateway.settings import Settings
 from tests.reliability.stack import MODEL, StandInStack, standin_stack
 
 TIMEOUT_S = 1
@@ -136,6 +137,20 @@ def test_a_16_mb_header_is_refused(slow_stack: StandInStack) -> None:
         response = until_closed(sock)
     if response or sent_all:
         assert_openai_error(response, 431, "request_header_too_large")
+
+
+def test_headers_over_the_limit_that_arrive_whole_in_one_read_are_refused(
+    slow_stack: StandInStack,
+) -> None:
+    # Just past the default limit and sent in one write, so the parser can see the end of the
+    # headers in the same read: measured whole at their end, not from the bytes still awaited.
+    limit = Settings().max_header_bytes
+    padding = b"a" * (limit + 1)
+    head = b"GET /healthz HTTP/1.1\r\nHost: gateway\r\nX-Padding: " + padding + b"\r\n\r\n"
+    with connection(slow_stack) as sock:
+        sock.sendall(head)
+        response = until_closed(sock)
+    assert_openai_error(response, 431, "request_header_too_large")
 
 
 def test_connections_past_the_limit_get_503(tmp_path_factory: pytest.TempPathFactory) -> None:
