@@ -13,6 +13,7 @@ On this kind of machine one run of a cell moves by ±15 %: use three rounds or m
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import tempfile
@@ -23,19 +24,14 @@ from pathlib import Path
 from bench.config import BenchConfig
 from bench.processes import (
     REPO_ROOT,
-    BenchModel,
-    BenchPool,
     boost,
     cpu_seconds,
-    instant_backend,
     start_gateway,
-    write_bench_policies,
 )
-from bench.rig import MODEL, POOL_TOKENS
+from bench.rig import instant_pair
 from bench.routing_bench import request_body
 from bench.wrk import run_wrk
 from gateway.dev.harness import GatewayProcess
-from gateway.dev.model import ensure_tiny_model
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,30 +67,11 @@ def main(argv: list[str] | None = None) -> int:
         os.sched_setaffinity(0, config.helper_cpus)
     boost(os.getpid(), config.priority)
     work = Path(tempfile.mkdtemp(prefix="isogate-compare-"))
-    backends, gateways = [], {}
+    gateways: dict[str, tuple[GatewayProcess, str]] = {}
+    rig = contextlib.ExitStack()
     try:
+        policies = rig.enter_context(instant_pair(config, work))
         ports = config.ports
-        for role, port in (("prefill", ports.prefill), ("decode", ports.decode)):
-            backends.append(
-                instant_backend(
-                    role,
-                    port,
-                    work,
-                    cpus=config.helper_cpus,
-                    pool_tokens=POOL_TOKENS,
-                    priority=config.priority,
-                )
-            )
-        pool = BenchPool(
-            f"http://127.0.0.1:{backends[0].port}",
-            ports.bootstrap,
-            f"http://127.0.0.1:{backends[1].port}",
-        )
-        policies = write_bench_policies(
-            work / "policies",
-            tokenizer_dir=ensure_tiny_model(),
-            models=[BenchModel(MODEL, 65_536, pool)],
-        )
         for name, root, port, env in (
             ("A", args.a, ports.gateway, args.a_env),
             ("B", args.b, ports.gateway + 1, args.b_env),
@@ -140,8 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for gateway, _ in gateways.values():
             gateway.stop()
-        for backend in backends:
-            backend.stop()
+        rig.close()
     return 0
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import re
 import shutil
@@ -36,18 +37,10 @@ from pathlib import Path
 import httpx
 
 from bench.config import BenchConfig
-from bench.processes import (
-    REPO_ROOT,
-    BenchModel,
-    BenchPool,
-    instant_backend,
-    start_gateway,
-    write_bench_policies,
-)
-from bench.rig import MODEL, POOL_TOKENS
+from bench.processes import REPO_ROOT, start_gateway
+from bench.rig import instant_pair
 from bench.routing_bench import request_body
 from gateway.dev.harness import GatewayProcess
-from gateway.dev.model import ensure_tiny_model
 
 # The ``totals:`` line; a dump's ``summary:`` line is wrong after the first toggle.
 _TOTALS = re.compile(rb"^totals:\s+(\d+)", re.MULTILINE)
@@ -146,23 +139,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     config = BenchConfig.from_env()
     work = Path(tempfile.mkdtemp(prefix="isogate-instructions-"))
-    backends, gateways = [], {}
+    gateways: dict[str, tuple[GatewayProcess, str, Path]] = {}
+    rig = contextlib.ExitStack()
     try:
+        policies = rig.enter_context(instant_pair(config, work))
         ports = config.ports
-        for role, port in (("prefill", ports.prefill), ("decode", ports.decode)):
-            backends.append(
-                instant_backend(role, port, work, cpus=config.helper_cpus, pool_tokens=POOL_TOKENS)
-            )
-        pool = BenchPool(
-            f"http://127.0.0.1:{backends[0].port}",
-            ports.bootstrap,
-            f"http://127.0.0.1:{backends[1].port}",
-        )
-        policies = write_bench_policies(
-            work / "policies",
-            tokenizer_dir=ensure_tiny_model(),
-            models=[BenchModel(MODEL, 65_536, pool)],
-        )
         for name, root, port, env in (
             ("A", args.a, ports.gateway, args.a_env),
             ("B", args.b, ports.gateway + 1, args.b_env),
@@ -223,8 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for gateway, _, _ in gateways.values():
             gateway.stop()
-        for backend in backends:
-            backend.stop()
+        rig.close()
         if not os.environ.get("KEEP_DUMPS"):
             shutil.rmtree(work, ignore_errors=True)
         else:

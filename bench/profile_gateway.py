@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import os
 import shutil
 import subprocess
@@ -22,16 +23,11 @@ from pathlib import Path
 
 from bench.config import BenchConfig
 from bench.processes import (
-    BenchModel,
-    BenchPool,
-    instant_backend,
     start_gateway,
-    write_bench_policies,
 )
-from bench.rig import MODEL, POOL_TOKENS
+from bench.rig import instant_pair
 from bench.routing_bench import request_body
 from bench.wrk import run_wrk
-from gateway.dev.model import ensure_tiny_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -78,31 +74,11 @@ def main(argv: list[str] | None = None) -> int:
         os.sched_setaffinity(0, config.helper_cpus)
     RESULTS.mkdir(exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="isogate-profile-"))
-    started = []
     gateway = None
+    rig = contextlib.ExitStack()
     try:
+        policies = rig.enter_context(instant_pair(config, work))
         ports = config.ports
-        for role, port in (("prefill", ports.prefill), ("decode", ports.decode)):
-            started.append(
-                instant_backend(
-                    role,
-                    port,
-                    work,
-                    cpus=config.helper_cpus,
-                    pool_tokens=POOL_TOKENS,
-                    priority=config.priority,
-                )
-            )
-        pool = BenchPool(
-            f"http://127.0.0.1:{started[0].port}",
-            ports.bootstrap,
-            f"http://127.0.0.1:{started[1].port}",
-        )
-        policies = write_bench_policies(
-            work / "policies",
-            tokenizer_dir=ensure_tiny_model(),
-            models=[BenchModel(MODEL, 65_536, pool)],
-        )
         gateway, key = start_gateway(
             policies,
             work / "gateway",
@@ -178,8 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if gateway is not None:
             gateway.stop()
-        for process in started:
-            process.stop()
+        rig.close()
     return 0
 
 

@@ -138,3 +138,36 @@ def instant_rig(config: BenchConfig, work_dir: Path) -> Iterator[Rig]:
             gateway.stop()
         for process in reversed(started):
             process.stop()
+
+
+@contextlib.contextmanager
+def instant_pair(config: BenchConfig, work: Path) -> Iterator[Path]:
+    """The two instant backends as one PD pair behind ``MODEL`` (65,536-token limit), for the
+    benches that run their own gateways; yields the policies directory; stops both backends."""
+    ports = config.ports
+    backends: list[Managed] = []
+    try:
+        for role, port in (("prefill", ports.prefill), ("decode", ports.decode)):
+            backends.append(
+                instant_backend(
+                    role,
+                    port,
+                    work,
+                    cpus=config.helper_cpus,
+                    pool_tokens=POOL_TOKENS,
+                    priority=config.priority,
+                )
+            )
+        pool = BenchPool(
+            f"http://127.0.0.1:{backends[0].port}",
+            ports.bootstrap,
+            f"http://127.0.0.1:{backends[1].port}",
+        )
+        yield write_bench_policies(
+            work / "policies",
+            tokenizer_dir=ensure_tiny_model(),
+            models=[BenchModel(MODEL, 65_536, pool)],
+        )
+    finally:
+        for backend in backends:
+            backend.stop()
