@@ -38,10 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument(
-        "--a", type=Path, default=REPO_ROOT, help="checkout whose gateway/ is A (default: this one)"
-    )
-    parser.add_argument("--b", type=Path, required=True, help="checkout whose gateway/ is B")
+    add_side_arguments(parser)
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument(
         "--concurrency",
@@ -55,12 +52,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--modes", default="plain,stream", help="plain, stream or both (comma-separated)"
     )
-    parser.add_argument(
-        "--a-env", action="append", default=[], metavar="NAME=VALUE", help="extra environment for A"
-    )
-    parser.add_argument(
-        "--b-env", action="append", default=[], metavar="NAME=VALUE", help="extra environment for B"
-    )
     args = parser.parse_args(argv)
     config = BenchConfig.from_env()
     if config.helper_cpus:
@@ -72,24 +63,21 @@ def main(argv: list[str] | None = None) -> int:
     try:
         policies = rig.enter_context(instant_pair(config, work))
         ports = config.ports
-        for name, root, port, env in (
-            ("A", args.a, ports.gateway, args.a_env),
-            ("B", args.b, ports.gateway + 1, args.b_env),
-        ):
-            gateways[name] = start_gateway(
+        for side in sides(args, ports.gateway):
+            gateways[side.name] = start_gateway(
                 policies,
-                work / name,
-                port,
+                work / side.name,
+                side.port,
                 cpus=config.router_cpus,
                 priority=config.priority,
-                env=dict(item.split("=", 1) for item in env),
-                root=None if root.resolve() == REPO_ROOT else root,
+                env=side.env,
+                root=None if side.root.resolve() == REPO_ROOT else side.root,
             )
         print(f"A = {args.a}\nB = {args.b}")
         modes = {mode.strip() for mode in args.modes.split(",")}
         for stream in [mode == "stream" for mode in ("plain", "stream") if mode in modes]:
             for concurrency in args.concurrency or config.concurrencies:
-                cpu_per_request: dict[str, list[float]] = {name: [] for name in gateways}
+                cpu_per_request: dict[str, list[CellResult]] = {name: [] for name in gateways}
                 # A and B alternate: a neighbour's burst lands on both, and the median sees
                 # through it.
                 for _ in range(args.rounds):
@@ -119,6 +107,41 @@ def main(argv: list[str] | None = None) -> int:
             gateway.stop()
         rig.close()
     return 0
+
+
+@dataclass(frozen=True)
+class Side:
+    """One gateway of a before/after run: its checkout, port and extra environment."""
+
+    name: str
+    root: Path
+    port: int
+    env: dict[str, str]
+
+
+def add_side_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--a``/``--b`` (the checkouts) and ``--a-env``/``--b-env`` (their extra environment)."""
+    parser.add_argument(
+        "--a", type=Path, default=REPO_ROOT, help="checkout whose gateway/ is A (default: this one)"
+    )
+    parser.add_argument("--b", type=Path, required=True, help="checkout whose gateway/ is B")
+    for name in ("a", "b"):
+        parser.add_argument(
+            f"--{name}-env",
+            action="append",
+            default=[],
+            metavar="NAME=VALUE",
+            help=f"extra environment for {name.upper()}",
+        )
+
+
+def sides(args: argparse.Namespace, first_port: int) -> list[Side]:
+    return [
+        Side(name, root, first_port + offset, dict(item.split("=", 1) for item in env))
+        for offset, (name, root, env) in enumerate(
+            (("A", args.a, args.a_env), ("B", args.b, args.b_env))
+        )
+    ]
 
 
 @dataclass(frozen=True)

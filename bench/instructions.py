@@ -13,7 +13,7 @@ in flight, dumped and switched off; the figure is the instruction total over the
 A and B alternate ``--rounds`` times.
 
     .venv/bin/python -m bench.instructions --b OTHER_CHECKOUT [--a .] [--requests 300]
-        [--concurrency 16] [--stream] [--rounds 2]
+        [--concurrency 16] [--stream] [--rounds 2] [--a-env/--b-env NAME=VALUE] [--keep]
 
 Not counted: the kernel's work in system calls (socket reads and writes, the same for both
 sides), which the seconds of ``compare_gateways`` do include. The gateway runs many times slower
@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
 import re
 import shutil
 import statistics
@@ -36,8 +35,9 @@ from pathlib import Path
 
 import httpx
 
+from bench.compare_gateways import add_side_arguments, sides
 from bench.config import BenchConfig
-from bench.processes import REPO_ROOT, start_gateway
+from bench.processes import start_gateway
 from bench.rig import instant_pair
 from bench.routing_bench import request_body
 from gateway.dev.harness import GatewayProcess
@@ -99,6 +99,7 @@ def instructions_per_request(
     requests: int,
     concurrency: int,
     stream: bool,
+    keep: bool,
 ) -> float:
     assert gateway.process is not None
     pid = str(gateway.process.pid)
@@ -114,7 +115,7 @@ def instructions_per_request(
     match = _TOTALS.search(dump.read_bytes())
     if match is None:
         raise RuntimeError(f"no instruction total in {dump}")
-    if not os.environ.get("KEEP_DUMPS"):
+    if not keep:
         dump.unlink()
     return int(match.group(1)) / requests
 
@@ -123,18 +124,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--a", type=Path, default=REPO_ROOT, help="checkout of A (default: this)")
-    parser.add_argument("--b", type=Path, required=True, help="checkout of B")
+    add_side_arguments(parser)
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--warmup", type=int, default=100)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--stream", action="store_true")
     parser.add_argument(
-        "--a-env", action="append", default=[], metavar="NAME=VALUE", help="extra environment for A"
-    )
-    parser.add_argument(
-        "--b-env", action="append", default=[], metavar="NAME=VALUE", help="extra environment for B"
+        "--keep", action="store_true", help="keep the work directory and callgrind's dumps"
     )
     args = parser.parse_args(argv)
     config = BenchConfig.from_env()
@@ -144,29 +141,24 @@ def main(argv: list[str] | None = None) -> int:
     try:
         policies = rig.enter_context(instant_pair(config, work))
         ports = config.ports
-        for name, root, port, env in (
-            ("A", args.a, ports.gateway, args.a_env),
-            ("B", args.b, ports.gateway + 1, args.b_env),
-        ):
-            out_dir = work / name / "callgrind"
+        for side in sides(args, ports.gateway):
+            out_dir = work / side.name / "callgrind"
             out_dir.mkdir(parents=True)
-            gateways[name] = (
-                *start_gateway(
-                    policies,
-                    work / name,
-                    port,
-                    cpus=config.router_cpus,
-                    env=dict(item.split("=", 1) for item in env),
-                    root=root.resolve(),
-                    command_prefix=callgrind_prefix(out_dir),
-                    timeout_s=600,
-                ),
-                out_dir,
+            gateway, key = start_gateway(
+                policies,
+                work / side.name,
+                side.port,
+                cpus=config.router_cpus,
+                env=side.env,
+                root=side.root.resolve(),
+                command_prefix=callgrind_prefix(out_dir),
+                timeout_s=600,
             )
+            gateways[side.name] = (gateway, key, out_dir)
         print(f"A = {args.a}\nB = {args.b}", flush=True)
         mode = "stream" if args.stream else "plain"
+        body = request_body(args.stream)
         for gateway, key, _ in gateways.values():  # warm-up, not counted
-            body = request_body(args.stream)
             asyncio.run(
                 send_requests(
                     gateway.url + "/v1/completions",
@@ -188,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
                         requests=args.requests,
                         concurrency=args.concurrency,
                         stream=args.stream,
+                        keep=args.keep,
                     )
                 )
                 print(
@@ -205,13 +198,12 @@ def main(argv: list[str] | None = None) -> int:
         for gateway, _, _ in gateways.values():
             gateway.stop()
         rig.close()
-        if not os.environ.get("KEEP_DUMPS"):
-            shutil.rmtree(work, ignore_errors=True)
+        if args.keep:
+            print(f"kept: {work}")
         else:
-            print(work)
+            shutil.rmtree(work, ignore_errors=True)
     return 0
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("PYTHONUNBUFFERED", "1")
     raise SystemExit(main())
