@@ -2,7 +2,7 @@
 
 The stand-ins stand for SGLang here only because these tests are about the gateway's own
 operations (metrics, logs, policy reload), not about what an engine does; ports come from
-this suite's range (35020-35069) so parallel suites never collide.
+this suite's range (31200-31249) so parallel suites never collide.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from tests.ports import worker_share
 from tests.standin_worker import Behaviour, StandInWorker
 
 MODEL = "tiny-llama"
-_GATEWAY_PORTS = itertools.cycle(worker_share(35020, 35040))
-_WORKER_PORTS = itertools.cycle(worker_share(35040, 35068))
+_GATEWAY_PORTS = itertools.cycle(worker_share(31200, 31220))
+_WORKER_PORTS = itertools.cycle(worker_share(31220, 31248))
 
 
 def port_from(ports: Iterator[int]) -> int:
@@ -48,7 +48,7 @@ def port_from(ports: Iterator[int]) -> int:
 class StandInPair:
     prefill: StandInWorker
     decode: StandInWorker
-    bootstrap_port: int = 35069
+    bootstrap_port: int = 31249
 
     def pool(self, name: str = "shared") -> PoolSpec:
         return PoolSpec(name, ((self.prefill.url, self.bootstrap_port),), (self.decode.url,))

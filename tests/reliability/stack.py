@@ -31,10 +31,10 @@ MODEL = "tiny-llama"
 STANDIN_POOL_TOKENS = 8192
 # Limits no test here means to reach (the harness's defaults for every other tenant).
 UNLIMITED = {"requests_per_minute": 100000, "tokens_per_minute": 100000000, "max_concurrent": 1000}
-# This suite's port range for stand-ins and gateways (36000-36099); the real SGLang pairs use 301xx.
+# This suite's port range for stand-ins and gateways (31300-31399); the real SGLang pairs use 301xx.
 # Each xdist worker has its own share of it, and each test process starts at its own offset in
 # it, so two runs of these suites at once rarely collide.
-_RANGE = worker_share(36000, 36100)
+_RANGE = worker_share(31300, 31400)
 _FIRST = random.randrange(len(_RANGE))
 _PORTS = itertools.cycle([*_RANGE[_FIRST:], *_RANGE[:_FIRST]])
 
@@ -101,7 +101,7 @@ def standin_stack(
             work_dir / "policies",
             model_name=MODEL,
             tokenizer_dir=model_dir,
-            pools=[PoolSpec("shared", ((prefill.url, 36190),), (decode.url,))],
+            pools=[PoolSpec("shared", ((prefill.url, 31490),), (decode.url,))],
             max_context_tokens=STANDIN_POOL_TOKENS,
             max_output_tokens=max_output_tokens,
             default_limits=default_limits,

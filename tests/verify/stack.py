@@ -2,7 +2,7 @@
 
 Only the SGLang workers are stand-ins, because real SGLang cannot be made to echo another
 request's tags or miscount a prompt on cue. The decode stand-in's ``Behaviour`` is read at
-request time, so one stack serves many lies. Ports come from this suite's range, 33000-33049.
+request time, so one stack serves many lies. Ports come from this suite's range, 31100-31149.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from tests.standin_worker import Behaviour, StandInWorker
 
 MODEL = "tiny-llama"
 POOL_TOKENS = 8192
-_RANGE = worker_share(33000, 33050)
+_RANGE = worker_share(31100, 31150)
 _PORTS = itertools.cycle(_RANGE)
 
 
