@@ -7,7 +7,11 @@ connections than the process can serve. This protocol adds, each from ``ClientBo
 - a header timeout, from the connection's first byte (or its opening, for a socket that sends
   nothing) and from each later request's first byte, to the end of that request's headers;
 - a limit on the bytes of a request line and its headers (431);
-- a limit on open connections (503 once the headers are in, as uvicorn's own limit does).
+- a limit on open connections (503 once the headers are in, as uvicorn's own limit does);
+- a ``DisconnectHook`` in each request's scope (``scope["extensions"][DISCONNECT_EXTENSION]
+  ["hook"]``, an extension's value being a dict in ASGI):
+  the request can have a callback run when the connection is lost, instead of a task of its
+  own waiting on ``receive()`` for ``http.disconnect``.
 
 Each refusal is an OpenAI error object with ``connection: close``, written before the
 connection is closed, where the client can still read one. The body's own timeout is checked
@@ -18,6 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +48,21 @@ class ClientBounds:
     max_connections: int
 
 
+DISCONNECT_EXTENSION = "isogate.disconnect"
+
+
+class DisconnectHook:
+    """One request's line to its connection: ``gone`` once the connection is lost before the
+    response completed, and ``callback`` (set by the request, cleared when it no longer cares)
+    run at that moment."""
+
+    __slots__ = ("callback", "gone")
+
+    def __init__(self) -> None:
+        self.callback: Callable[[], None] | None = None
+        self.gone = False
+
+
 class _Refused(Exception):
     def __init__(self, error: APIError) -> None:
         self.error = error
@@ -62,6 +83,9 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._awaiting_headers = True
         self._received_in_headers = 0
         self._header_timer: asyncio.TimerHandle | None = None
+        # Hooks of the requests whose responses are not complete, oldest first (pipelined
+        # requests complete in order).
+        self._hooks: deque[DisconnectHook] = deque()
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -70,6 +94,11 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_header_timer()
         super().connection_lost(exc)
+        hooks, self._hooks = self._hooks, deque()
+        for hook in hooks:
+            hook.gone = True
+            if hook.callback is not None:
+                hook.callback()
 
     def data_received(self, data: bytes) -> None:
         if self.transport.is_closing():
@@ -114,7 +143,15 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
                     headers={"Retry-After": "1"},
                 )
             )
+        hook = DisconnectHook()
+        self.scope["extensions"] = {DISCONNECT_EXTENSION: {"hook": hook}}
+        self._hooks.append(hook)
         super().on_headers_complete()
+
+    def on_response_complete(self) -> None:
+        if self._hooks:
+            self._hooks.popleft()
+        super().on_response_complete()
 
     def on_message_complete(self) -> None:
         super().on_message_complete()

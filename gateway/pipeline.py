@@ -47,6 +47,7 @@ from .generation import (
     Trace,
     best_of,
 )
+from .http_server import DISCONNECT_EXTENSION, DisconnectHook
 from .ids import new_generation_id
 from .intake import BodyParser, SpooledBody
 from .logs import current_generation_id
@@ -143,7 +144,7 @@ async def handle_generation(components: Components, request: Request, kind: Kind
 
         # admit → claim → dispatch → verify (the core), then the response; a client that
         # leaves meanwhile (queued, or waiting on the workers) cancels it
-        async with ClientWatch(request.receive):
+        async with ClientWatch(request.scope, request.receive):
             admitted = await core.admit(ask, trace, held)
             limit_headers = admitted.lease.headers() if admitted.lease is not None else []
             if parsed.streaming:
@@ -203,35 +204,51 @@ class ClientWatch:
 
     Cancelling is how a request is given up everywhere below: a queued one leaves its queue,
     one on the workers is aborted on both (``gateway.dispatch``), and the claims are
-    released on the way out. One watcher task per request; the work runs in the request's
-    own task (no task of its own).
+    released on the way out. The work runs in the request's own task. Under the gateway's
+    own server the connection's ``DisconnectHook`` calls back when it is lost; under any
+    other ASGI server a watcher task waits on ``receive()`` for the disconnect.
     """
 
-    __slots__ = ("_receive", "_served", "_watcher", "left")
+    __slots__ = ("_hook", "_receive", "_served", "_watcher", "left")
 
-    def __init__(self, receive: Receive) -> None:
+    def __init__(self, scope: Scope, receive: Receive) -> None:
+        extension = (scope.get("extensions") or {}).get(DISCONNECT_EXTENSION)
+        self._hook: DisconnectHook | None = extension["hook"] if extension else None
         self._receive = receive
+        self._watcher: asyncio.Future[None] | None = None
         self.left = False
 
     async def __aenter__(self) -> ClientWatch:
         served = asyncio.current_task()
         assert served is not None  # a request is always served by a task
         self._served = served
-        self._watcher = asyncio.ensure_future(_client_left(self._receive))
-        self._watcher.add_done_callback(self._on_watcher_done)
+        hook = self._hook
+        if hook is None:
+            self._watcher = asyncio.ensure_future(_client_left(self._receive))
+            self._watcher.add_done_callback(self._on_watcher_done)
+        elif hook.gone:
+            raise ClientDisconnect()
+        else:
+            hook.callback = self._on_client_left
         return self
+
+    def _on_client_left(self) -> None:
+        self.left = True
+        self._served.cancel()
 
     def _on_watcher_done(self, watcher: asyncio.Future[None]) -> None:
         if not watcher.cancelled() and isinstance(watcher.exception(), ClientDisconnect):
-            self.left = True
-            self._served.cancel()
+            self._on_client_left()
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object
     ) -> None:
         watcher = self._watcher
-        watcher.remove_done_callback(self._on_watcher_done)
-        watcher.cancel()
+        if watcher is not None:
+            watcher.remove_done_callback(self._on_watcher_done)
+            watcher.cancel()
+        elif self._hook is not None:
+            self._hook.callback = None
         # The served task can only have been cancelled while it waited inside the block, so
         # the cancellation is what leaves it.
         if self.left and exc_type is not None and issubclass(exc_type, asyncio.CancelledError):
