@@ -127,6 +127,7 @@ async def _body(components: Components, request: Request) -> bytes:
     """The body, under the same ``max_body_bytes`` cap as a generation's (413 past it)."""
     try:
         return await read_body(
+            request.scope,
             request.receive,
             request.headers.get("content-length"),
             components.settings.max_body_bytes,

@@ -79,6 +79,7 @@ def _serve(args: argparse.Namespace) -> int:
         http=bounded_protocol(
             ClientBounds(
                 header_timeout_s=settings.header_timeout_s,
+                body_timeout_s=settings.body_timeout_s,
                 max_header_bytes=settings.max_header_bytes,
                 max_connections=settings.max_connections,
             )

@@ -6,16 +6,19 @@ connections than the process can serve. This protocol adds, each from ``ClientBo
 
 - a header timeout, from the connection's first byte (or its opening, for a socket that sends
   nothing) and from each later request's first byte, to the end of that request's headers;
+- a body timeout, from the end of the headers to the end of the body, armed only when a read
+  ends with the body incomplete (most bodies arrive with their headers and need no timer);
 - a limit on the bytes of a request line and its headers (431);
 - a limit on open connections (503 once the headers are in, as uvicorn's own limit does);
 - a ``DisconnectHook`` in each request's scope (``scope["extensions"][DISCONNECT_EXTENSION]
   ["hook"]``, an extension's value being a dict in ASGI):
   the request can have a callback run when the connection is lost, instead of a task of its
-  own waiting on ``receive()`` for ``http.disconnect``.
+  own waiting on ``receive()`` for ``http.disconnect``; a request this protocol refused while
+  it was being served (its body timed out) finds the refusal there.
 
 Each refusal is an OpenAI error object with ``connection: close``, written before the
-connection is closed, where the client can still read one. The body's own timeout is checked
-where the body is read (``gateway.pipeline.read_body``).
+connection is closed, where the client can still read one. Under another server the body's
+timeout is kept where the body is read (``gateway.pipeline.read_body``).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +47,7 @@ _REASONS = {
 @dataclass(frozen=True, slots=True)
 class ClientBounds:
     header_timeout_s: float
+    body_timeout_s: float
     max_header_bytes: int
     max_connections: int
 
@@ -54,13 +58,21 @@ DISCONNECT_EXTENSION = "isogate.disconnect"
 class DisconnectHook:
     """One request's line to its connection: ``gone`` once the connection is lost before the
     response completed, and ``callback`` (set by the request, cleared when it no longer cares)
-    run at that moment."""
+    run at that moment; ``refused``, what the client was answered if this protocol refused
+    the request itself and closed the connection."""
 
-    __slots__ = ("callback", "gone")
+    __slots__ = ("callback", "gone", "refused")
 
     def __init__(self) -> None:
         self.callback: Callable[[], None] | None = None
         self.gone = False
+        self.refused: APIError | None = None
+
+
+def disconnect_hook(scope: Mapping[str, Any]) -> DisconnectHook | None:
+    """The request's hook, where this protocol serves it."""
+    extension = (scope.get("extensions") or {}).get(DISCONNECT_EXTENSION)
+    return extension["hook"] if extension else None
 
 
 class _Refused(Exception):
@@ -82,7 +94,9 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         # without end are refused from this count; complete ones are measured whole.
         self._awaiting_headers = True
         self._received_in_headers = 0
-        self._header_timer: asyncio.TimerHandle | None = None
+        self._in_body = False  # headers complete, body not yet
+        # The header timer or the body timer: the two phases never overlap.
+        self._timer: asyncio.TimerHandle | None = None
         # Hooks of the requests whose responses are not complete, oldest first (pipelined
         # requests complete in order).
         self._hooks: deque[DisconnectHook] = deque()
@@ -92,7 +106,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._arm_header_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm_header_timer()
+        self._disarm_timer()
         super().connection_lost(exc)
         hooks, self._hooks = self._hooks, deque()
         for hook in hooks:
@@ -104,7 +118,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         if self.transport.is_closing():
             return
         self._unset_keepalive_if_required()
-        if self._header_timer is None and (self.cycle is None or self.cycle.response_complete):
+        if self._timer is None and (self.cycle is None or self.cycle.response_complete):
             self._arm_header_timer()  # the first byte of the next request
         if self._awaiting_headers:
             self._received_in_headers += len(data)
@@ -124,9 +138,14 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             self._refuse(cause.error if isinstance(cause, _Refused) else _bad_request())
         except httptools.HttpParserError:
             self._refuse(_bad_request())
+        else:
+            if self._in_body and self._timer is None:
+                self._timer = self.loop.call_later(
+                    self._bounds.body_timeout_s, self._body_timed_out
+                )
 
     def on_headers_complete(self) -> None:
-        self._disarm_header_timer()
+        self._disarm_timer()
         self._awaiting_headers, self._received_in_headers = False, 0
         # Measured once here, not per header as the parser hands them over: a callback of ours
         # on every header cost more than the rest of this protocol together.
@@ -146,6 +165,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         hook = DisconnectHook()
         self.scope["extensions"] = {DISCONNECT_EXTENSION: {"hook": hook}}
         self._hooks.append(hook)
+        self._in_body = True
         super().on_headers_complete()
 
     def on_response_complete(self) -> None:
@@ -154,22 +174,37 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         super().on_response_complete()
 
     def on_message_complete(self) -> None:
+        if self._in_body:
+            self._in_body = False
+            self._disarm_timer()
         super().on_message_complete()
         self._awaiting_headers = True  # the next request's
 
     def _arm_header_timer(self) -> None:
-        self._disarm_header_timer()
-        self._header_timer = self.loop.call_later(
-            self._bounds.header_timeout_s, self._headers_timed_out
-        )
+        self._disarm_timer()
+        self._timer = self.loop.call_later(self._bounds.header_timeout_s, self._headers_timed_out)
 
-    def _disarm_header_timer(self) -> None:
-        if self._header_timer is not None:
-            self._header_timer.cancel()
-            self._header_timer = None
+    def _disarm_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _body_timed_out(self) -> None:
+        self._timer = None
+        if not self._in_body or self.transport.is_closing():
+            return
+        error = APIError(
+            408,
+            f"The request body did not arrive within {self._bounds.body_timeout_s} s.",
+            "invalid_request_error",
+            "request_timeout",
+        )
+        if self._hooks:
+            self._hooks[-1].refused = error  # the request being read: the last one begun
+        self._refuse(error)
 
     def _headers_timed_out(self) -> None:
-        self._header_timer = None
+        self._timer = None
         if self.transport.is_closing():
             return
         if self.cycle is not None and not self.cycle.response_complete:
@@ -184,7 +219,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         )
 
     def _refuse(self, error: APIError) -> None:
-        self._disarm_header_timer()
+        self._disarm_timer()
         if not self.transport.is_closing():
             self.transport.write(_error_response(error))
             self.transport.close()

@@ -47,7 +47,7 @@ from .generation import (
     Trace,
     best_of,
 )
-from .http_server import DISCONNECT_EXTENSION, DisconnectHook
+from .http_server import DisconnectHook, disconnect_hook
 from .ids import new_generation_id
 from .intake import BodyParser, SpooledBody
 from .logs import current_generation_id
@@ -104,6 +104,7 @@ async def handle_generation(components: Components, request: Request, kind: Kind
         # parse
         settings = components.settings
         body = await read_large_body(
+            request.scope,
             request.receive,
             headers.content_length,
             settings.max_body_bytes,
@@ -212,8 +213,7 @@ class ClientWatch:
     __slots__ = ("_hook", "_receive", "_served", "_watcher", "left")
 
     def __init__(self, scope: Scope, receive: Receive) -> None:
-        extension = (scope.get("extensions") or {}).get(DISCONNECT_EXTENSION)
-        self._hook: DisconnectHook | None = extension["hook"] if extension else None
+        self._hook = disconnect_hook(scope)
         self._receive = receive
         self._watcher: asyncio.Future[None] | None = None
         self.left = False
@@ -304,16 +304,17 @@ _RESERVED_PREFIXES = tuple(prefix.encode() for prefix in RESERVED_HEADER_PREFIXE
 
 
 async def read_body(
-    receive: Receive, declared_length: str | None, limit: int, timeout_s: float
+    scope: Scope, receive: Receive, declared_length: str | None, limit: int, timeout_s: float
 ) -> bytes:
     """The whole body, a 413 as soon as it is known to exceed ``limit`` bytes, or a 408 (and
     the connection closed) if it has not all arrived within ``timeout_s``."""
-    body = await read_large_body(receive, declared_length, limit, timeout_s, None)
+    body = await read_large_body(scope, receive, declared_length, limit, timeout_s, None)
     assert isinstance(body, bytes)  # nothing is spooled without a spool
     return body
 
 
 async def read_large_body(
+    scope: Scope,
     receive: Receive,
     declared_length: str | None,
     limit: int,
@@ -322,9 +323,12 @@ async def read_large_body(
 ) -> bytes | SpooledBody:
     """``read_body``, but a body of at least ``parser.spill_at`` bytes is written to a file as
     it arrives (``gateway.intake``) instead of being joined in memory."""
+    hook = disconnect_hook(scope)
+    if hook is not None:  # the gateway's own server times the body out itself
+        return await _read_body(receive, declared_length, limit, parser, hook)
     try:
         async with asyncio.timeout(timeout_s):
-            return await _read_body(receive, declared_length, limit, parser)
+            return await _read_body(receive, declared_length, limit, parser, None)
     except TimeoutError:
         raise APIError(
             408,
@@ -336,7 +340,11 @@ async def read_large_body(
 
 
 async def _read_body(
-    receive: Receive, declared_length: str | None, limit: int, parser: BodyParser | None
+    receive: Receive,
+    declared_length: str | None,
+    limit: int,
+    parser: BodyParser | None,
+    hook: DisconnectHook | None,
 ) -> bytes | SpooledBody:
     if declared_length is not None and declared_length.isdigit() and int(declared_length) > limit:
         raise _too_large(limit)
@@ -347,6 +355,8 @@ async def _read_body(
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
+                if hook is not None and hook.refused is not None:
+                    raise hook.refused  # answered already, by the server
                 raise ClientDisconnect()
             chunk = message.get("body", b"")
             size += len(chunk)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import time
 from collections.abc import Iterator
 from urllib.parse import urlsplit
 
@@ -90,11 +91,26 @@ def _chat() -> bytes:
     )
 
 
+def _timed_out_events(stack: StandInStack) -> int:
+    with stack.gateway.admin() as admin:
+        events = admin.get(
+            "/v1/audit/events", params={"tenant": "slow-client", "limit": "1000"}
+        ).json()["data"]
+    return sum(1 for e in events if (e["status"], e["code"]) == (408, "request_timeout"))
+
+
 def test_half_a_body_is_answered_408_and_closed(slow_stack: StandInStack) -> None:
     body = _chat()
+    head = _request_head(slow_stack, Content_Length=str(len(body)))
+    recorded_before = _timed_out_events(slow_stack)
     with connection(slow_stack) as sock:
-        sock.sendall(_request_head(slow_stack, Content_Length=str(len(body))) + body[:10])
+        sock.sendall(head + body[:10])
         assert_openai_error(until_closed(sock), 408, "request_timeout")
+    # The audit says what the client was told, not that it went away.
+    deadline = time.monotonic() + PATIENCE_S
+    while _timed_out_events(slow_stack) == recorded_before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _timed_out_events(slow_stack) == recorded_before + 1
 
 
 def test_a_half_sent_chunked_body_is_answered_408_and_closed(slow_stack: StandInStack) -> None:

@@ -10,6 +10,7 @@ import pytest
 from starlette.requests import ClientDisconnect
 
 from gateway.errors import APIError
+from gateway.http_server import DISCONNECT_EXTENSION, DisconnectHook
 from gateway.pipeline import ClientHeaders, JSONBodyResponse, read_body
 
 
@@ -60,13 +61,13 @@ def test_a_body_in_several_messages_is_joined() -> None:
         {"type": "http.request", "body": b"cd", "more_body": True},
         {"type": "http.request", "body": b"", "more_body": False},
     )
-    assert asyncio.run(read_body(receive, None, 10, 5.0)) == b"abcd"
+    assert asyncio.run(read_body({"type": "http"}, receive, None, 10, 5.0)) == b"abcd"
 
 
 def test_a_declared_length_over_the_limit_is_refused_before_reading() -> None:
     receive = receiver({"type": "http.request", "body": b"x" * 11})
     with pytest.raises(APIError) as refused:
-        asyncio.run(read_body(receive, "11", 10, 5.0))
+        asyncio.run(read_body({"type": "http"}, receive, "11", 10, 5.0))
     assert refused.value.status == 413 and receive.calls == []  # type: ignore[attr-defined]
 
 
@@ -77,7 +78,7 @@ def test_an_undeclared_body_is_refused_as_soon_as_it_passes_the_limit() -> None:
         {"type": "http.request", "body": b"never read", "more_body": False},
     )
     with pytest.raises(APIError) as refused:
-        asyncio.run(read_body(receive, None, 10, 5.0))
+        asyncio.run(read_body({"type": "http"}, receive, None, 10, 5.0))
     assert refused.value.code == "request_too_large" and len(receive.calls) == 2  # type: ignore[attr-defined]
 
 
@@ -86,7 +87,19 @@ def test_a_client_that_leaves_mid_body_is_a_disconnect_not_a_short_body() -> Non
         {"type": "http.request", "body": b'{"mod', "more_body": True}, {"type": "http.disconnect"}
     )
     with pytest.raises(ClientDisconnect):
-        asyncio.run(read_body(receive, None, 100, 5.0))
+        asyncio.run(read_body({"type": "http"}, receive, None, 100, 5.0))
+
+
+def test_a_body_the_server_refused_mid_way_is_that_refusal_not_a_disconnect() -> None:
+    hook = DisconnectHook()
+    hook.refused = APIError(408, "late", "invalid_request_error", "request_timeout")
+    scope = {"type": "http", "extensions": {DISCONNECT_EXTENSION: {"hook": hook}}}
+    receive = receiver(
+        {"type": "http.request", "body": b'{"mod', "more_body": True}, {"type": "http.disconnect"}
+    )
+    with pytest.raises(APIError) as refused:
+        asyncio.run(read_body(scope, receive, None, 100, 5.0))
+    assert refused.value.status == 408
 
 
 def test_a_served_response_declares_its_length_type_and_generation_id() -> None:
