@@ -15,7 +15,9 @@ noisy neighbour with and without the gateway's fair queue, and weights 2 : 1.
 Side by side in one run, on one pair: ratios, not absolute figures, are the result.
 Environment: BENCH_FAIR_SECONDS (each timed window, default 12), BENCH_FAIR_CAP (the queue
 cap to run the gateway with instead of the measured knee), BENCH_FAIR_SWEEP=0 (with a cap
-given: skip the saturation sweep).
+given: skip the saturation sweep), BENCH_FAIR_CONTENDED (comma-separated caps while tenants
+contend, ``queue_in_flight_per_pair_contended``: one queue gateway for each, beside the one
+without it; default 1,2,4).
 """
 
 from __future__ import annotations
@@ -105,7 +107,12 @@ def sweep(cluster: PDCluster, log=print) -> list[SweepPoint]:
 
 @contextlib.contextmanager
 def gateway_with_cap(
-    cluster: PDCluster, work_dir: Path, port: int, cap: int, tags: bool
+    cluster: PDCluster,
+    work_dir: Path,
+    port: int,
+    cap: int,
+    tags: bool,
+    contended: int | None = None,
 ) -> Iterator[tuple[GatewayProcess, dict[str, str]]]:
     policies = write_bench_policies(
         work_dir / "policies",
@@ -122,15 +129,12 @@ def gateway_with_cap(
     tenants = yaml.safe_load((policies / "tenants.yaml").read_text())
     tenants["tenants"] = TENANTS
     (policies / "tenants.yaml").write_text(yaml.safe_dump(tenants))
-    gateway, _ = start_gateway(
-        policies,
-        work_dir / "gateway",
-        port,
-        cpus=None,
-        # Long enough that no queued request of the floods is refused: the bench measures
-        # shares and throughput, not the bound on waiting (tests/verify/test_fair_share.py).
-        env={"ISOGATE_QUEUE_IN_FLIGHT_PER_PAIR": str(cap), "ISOGATE_QUEUE_MAX_WAIT_S": "120"},
-    )
+    # Long enough that no queued request of the floods is refused: the bench measures
+    # shares and throughput, not the bound on waiting (tests/verify/test_fair_share.py).
+    env = {"ISOGATE_QUEUE_IN_FLIGHT_PER_PAIR": str(cap), "ISOGATE_QUEUE_MAX_WAIT_S": "120"}
+    if contended is not None:
+        env["ISOGATE_QUEUE_IN_FLIGHT_PER_PAIR_CONTENDED"] = str(contended)
+    gateway, _ = start_gateway(policies, work_dir / "gateway", port, cpus=None, env=env)
     try:
         keys = {tenant: gateway.create_tenant(tenant)[1] for tenant in TENANTS}
         yield gateway, keys
@@ -197,7 +201,7 @@ def noisy_neighbour(
             cell = neighbour_cell(gateway, keys, name, a_in_flight, seconds)
             cells.append(cell)
             log(
-                f"  {name:8} A={a_in_flight:<3} B n={cell.b_requests:<4} "
+                f"  {name:12} A={a_in_flight:<3} B n={cell.b_requests:<4} "
                 f"p50 {cell.b_p50_ms:7.1f} ms  p99 {cell.b_p99_ms:7.1f} ms  "
                 f"pool {cell.total_rps:6.1f} req/s  errors {cell.errors}"
             )
@@ -220,7 +224,9 @@ def served_counts(gateway: GatewayProcess) -> dict[str, float]:
     return counts
 
 
-def weights(gateway: GatewayProcess, keys: dict[str, str], seconds: float, log=print) -> dict:
+def weights(
+    name: str, gateway: GatewayProcess, keys: dict[str, str], seconds: float, log=print
+) -> dict:
     """Both tenants at 24 in flight for ``2 * seconds``; the shares are what the queue served
     between a third of the way in (both long backlogged) and just before the end, so that
     neither the first slots (taken in arrival order, before anyone waits) nor the last count."""
@@ -245,32 +251,36 @@ def weights(gateway: GatewayProcess, keys: dict[str, str], seconds: float, log=p
     errors = heavy.errors + light.errors + int(heavy.summary()["non_200"])
     errors += int(light.summary()["non_200"])
     log(
-        f"  weights 2:1, both at 24 in flight: served in the window {window}, ratio {ratio:.2f}"
+        f"  {name:12} weights 2:1, both at 24 in flight: served in the window {window}, "
+        f"ratio {ratio:.2f}"
         f" (completed over the whole run {completed}); errors {errors}"
     )
     return {"served": window, "completed": completed, "ratio": ratio, "errors": errors}
 
 
 def targets(result: dict) -> dict[str, bool | None]:
-    """Each target of issue 18, met or not, from one run's cells."""
+    """Each target of issue 18, met or not, for each queue gateway of one run."""
     cells = {(c["gateway"], c["a_in_flight"]): c for c in result.get("neighbour", [])}
     met: dict[str, bool | None] = {}
-    alone = cells.get(("queue", 0))
-    for a_in_flight in (24, 64):
-        with_queue, without = (
-            cells.get(("queue", a_in_flight)),
-            cells.get(("no queue", a_in_flight)),
-        )
-        if alone and with_queue:
-            met[f"B p50 with A at {a_in_flight} <= 2x alone"] = (
-                with_queue["b_p50_ms"] <= 2 * alone["b_p50_ms"]
+    queues = [name for name, a in cells if a == 0 and name != "no queue"]
+    for name in queues:
+        alone = cells.get((name, 0))
+        for a_in_flight in (24, 64):
+            with_queue, without = (
+                cells.get((name, a_in_flight)),
+                cells.get(("no queue", a_in_flight)),
             )
-        if with_queue and without:
-            met[f"pool throughput with A at {a_in_flight} >= 90% of no queue"] = (
-                with_queue["total_rps"] >= 0.9 * without["total_rps"]
-            )
-    if "weights" in result:
-        met["weights 2:1 served 2:1 +-15%"] = abs(result["weights"]["ratio"] - 2) <= 0.3
+            if alone and with_queue:
+                met[f"{name}: B p50 with A at {a_in_flight} <= 2x alone"] = (
+                    with_queue["b_p50_ms"] <= 2 * alone["b_p50_ms"]
+                )
+            if with_queue and without:
+                met[f"{name}: pool throughput with A at {a_in_flight} >= 90% of no queue"] = (
+                    with_queue["total_rps"] >= 0.9 * without["total_rps"]
+                )
+        weighed = result.get("weights", {}).get(name)
+        if weighed:
+            met[f"{name}: weights 2:1 served 2:1 +-15%"] = abs(weighed["ratio"] - 2) <= 0.3
     return met
 
 
@@ -300,31 +310,43 @@ def run_fair_share_bench(config: BenchConfig, work_dir: Path, log=print) -> dict
         measured = knee(points) if points else None
         cap = int(given) if given is not None else int(measured or 1)
         log(f"  knee (>= {KNEE_FRACTION:.0%} of the best throughput): {measured}; queue cap {cap}")
+        contended = [
+            int(c) for c in os.environ.get("BENCH_FAIR_CONTENDED", "1,2,4").split(",") if c
+        ]
         result: dict = {
             "sweep": [asdict(p) for p in points],
             "knee": measured,
             "cap": cap,
+            "contended": contended,
             "seconds": seconds,
             "max_tokens": MAX_TOKENS,
         }
+        variants: list[tuple[str, int, int | None]] = [
+            ("queue", cap, None),
+            *((f"queue c={c}", cap, c) for c in contended),
+            ("no queue", NO_QUEUE_CAP, None),
+        ]
         with contextlib.ExitStack() as running:
             # Both gateways up at once (an idle one costs the pair nothing), on their own ports.
             gateways = {
                 name: running.enter_context(
                     gateway_with_cap(
                         cluster,
-                        work_dir / f"fair-{name.replace(' ', '-')}",
+                        work_dir / f"fair-{name.replace(' ', '-').replace('=', '')}",
                         ports.real_gateway + offset,
                         gateway_cap,
                         tags,
+                        gateway_contended,
                     )
                 )
-                for offset, (name, gateway_cap) in enumerate(
-                    (("queue", cap), ("no queue", NO_QUEUE_CAP))
-                )
+                for offset, (name, gateway_cap, gateway_contended) in enumerate(variants)
             }
             neighbour = noisy_neighbour(gateways, seconds, log)
-            result["weights"] = weights(*gateways["queue"], seconds, log)
+            result["weights"] = {
+                name: weights(name, *gateways[name], seconds, log)
+                for name, _, _ in variants
+                if name != "no queue"
+            }
         result["neighbour"] = [asdict(c) for c in neighbour]
         result["targets"] = targets(result)
         for target, ok in result["targets"].items():
@@ -369,12 +391,11 @@ def render(result: dict) -> list[str]:
         ),
         "",
     ]
-    if "weights" in result:
-        w = result["weights"]
+    for name, w in result.get("weights", {}).items():
         out += [
-            f"Weights 2 : 1, both at 24 in flight: served (by the queue, in the steady part of "
-            f"the run) {w['served']}, ratio {w['ratio']:.2f}; completed over the whole run "
-            f"{w.get('completed')}.",
+            f"Weights 2 : 1 through {name}, both at 24 in flight: served (by the queue, in the "
+            f"steady part of the run) {w['served']}, ratio {w['ratio']:.2f}; completed over the "
+            f"whole run {w.get('completed')}.",
             "",
         ]
     out += [f"- {'met' if ok else 'MISSED'}: {t}" for t, ok in result.get("targets", {}).items()]

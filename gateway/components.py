@@ -166,6 +166,8 @@ async def build_components(settings: Settings) -> Components:
                 max_wait_s=settings.queue_max_wait_s,
                 max_queued_per_tenant=settings.queue_max_per_tenant,
                 replicas=settings.queue_replicas,
+                default_in_flight_contended=settings.queue_in_flight_per_pair_contended,
+                contention_linger_s=settings.queue_contention_linger_s,
             ),
             metrics,
         ),

@@ -4,7 +4,14 @@ The problem: a pair admits whatever fits its KV pool, first come first served, s
 that sends most sets every tenant's latency. Past the point where the engine's throughput
 stops growing, more requests in flight only make every request slower.
 
-The invariant: at most ``capacity`` slots of a pair are held at once. A request that finds
+The invariant: at most ``capacity`` slots of a pair are held at once, and no slot is granted
+past ``contended_capacity`` while more than one tenant holds or wants slots (nor for
+``linger_s`` after: a tenant at one request in flight is idle between its requests for a
+moment only; slots already held are not taken back). The
+first cap is where the pair's throughput stops growing; the second one is lower, because a
+request shares the engine's batch with every other one in flight, and on a pair whose step
+time grows with its batch a lone tenant's request beside a flooding tenant's would take the
+latency of the whole batch. A request that finds
 the pair full waits in its tenant's FIFO; when a slot frees, the next request goes to the
 backlogged tenant of the highest priority class whose virtual start tag is smallest
 (start-time fair queueing, Goyal et al. 1996): each tenant's tag advances by
@@ -137,11 +144,16 @@ class FairQueue:
         self,
         capacity: int,
         *,
+        contended_capacity: int | None = None,
+        linger_s: float = 1.0,
         max_queued_per_tenant: int,
         observer: QueueObserver | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.capacity = max(1, capacity)
+        self.contended_capacity = self.capacity
+        self.linger_s = linger_s
+        self._contended_until = -math.inf
         self.max_queued_per_tenant = max(0, max_queued_per_tenant)
         self.clock = clock
         self._observer: QueueObserver = observer or _Silent()
@@ -152,6 +164,7 @@ class FairQueue:
         self._order = itertools.count()
         # Mean time a slot is held (an exponentially weighted average): the Retry-After hint.
         self._mean_hold_s = 1.0
+        self.set_capacity(capacity, contended_capacity)
 
     @property
     def in_flight(self) -> int:
@@ -169,19 +182,33 @@ class FairQueue:
         tenant = self._tenants.get(tenant_id)
         return tenant.holding if tenant else 0
 
-    def set_capacity(self, capacity: int) -> None:
-        """Adopt a new cap (the engine's report or the policy changed); a larger one lets
-        waiters go at once."""
+    def set_capacity(self, capacity: int, contended_capacity: int | None = None) -> None:
+        """Adopt new caps (the engine's report or the policy changed); a larger one lets
+        waiters go at once. No contended cap, or one above ``capacity``: ``capacity``."""
         self.capacity = max(1, capacity)
+        contended = self.capacity if contended_capacity is None else contended_capacity
+        self.contended_capacity = max(1, min(contended, self.capacity))
         self._dispatch()
+
+    def room(self) -> int:
+        """The cap that holds now (see the module doc)."""
+        if self.contended_capacity == self.capacity:
+            return self.capacity
+        if len(self._tenants) > 1:  # only tenants that hold or want slots are kept
+            self._contended_until = self.clock() + self.linger_s
+            return self.contended_capacity
+        if self._contended_until > self.clock():
+            return self.contended_capacity
+        return self.capacity
 
     async def acquire(self, share: Share, max_wait_s: float, cost: int = 1) -> Slot:
         """A slot on this pair for one request of ``share``'s tenant, waiting at most
         ``max_wait_s``; raises ``WaitExpired``. A cancelled caller (its client left: the HTTP
         layer cancels the request) leaves the queue at once."""
-        cost = min(max(1, cost), self.capacity)
+        # Never more than the smaller cap, or a request could wait for room that never comes.
+        cost = min(max(1, cost), self.contended_capacity)
         tenant = self._tenant(share)
-        if self._queued == 0 and self._in_flight + cost <= self.capacity:
+        if self._queued == 0 and self._in_flight + cost <= self.room():
             self._start(tenant, cost)
             self._observer.waited(share.tenant_id, 0.0)
             return Slot(self, tenant, cost)
@@ -285,7 +312,7 @@ class FairQueue:
             if tenant is None:
                 return
             waiter = tenant.waiting[0]
-            if self._in_flight + waiter.cost > self.capacity:
+            if self._in_flight + waiter.cost > self.room():
                 return  # the head waits for room; nobody overtakes it (no starvation by size)
             tenant.waiting.popleft()
             self._queued -= 1
@@ -309,10 +336,10 @@ class FairQueue:
             if t is not tenant and t.share.priority == priority and (t.waiting or t.holding)
         )
         total = others + tenant.share.weight
-        fair = self.capacity * tenant.share.weight / total
+        fair = self.room() * tenant.share.weight / total
         return tenant.holding >= fair
 
     def _retry_after_s(self) -> float:
         """When a slot is likely to be free for a newcomer: the queue ahead, drained at
         ``capacity`` slots per mean hold time."""
-        return max(1.0, min(60.0, self._mean_hold_s * (self._queued + 1) / self.capacity))
+        return max(1.0, min(60.0, self._mean_hold_s * (self._queued + 1) / self.room()))

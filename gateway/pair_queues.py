@@ -4,9 +4,13 @@ The cap on requests in flight per pair is, in order: the pool's ``max_in_flight_
 (``policies/models.yaml``) when set; else the smaller of the setting
 ``queue_in_flight_per_pair`` (where a measured pair's throughput stopped growing with
 concurrency, docs/operations.md) and the engine's own ``max_running_requests`` of either
-worker (past it the engine queues them itself, first come first served). With several
-gateway replicas each one holds ``ceil(cap / replicas)``: their sum stays within the cap, and
-each replica shares its part fairly among the tenants it sees (docs/operations.md).
+worker (past it the engine queues them itself, first come first served). The cap while
+several tenants contend for the pair is found the same way, from the pool's
+``max_in_flight_per_pair_contended`` or the setting ``queue_in_flight_per_pair_contended``
+(where a measured pair's latency was still close to a lone request's), never above the first.
+With several gateway replicas each one holds ``ceil(cap / replicas)`` of each: their sum stays
+within the cap, and each replica shares its part fairly among the tenants it sees
+(docs/operations.md).
 
 The KV tokens a request needs are not counted here: they are claimed on the ledger as the
 request leaves the queue (``gateway.admission``), and a pair whose pool is full refuses there.
@@ -30,6 +34,9 @@ class QueueSettings:
     max_wait_s: float
     max_queued_per_tenant: int
     replicas: int = 1
+    # None: the same as ``default_in_flight``.
+    default_in_flight_contended: int | None = None
+    contention_linger_s: float = 1.0
 
 
 def pair_cap(
@@ -46,37 +53,75 @@ def pair_cap(
     return max(1, math.ceil(cap / max(1, replicas)))
 
 
+class _PairQueue:
+    """A pair's queue and what its caps were derived from, to derive them again only when
+    that changes (the policy reloaded, or the engine reported another limit)."""
+
+    __slots__ = ("decode_limit", "model", "prefill_limit", "queue")
+
+    def __init__(
+        self, model: ModelPolicy, limits: tuple[int | None, int | None], queue: FairQueue
+    ) -> None:
+        self.model = model
+        self.prefill_limit, self.decode_limit = limits
+        self.queue = queue
+
+
 class PairQueues:
     """The queue of every worker pair this replica has sent to, by the pair's two URLs."""
 
     def __init__(self, settings: QueueSettings, metrics: Metrics) -> None:
         self._settings = settings
         self._metrics = metrics
-        self._queues: dict[tuple[str, str], FairQueue] = {}
+        self._queues: dict[tuple[str, str], _PairQueue] = {}
 
     def queue(self, model: ModelPolicy, pair: WorkerPair) -> FairQueue:
-        """The pair's queue, its cap brought up to date with the pool's policy and what the
+        """The pair's queue, its caps brought up to date with the pool's policy and what the
         engine reports now."""
-        cap = self.cap_of(model, pair)
-        queue = self._queues.get(pair.urls)
-        if queue is None:
-            queue = self._queues[pair.urls] = FairQueue(
+        prefill_limit = pair.prefill_state.max_running_requests
+        decode_limit = pair.decode_state.max_running_requests
+        entry = self._queues.get(pair.urls)
+        if (
+            entry is not None
+            and entry.model is model
+            and entry.prefill_limit == prefill_limit
+            and entry.decode_limit == decode_limit
+        ):
+            return entry.queue
+        cap, contended = self.caps_of(model, pair)
+        if entry is None:
+            queue = FairQueue(
                 cap,
+                contended_capacity=contended,
+                linger_s=self._settings.contention_linger_s,
                 max_queued_per_tenant=self._settings.max_queued_per_tenant,
                 observer=self._metrics.queue_observer(pair.pool),
             )
-        elif queue.capacity != cap:
-            queue.set_capacity(cap)
+        else:
+            queue = entry.queue
+            if queue.capacity != cap or queue.contended_capacity != contended:
+                queue.set_capacity(cap, contended)
+        self._queues[pair.urls] = _PairQueue(model, (prefill_limit, decode_limit), queue)
         return queue
 
-    def cap_of(self, model: ModelPolicy, pair: WorkerPair) -> int:
+    def caps_of(self, model: ModelPolicy, pair: WorkerPair) -> tuple[int, int]:
+        """The pair's cap, and its cap while several tenants contend (never above the first)."""
         pool = next((p for p in model.pools if p.name == pair.pool), None)
-        return pair_cap(
+        engine = (pair.prefill_state.max_running_requests, pair.decode_state.max_running_requests)
+        settings = self._settings
+        cap = pair_cap(
             pool.max_in_flight_per_pair if pool is not None else None,
-            self._settings.default_in_flight,
-            (pair.prefill_state.max_running_requests, pair.decode_state.max_running_requests),
-            self._settings.replicas,
+            settings.default_in_flight,
+            engine,
+            settings.replicas,
         )
+        contended = pair_cap(
+            pool.max_in_flight_per_pair_contended if pool is not None else None,
+            settings.default_in_flight_contended or settings.default_in_flight,
+            engine,
+            settings.replicas,
+        )
+        return cap, min(cap, contended)
 
     async def take(
         self,

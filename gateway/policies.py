@@ -63,6 +63,9 @@ class WorkerPool(_Strict):
     # Requests in flight per (prefill, decode) pair of this pool before the rest queue
     # (gateway.pair_queues); unset: derived from what the engine reports and the setting.
     max_in_flight_per_pair: int | None = Field(default=None, gt=0)
+    # The same while more than one tenant holds or wants slots of the pair: lower, so that a
+    # tenant's request does not share the engine's batch with a flood of another's.
+    max_in_flight_per_pair_contended: int | None = Field(default=None, gt=0)
 
 
 class ModelPolicy(_Strict):

@@ -14,9 +14,12 @@ from typing import Any
 import pytest
 import yaml
 
+from gateway.capacity import WorkerCapacity
 from gateway.fair_queue import FairQueue, Share, Slot, WaitExpired
-from gateway.pair_queues import pair_cap, queue_refusal
-from gateway.policies import PolicyError, load_policies
+from gateway.metrics import Metrics
+from gateway.pair_queues import PairQueues, QueueSettings, pair_cap, queue_refusal
+from gateway.pairs import WorkerPair
+from gateway.policies import DecodeWorker, PolicyError, PrefillWorker, load_policies
 from tests.harness import PoolSpec, write_policies
 
 FOREVER = float("inf")
@@ -315,6 +318,133 @@ def test_the_cap_is_the_policy_else_the_least_of_the_setting_and_the_engines() -
     assert pair_cap(12, 8, (4, 4)) == 12  # the platform team's override wins
     assert pair_cap(None, 8, (None, None), replicas=3) == 3
     assert pair_cap(None, 1, (None, None), replicas=4) == 1
+
+
+async def _settle() -> None:
+    """Let every task that can run, run (a granted waiter takes a few loop turns)."""
+    for _ in range(10):
+        await asyncio.sleep(0)
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_lone_tenant_may_fill_the_whole_cap() -> None:
+    async def scenario() -> int:
+        queue = FairQueue(4, contended_capacity=1, max_queued_per_tenant=10)
+        slots = [await queue.acquire(Share("a"), 0.01) for _ in range(4)]
+        with pytest.raises(WaitExpired):
+            await queue.acquire(Share("a"), 0.01)
+        held = queue.in_flight
+        for slot in slots:
+            slot.release()
+        return held
+
+    assert asyncio.run(scenario()) == 4
+
+
+def test_while_two_tenants_contend_no_slot_is_granted_past_the_contended_cap() -> None:
+    async def scenario() -> list[tuple[str, int]]:
+        queue = FairQueue(4, contended_capacity=2, max_queued_per_tenant=10, clock=_Clock())
+        a_slots = [await queue.acquire(Share("a"), FOREVER) for _ in range(4)]
+        granted: list[tuple[str, int]] = []
+
+        async def one(share: Share) -> Slot:
+            slot = await queue.acquire(share, FOREVER)
+            granted.append((share.tenant_id, queue.in_flight))
+            return slot
+
+        b = asyncio.ensure_future(one(Share("b")))
+        a_more = asyncio.ensure_future(one(Share("a")))
+        await _settle()
+        for slot in a_slots[:2]:  # 2 in flight: still no room under the contended cap
+            slot.release()
+            await _settle()
+        assert granted == []
+        a_slots[2].release()  # 1 in flight: B goes, beside A's last one
+        await _settle()
+        assert granted == [("b", 2)]
+        a_slots[3].release()  # A's next goes only as B's request leaves room under the cap
+        await _settle()
+        (await b).release()
+        (await a_more).release()
+        return granted
+
+    assert asyncio.run(scenario()) == [("b", 2), ("a", 2)]
+
+
+def test_the_contended_cap_lingers_after_the_other_tenant_goes_idle_then_lifts() -> None:
+    async def scenario() -> None:
+        clock = _Clock()
+        queue = FairQueue(
+            4, contended_capacity=1, linger_s=1.0, max_queued_per_tenant=10, clock=clock
+        )
+        b = await queue.acquire(Share("b"), 0)
+        a = asyncio.ensure_future(queue.acquire(Share("a"), FOREVER))
+        await asyncio.sleep(0)
+        b.release()  # B is idle between two of its requests
+        first_a = await a
+        assert queue.room() == 1
+        with pytest.raises(WaitExpired):  # within linger_s of the contention: still capped
+            await queue.acquire(Share("a"), 0.01)
+        clock.now = 1.5
+        second_a = await queue.acquire(Share("a"), 0.01)  # a lone tenant again: the whole cap
+        assert queue.room() == 4 and queue.in_flight == 2
+        first_a.release()
+        second_a.release()
+
+    asyncio.run(scenario())
+
+
+def test_a_contended_cap_above_the_cap_is_the_cap() -> None:
+    queue = FairQueue(3, contended_capacity=8, max_queued_per_tenant=1)
+    assert (queue.capacity, queue.contended_capacity) == (3, 3)
+    queue.set_capacity(6, 2)
+    assert (queue.capacity, queue.contended_capacity) == (6, 2)
+
+
+def _pair(max_running: int | None) -> WorkerPair:
+    def state(url: str, role: Any) -> WorkerCapacity:
+        return WorkerCapacity(url, role, 0.0, 1000, None, None, 1, 0, None, max_running)
+
+    prefill, decode = (
+        PrefillWorker(url="http://p:1", bootstrap_port=2),
+        DecodeWorker(url="http://d:1"),
+    )
+    return WorkerPair(
+        "shared", prefill, decode, state(prefill.url, "prefill"), state(decode.url, "decode")
+    )
+
+
+def test_both_caps_come_from_the_pool_else_the_settings_and_the_contended_never_exceeds_the_cap(
+    tmp_path: Path,
+) -> None:
+    directory = _policies_with(tmp_path, {})
+    model = load_policies(directory).models["m"]
+    settings = QueueSettings(12, 10.0, 10, default_in_flight_contended=3)
+    queues = PairQueues(settings, Metrics())
+    assert queues.caps_of(model, _pair(None)) == (12, 3)
+    assert queues.caps_of(model, _pair(2)) == (2, 2)  # the engine's own limit bounds both
+    models = yaml.safe_load((directory / "models.yaml").read_text())
+    models["models"][0]["pools"][0].update(
+        max_in_flight_per_pair=6, max_in_flight_per_pair_contended=9
+    )
+    (directory / "models.yaml").write_text(yaml.safe_dump(models))
+    reloaded = load_policies(directory).models["m"]
+    assert queues.caps_of(reloaded, _pair(None)) == (6, 6)
+    # The queue follows a reloaded policy (a new model object), not only a new engine report.
+    queue = queues.queue(model, _pair(None))
+    assert (queue.capacity, queue.contended_capacity) == (12, 3)
+    assert queues.queue(reloaded, _pair(None)) is queue
+    assert (queue.capacity, queue.contended_capacity) == (6, 6)
+    assert queues.caps_of(model, _pair(None)) == (12, 3)
+    no_contended = PairQueues(QueueSettings(12, 10.0, 10), Metrics())
+    assert no_contended.caps_of(model, _pair(None)) == (12, 12)
 
 
 def test_refusals_are_429_over_share_and_503_pool_full_with_retry_after() -> None:
