@@ -5,7 +5,9 @@ noisy neighbour with and without the gateway's fair queue, and weights 2 : 1.
 
 1. Saturation: requests straight to the pair (no gateway), closed loop at growing concurrency;
    the knee is the smallest concurrency whose throughput is within ``KNEE_FRACTION`` of the
-   best seen. It is what ``queue_in_flight_per_pair`` defaults to (docs/operations.md).
+   best seen. It is what ``queue_in_flight_per_pair`` defaults to (docs/operations.md). The
+   latency point, the most in flight whose p50 stays within ``LATENCY_FACTOR`` of one alone,
+   is what ``queue_in_flight_per_pair_contended`` defaults to.
 2. Noisy neighbour: tenant B at 1 in flight alone, then while tenant A keeps 24 and 64 in
    flight, through a gateway whose queue cap is the measured knee and through one whose cap
    is out of reach (no queue). Targets: B's p50 under A within 2x of alone (with the queue);
@@ -49,6 +51,7 @@ MAX_TOKENS = 16
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 4
 SWEEP = (1, 2, 4, 6, 8, 12, 16, 24, 32)
 KNEE_FRACTION = 0.95
+LATENCY_FACTOR = 2.0
 NO_QUEUE_CAP = 1_000_000  # above any engine's max_running_requests: nothing ever queues
 TENANTS = {"tenant-a": {}, "tenant-b": {}, "heavy": {"weight": 2}, "light": {"weight": 1}}
 
@@ -76,6 +79,12 @@ def knee(points: list[SweepPoint], fraction: float = KNEE_FRACTION) -> int:
     """The smallest concurrency whose throughput is within ``fraction`` of the best."""
     best = max(point.rps for point in points)
     return min(point.concurrency for point in points if point.rps >= fraction * best)
+
+
+def latency_point(points: list[SweepPoint], factor: float = LATENCY_FACTOR) -> int:
+    """The most requests in flight whose p50 stays within ``factor`` of one alone."""
+    alone = next(point.p50_ms for point in points if point.concurrency == 1)
+    return max((point.concurrency for point in points if point.p50_ms <= factor * alone), default=1)
 
 
 def body(stream: bool = False) -> dict:
@@ -310,12 +319,15 @@ def run_fair_share_bench(config: BenchConfig, work_dir: Path, log=print) -> dict
         measured = knee(points) if points else None
         cap = int(given) if given is not None else int(measured or 1)
         log(f"  knee (>= {KNEE_FRACTION:.0%} of the best throughput): {measured}; queue cap {cap}")
+        within = latency_point(points) if points else None
+        log(f"  most in flight with p50 <= {LATENCY_FACTOR:g}x alone: {within}")
         contended = [
             int(c) for c in os.environ.get("BENCH_FAIR_CONTENDED", "1,2,4").split(",") if c
         ]
         result: dict = {
             "sweep": [asdict(p) for p in points],
             "knee": measured,
+            "latency_point": within,
             "cap": cap,
             "contended": contended,
             "seconds": seconds,
@@ -367,7 +379,8 @@ def render(result: dict) -> list[str]:
         out = [
             f"Saturation of the pair (straight to the workers, closed loop, {MAX_TOKENS} tokens "
             f"out): knee = {result['knee']} in flight (smallest within {KNEE_FRACTION:.0%} of "
-            f"the best throughput); gateway queue cap {result['cap']}.",
+            f"the best throughput); gateway queue cap {result['cap']}; most in flight with a "
+            f"p50 within {LATENCY_FACTOR:g}x of one alone: {result.get('latency_point')}.",
             "",
             "| in flight | req/s | p50 ms | errors |",
             "|---|---|---|---|",

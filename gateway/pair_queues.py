@@ -7,7 +7,8 @@ concurrency, docs/operations.md) and the engine's own ``max_running_requests`` o
 worker (past it the engine queues them itself, first come first served). The cap while
 several tenants contend for the pair is found the same way, from the pool's
 ``max_in_flight_per_pair_contended`` or the setting ``queue_in_flight_per_pair_contended``
-(where a measured pair's latency was still close to a lone request's), never above the first.
+(where a measured pair's latency was still close to a lone request's), never above the first;
+a pool that sets its own cap and not this one keeps its cap throughout.
 With several gateway replicas each one holds ``ceil(cap / replicas)`` of each: their sum stays
 within the cap, and each replica shares its part fairly among the tenants it sees
 (docs/operations.md).
@@ -115,12 +116,19 @@ class PairQueues:
             engine,
             settings.replicas,
         )
-        contended = pair_cap(
-            pool.max_in_flight_per_pair_contended if pool is not None else None,
-            settings.default_in_flight_contended or settings.default_in_flight,
-            engine,
-            settings.replicas,
-        )
+        if pool is not None and pool.max_in_flight_per_pair_contended is not None:
+            contended = pair_cap(
+                pool.max_in_flight_per_pair_contended, 0, engine, settings.replicas
+            )
+        elif pool is not None and pool.max_in_flight_per_pair is not None:
+            contended = cap  # a pool that sets its cap and not this one: its cap throughout
+        else:
+            contended = pair_cap(
+                None,
+                settings.default_in_flight_contended or settings.default_in_flight,
+                engine,
+                settings.replicas,
+            )
         return cap, min(cap, contended)
 
     async def take(

@@ -64,9 +64,9 @@ class Settings(BaseSettings):
     # with concurrency (docs/operations.md, bench/saturation_bench.py).
     queue_in_flight_per_pair: int = Field(default=12, gt=0)
     # The same while more than one tenant holds or wants slots of a pair, and for
-    # queue_contention_linger_s after: where a CPU pair's latency was still close to a lone
-    # request's (docs/operations.md). Unset: queue_in_flight_per_pair.
-    queue_in_flight_per_pair_contended: int | None = Field(default=None, gt=0)
+    # queue_contention_linger_s after: the most requests in flight at which a CPU pair's p50
+    # stayed within 2x of a lone request's (docs/operations.md). Unset: no lower cap.
+    queue_in_flight_per_pair_contended: int | None = Field(default=2, gt=0)
     queue_contention_linger_s: float = Field(default=1.0, ge=0)
     # The longest a request waits for its turn before 429 (its tenant is over its share) or
     # 503 (the pair is full), with Retry-After.

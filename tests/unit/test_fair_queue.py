@@ -431,12 +431,18 @@ def test_both_caps_come_from_the_pool_else_the_settings_and_the_contended_never_
     assert queues.caps_of(model, _pair(None)) == (12, 3)
     assert queues.caps_of(model, _pair(2)) == (2, 2)  # the engine's own limit bounds both
     models = yaml.safe_load((directory / "models.yaml").read_text())
-    models["models"][0]["pools"][0].update(
-        max_in_flight_per_pair=6, max_in_flight_per_pair_contended=9
-    )
+    pool = models["models"][0]["pools"][0]
+    pool.update(max_in_flight_per_pair=6, max_in_flight_per_pair_contended=9)
     (directory / "models.yaml").write_text(yaml.safe_dump(models))
     reloaded = load_policies(directory).models["m"]
-    assert queues.caps_of(reloaded, _pair(None)) == (6, 6)
+    assert queues.caps_of(reloaded, _pair(None)) == (6, 6)  # never above the cap
+    pool.update(max_in_flight_per_pair_contended=4)
+    (directory / "models.yaml").write_text(yaml.safe_dump(models))
+    assert queues.caps_of(load_policies(directory).models["m"], _pair(None)) == (6, 4)
+    del pool["max_in_flight_per_pair_contended"]
+    (directory / "models.yaml").write_text(yaml.safe_dump(models))
+    # A pool that sets its cap alone keeps it when tenants contend (not the setting's 3).
+    assert queues.caps_of(load_policies(directory).models["m"], _pair(None)) == (6, 6)
     # The queue follows a reloaded policy (a new model object), not only a new engine report.
     queue = queues.queue(model, _pair(None))
     assert (queue.capacity, queue.contended_capacity) == (12, 3)
