@@ -79,7 +79,12 @@ class GatedStack:
 
 @contextlib.contextmanager
 def gated_stack(
-    work_dir: Path, max_wait_s: float, *, replicas: int = 1, pool_cap: int = 1
+    work_dir: Path,
+    max_wait_s: float,
+    *,
+    replicas: int = 1,
+    pool_cap: int = 1,
+    pool_contended_cap: int | None = None,
 ) -> Iterator[GatedStack]:
     gate = threading.Event()
     with contextlib.ExitStack() as stack:
@@ -102,6 +107,8 @@ def gated_stack(
         # The pool's own cap (the policy override) sets the pair's in-flight cap.
         models = yaml.safe_load((policies / "models.yaml").read_text())
         models["models"][0]["pools"][0]["max_in_flight_per_pair"] = pool_cap
+        if pool_contended_cap is not None:
+            models["models"][0]["pools"][0]["max_in_flight_per_pair_contended"] = pool_contended_cap
         (policies / "models.yaml").write_text(yaml.safe_dump(models))
         env = {
             "ISOGATE_QUEUE_MAX_WAIT_S": str(max_wait_s),
@@ -344,3 +351,26 @@ def test_replicas_together_stay_within_the_cap_and_keep_the_shares(replicated: G
         shares = Counter(turns[:12])
         assert shares["heavy"] == pytest.approx(2 * shares["light"], rel=0.15), (replica, turns)
     assert replicated.claimed_tokens() == 0
+
+
+def test_while_a_second_tenant_waits_the_pair_takes_no_more_than_its_contended_cap(
+    tmp_path: Path,
+) -> None:
+    """Cap 3, contended cap 1: heavy alone gets 2 onto the pair at once; light's request then
+    waits (2 in flight, over the contended cap) although the pair has room under its cap, and
+    so does heavy's next one; once the pair is free, both go one at a time."""
+    with gated_stack(tmp_path, max_wait_s=600, pool_cap=3, pool_contended_cap=1) as stack:
+        stack.gate.clear()
+        results: list[Any] = []
+        threads = _in_threads([lambda: _send(stack, "heavy", results) for _ in range(2)])
+        assert wait_until(lambda: len(stack.decode.requests) == 2, 30), "heavy not on the pair"
+        threads += _in_threads([lambda: _send(stack, "light", results)])
+        assert wait_until(lambda: _queued(stack) == 1, 30), _queued(stack)
+        threads += _in_threads([lambda: _send(stack, "heavy", results)])
+        assert wait_until(lambda: _queued(stack) == 2, 30), _queued(stack)
+        assert len(stack.decode.requests) == 2  # room under the cap of 3, none taken
+        stack.gate.set()
+        for thread in threads:
+            thread.join(60)
+        assert [status for status, _ in results] == [200] * 4
+        assert stack.served_tenants()[2] == "light"  # next by its start tag, not by arrival
