@@ -148,8 +148,11 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._disarm_timer()
         self._awaiting_headers, self._received_in_headers = False, 0
         # Measured once here, not per header as the parser hands them over: a callback of ours
-        # on every header cost more than the rest of this protocol together.
-        size = len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
+        # on every header cost more than the rest of this protocol together (and a plain loop,
+        # not a generator, for the same reason).
+        size = len(self.url)
+        for name, value in self.headers:
+            size += len(name) + len(value) + 4
         if size > self._bounds.max_header_bytes:
             raise _Refused(_header_too_large(self._bounds))
         if len(self.connections) > self._bounds.max_connections:
