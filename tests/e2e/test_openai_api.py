@@ -251,4 +251,6 @@ def test_echo_scores_the_prompt_as_the_model_sees_it(client: openai.OpenAI) -> N
     assert all(score is not None and score <= 0 for score in short_scores[1:])
     common = len(short_scores)
     assert short.logprobs.tokens == (longer.logprobs.tokens or [])[:common]
-    assert short_scores[1:] == pytest.approx(long_scores[1:common], abs=1e-3)
+    # Alike up to float noise: the CPU kernels sum a prefix of another length in another order
+    # (1.3e-3 apart seen once in CI); a misaligned or other token differs by whole units.
+    assert short_scores[1:] == pytest.approx(long_scores[1:common], abs=1e-2)
