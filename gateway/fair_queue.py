@@ -7,14 +7,14 @@ stops growing, more requests in flight only make every request slower.
 The invariant: at most ``capacity`` slots of a pair are held at once, and no slot is granted
 past ``contended_capacity`` while more than one tenant holds or wants slots (nor for
 ``linger_s`` after: a tenant at one request in flight is idle between its requests for a
-moment only; slots already held are not taken back). The
-first cap is where the pair's throughput stops growing; the second one is lower, because a
-request shares the engine's batch with every other one in flight, and on a pair whose step
-time grows with its batch a lone tenant's request beside a flooding tenant's would take the
-latency of the whole batch. A request that finds
-the pair full waits in its tenant's FIFO; when a slot frees, the next request goes to the
-backlogged tenant of the highest priority class whose virtual start tag is smallest
-(start-time fair queueing, Goyal et al. 1996): each tenant's tag advances by
+moment only; slots already held are not taken back). The first cap is where the pair's
+throughput stops growing; the second one is lower, because a request shares the engine's
+batch with every other one in flight, and on a pair whose step time grows with its batch a
+lone tenant's request beside a flooding tenant's would take the latency of the whole batch.
+
+A request that finds the pair full waits in its tenant's FIFO; when a slot frees, the next
+request goes to the backlogged tenant of the highest priority class whose virtual start tag
+is smallest (start-time fair queueing, Goyal et al. 1996): each tenant's tag advances by
 ``cost / weight`` per request it is served, so two flooding tenants of weights 2 and 1 are
 served 2 : 1, and a tenant that was idle starts at the current virtual time (no credit is
 banked by staying idle). Priority classes are strict: a lower class is served only while no
@@ -150,8 +150,6 @@ class FairQueue:
         observer: QueueObserver | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.capacity = max(1, capacity)
-        self.contended_capacity = self.capacity
         self.linger_s = linger_s
         self._contended_until = -math.inf
         self.max_queued_per_tenant = max(0, max_queued_per_tenant)

@@ -196,12 +196,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._timer = None
         if not self._in_body or self.transport.is_closing():
             return
-        error = APIError(
-            408,
-            f"The request body did not arrive within {self._bounds.body_timeout_s} s.",
-            "invalid_request_error",
-            "request_timeout",
-        )
+        error = body_timeout_error(self._bounds.body_timeout_s)
         if self._hooks:
             self._hooks[-1].refused = error  # the request being read: the last one begun
         self._refuse(error)
@@ -226,6 +221,16 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         if not self.transport.is_closing():
             self.transport.write(_error_response(error))
             self.transport.close()
+
+
+def body_timeout_error(timeout_s: float) -> APIError:
+    """The 408 for a body not all in within ``timeout_s``, whichever side timed it."""
+    return APIError(
+        408,
+        f"The request body did not arrive within {timeout_s} s.",
+        "invalid_request_error",
+        "request_timeout",
+    )
 
 
 def _header_too_large(bounds: ClientBounds) -> APIError:

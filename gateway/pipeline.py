@@ -47,7 +47,7 @@ from .generation import (
     Trace,
     best_of,
 )
-from .http_server import DisconnectHook, disconnect_hook
+from .http_server import DisconnectHook, body_timeout_error, disconnect_hook
 from .ids import new_generation_id
 from .intake import BodyParser, SpooledBody
 from .logs import current_generation_id
@@ -330,13 +330,9 @@ async def read_large_body(
         async with asyncio.timeout(timeout_s):
             return await _read_body(receive, declared_length, limit, parser, None)
     except TimeoutError:
-        raise APIError(
-            408,
-            f"The request body did not arrive within {timeout_s} s.",
-            "invalid_request_error",
-            "request_timeout",
-            headers={"Connection": "close"},
-        ) from None
+        error = body_timeout_error(timeout_s)
+        error.headers["Connection"] = "close"  # the app's answer: the server closes after it
+        raise error from None
 
 
 async def _read_body(
