@@ -14,7 +14,8 @@ Variants: no_tokenizer (prompt ids served from a cache), no_audit, no_metrics, n
 served_line (a served request's log line written, as it was at INFO before),
 audit_from_thread (the SQLite insert from a worker thread, as before), unbatched_tokenizer
 (one encode per request, as before), starlette_task_group (streams pumped by Starlette's
-StreamingResponse task group, as the gateway's do not).
+StreamingResponse task group, as the gateway's do not), async_exit_stack (a request's claims
+held in contextlib.AsyncExitStack instead of gateway.held.Held).
 """
 
 from __future__ import annotations
@@ -143,6 +144,27 @@ def starlette_task_group(components: Any) -> Callable[[], None]:
     return lambda: setattr(GuardedStream, "_pump_until_disconnected", original)
 
 
+def async_exit_stack(components: Any) -> Callable[[], None]:
+    """What a request holds kept in ``contextlib.AsyncExitStack``, as the generation core first
+    did, instead of ``gateway.held.Held`` (the lease's release pushed as an async callback, the
+    others as callbacks; telling them apart is one ``isinstance``)."""
+    import contextlib
+
+    import gateway.pipeline as pipeline
+    from gateway.limits import LimitLease
+
+    class StackHeld(contextlib.AsyncExitStack):
+        def push(self, release: Any) -> None:  # type: ignore[override]
+            if isinstance(getattr(release, "__self__", None), LimitLease):
+                self.push_async_callback(release)
+            else:
+                self.callback(release)
+
+    original = pipeline.Held
+    pipeline.Held = StackHeld  # type: ignore[misc,assignment]
+    return lambda: setattr(pipeline, "Held", original)
+
+
 VARIANTS: dict[str, Callable[[Any], Callable[[], None]]] = {
     f.__name__: f
     for f in (
@@ -154,6 +176,7 @@ VARIANTS: dict[str, Callable[[Any], Callable[[], None]]] = {
         audit_from_thread,
         unbatched_tokenizer,
         starlette_task_group,
+        async_exit_stack,
     )
 }
 

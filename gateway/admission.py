@@ -53,6 +53,9 @@ def prompt_limit(
     return PromptLimit(max(0, tokens), bound)
 
 
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+
+
 def refuse_if_over(prompt_tokens: int, limit: PromptLimit, max_tokens: int) -> None:
     """Gate 1 on a counted prompt: over the limit is a 400, before any worker is contacted."""
     if prompt_tokens > limit.tokens:
@@ -78,7 +81,7 @@ def context_length_exceeded(
         f"This model's maximum prompt length on the workers available now is {limit.tokens} tokens "
         f"(set by the {limit.bound}, with max_tokens={max_tokens} reserved); "
         f"your prompt has {prompt_tokens} tokens.",
-        code="context_length_exceeded",
+        code=CONTEXT_LENGTH_EXCEEDED,
         param="messages",
     )
 

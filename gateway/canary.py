@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -33,6 +32,7 @@ from .generation import (
     TextPrompt,
     Trace,
 )
+from .held import Held
 from .ids import new_generation_id
 from .logs import current_generation_id
 from .pairs import WorkerPair
@@ -149,7 +149,7 @@ class CanaryProber:
                 pair=pair,
                 scanner=OwnMarkerOnly(self._scanner, marker),
             )
-            async with AsyncExitStack() as held:
+            async with Held() as held:
                 admitted = await self._core.admit(ask, trace, held)
                 # Live before it is sent: its pages may be read by someone else from the first
                 # step on.

@@ -12,8 +12,8 @@ The invariant, for every ``GenerationAsk``:
    limits, before any worker is contacted;
 2. queue and claim: a tenant's request waits its turn for a slot of the chosen pair in the
    pair's fair queue (``gateway.pair_queues``), then the tenant's limits and the pair's KV
-   tokens are claimed; slot and claims are held in one ``AsyncExitStack`` that releases them on
-   every exit path; a stream takes the stack over whole and closes it when it ends;
+   tokens are claimed; slot and claims are held in one ``Held`` (``gateway.held``) that
+   releases them on every exit path; a stream takes it over whole and closes it when it ends;
 3. dispatch and verify: nothing of decode's answer is handed out before its ``meta_info`` has
    passed ``check_meta``, its text the content scan, and its finish reason the abort check;
    where outputs are read into reasoning, text and tool calls (``GenerationAsk.output``),
@@ -32,17 +32,23 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
-from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Protocol, TypeVar
 
-from .admission import ClaimLedger, PromptLimit, context_length_exceeded, refuse_if_over
+from .admission import (
+    CONTEXT_LENGTH_EXCEEDED,
+    ClaimLedger,
+    PromptLimit,
+    context_length_exceeded,
+    refuse_if_over,
+)
 from .audit import AuditEvent, AuditLog
 from .auth import Principal
 from .dispatch import PREFILL_META, EngineRequest, PDDispatcher
 from .errors import APIError, unavailable
 from .fair_queue import Share
+from .held import Held
 from .ids import new_generation_id, tenant_cache_salt
 from .limits import LimitLease, TenantLimiter
 from .metrics import Metrics
@@ -273,15 +279,15 @@ class GenerationCore:
 
     # -- admit and claim --------------------------------------------------------------------
 
-    async def enter(self, tenant_id: str, limits: TenantLimits, held: AsyncExitStack) -> LimitLease:
+    async def enter(self, tenant_id: str, limits: TenantLimits, held: Held) -> LimitLease:
         """Count the tenant's request and take its concurrency slot (held on ``held``) as soon as
         its key is known, before its body is read: what a request costs the gateway to refuse is
         paid only while the tenant has requests left."""
         lease = await self._limiter.enter(tenant_id, limits)
-        held.push_async_callback(lease.release)
+        held.push(lease.release)
         return lease
 
-    async def admit(self, ask: GenerationAsk, trace: Trace, held: AsyncExitStack) -> Admitted:
+    async def admit(self, ask: GenerationAsk, trace: Trace, held: Held) -> Admitted:
         """Gate 1 for every prompt, then the claims for every choice (pushed onto ``held``),
         on one pair; raises ``APIError`` on refusal."""
         model, margin, max_tokens = ask.model, self._margin, ask.max_tokens
@@ -291,7 +297,20 @@ class GenerationCore:
             candidates = Candidates([ask.pair], model.max_context_tokens)
         limit = candidates.best_limit(max_tokens, margin)
         tokenizer = self._catalog.tokenizers[model.name]
-        counted = [await self._count(ask, tokenizer, prompt, limit) for prompt in ask.prompts]
+        counted: list[list[int]] = []
+        try:
+            for prompt in ask.prompts:
+                if isinstance(prompt, TokenPrompt):
+                    refuse_if_over(len(prompt.ids), limit, max_tokens)
+                    ids = tokenizer.check_token_ids(prompt.ids)
+                else:
+                    ids = await self._encoding(ask, tokenizer, prompt, limit)
+                    refuse_if_over(len(ids), limit, max_tokens)
+                counted.append(ids)
+        except APIError as error:
+            if error.code == CONTEXT_LENGTH_EXCEEDED:
+                self._metrics.admission_refusals.labels(model.name, limit.bound).inc()
+            raise
         prompt_lengths = [len(ids) for ids in counted for _ in range(ask.n)]
         trace.prompt_tokens = prompt_total = sum(prompt_lengths)
 
@@ -308,21 +327,21 @@ class GenerationCore:
             tenant = self._catalog.policies.tenant(ask.tenant_id)
             share = Share(ask.tenant_id, tenant.weight, tenant.priority)
             slot = await self._queues.take(model, pair, share, len(prompt_lengths))
-            held.callback(slot.release)
+            held.push(slot.release)
             reserved = prompt_total + max_tokens * len(prompt_lengths)
             if ask.lease is not None:
                 lease = ask.lease
                 await lease.reserve(reserved)
             else:
                 lease = await self._limiter.acquire(ask.tenant_id, ask.limits, reserved)
-                held.push_async_callback(lease.release)
+                held.push(lease.release)
         need = prompt_total + (max_tokens + margin) * len(prompt_lengths)
         if not (
             self._ledger.free_now(pair.prefill_state) >= need
             and self._ledger.free_now(pair.decode_state) >= need
         ):
             raise _capacity_busy()  # taken by others while this one waited
-        held.callback(self._ledger.claim(pair.urls, need).release)
+        held.push(self._ledger.claim(pair.urls, need).release)
 
         cache_salt = tenant_cache_salt(self._cache_salt_secret, ask.tenant_id)
         choices: list[Choice] = []
@@ -351,46 +370,35 @@ class GenerationCore:
                 choices.append(Choice(len(choices), prompt_index, request, expected))
         return Admitted(pair, choices, ask.scanner or self._scanner, lease, tokenizer, ask.output)
 
-    async def _count(
-        self, ask: GenerationAsk, tokenizer: ModelTokenizer, prompt: Prompt, limit: PromptLimit
-    ) -> list[int]:
-        """The prompt's token ids; refuses what is over ``limit``, and before tokenizing, what
-        its byte length alone proves too long (no token is longer than the longest entry)."""
-        if isinstance(prompt, TokenPrompt):
-            self._refuse_if_over(ask.model, len(prompt.ids), limit, ask.max_tokens)
-            return tokenizer.check_token_ids(prompt.ids)
+    def _encoding(
+        self,
+        ask: GenerationAsk,
+        tokenizer: ModelTokenizer,
+        prompt: ChatPrompt | TextPrompt,
+        limit: PromptLimit,
+    ) -> Awaitable[list[int]]:
+        """The tokenizer's count of a text prompt, to await; refused first when its byte length
+        alone proves it too long (no token is longer than the longest entry). Not a coroutine
+        itself: every suspension of the tokenizer's would resume one frame more."""
         at_least = tokenizer.min_tokens_for_bytes(prompt.utf8_bytes())
         if at_least > limit.tokens:
             self._metrics.refused_untokenized_inc(ask.model.name)
-            self._metrics.admission_refusals.labels(ask.model.name, limit.bound).inc()
             raise context_length_exceeded(f"at least {at_least}", limit, ask.max_tokens)
         if isinstance(prompt, ChatPrompt):
-            ids = await tokenizer.encode_chat(
+            return tokenizer.encode_chat(
                 prompt.turns, control_text=ask.model.chat_control_text, tools=prompt.tools
             )
-        else:
-            ids = await tokenizer.encode_text(
-                prompt.text, control_text=ask.model.prompt_control_text
-            )
-        self._refuse_if_over(ask.model, len(ids), limit, ask.max_tokens)
-        return ids
-
-    def _refuse_if_over(
-        self, model: ModelPolicy, prompt_tokens: int, limit: PromptLimit, max_tokens: int
-    ) -> None:
-        try:
-            refuse_if_over(prompt_tokens, limit, max_tokens)
-        except APIError:
-            self._metrics.admission_refusals.labels(model.name, limit.bound).inc()
-            raise
+        return tokenizer.encode_text(prompt.text, control_text=ask.model.prompt_control_text)
 
     # -- dispatch and verify ----------------------------------------------------------------
 
     async def complete(self, admitted: Admitted, trace: Trace) -> list[Completion]:
         """Every choice's whole answer, checked; one failed choice fails them all (the others
         are cancelled); the tenant's token count settled."""
-        if len(admitted.choices) == 1:
-            completions = [await self._complete_one(admitted, admitted.choices[0])]
+        if len(admitted.choices) == 1:  # without a coroutine of its own, one frame less to resume
+            choice = admitted.choices[0]
+            output = await self._dispatcher.generate(admitted.pair, choice.request)
+            completions = [self._checked(admitted, choice, output)]
         else:
             completions = await _all_or_nothing(
                 [self._complete_one(admitted, choice) for choice in admitted.choices]
@@ -402,6 +410,10 @@ class GenerationCore:
 
     async def _complete_one(self, admitted: Admitted, choice: Choice) -> Completion:
         output = await self._dispatcher.generate(admitted.pair, choice.request)
+        return self._checked(admitted, choice, output)
+
+    def _checked(self, admitted: Admitted, choice: Choice, output: dict[str, Any]) -> Completion:
+        """One choice's answer from decode, once it has passed every check."""
         meta = output.get("meta_info")
         expected = choice.expected
         check_meta(meta, expected)
@@ -478,7 +490,7 @@ class GenerationCore:
 
     async def run(self, ask: GenerationAsk, trace: Trace) -> list[Completion]:
         """Admit, dispatch and verify whole answers, releasing every claim before returning."""
-        async with AsyncExitStack() as held:
+        async with Held() as held:
             return await self.complete(await self.admit(ask, trace, held), trace)
 
     # -- audit ------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ The request path reads top to bottom in ``handle_generation``: auth → parse �
 ``gateway.generation``) admit → claim → dispatch → verify → (here) response or SSE → audit.
 Every step either passes a value to the next or raises an ``APIError``. Whatever happens,
 exactly one audit event is recorded (``GenerationCore.record``) and everything claimed is
-released: the claims live in one ``AsyncExitStack``, closed here for a whole answer and taken
+released: the claims live in one ``Held``, closed here for a whole answer and taken
 over by ``GuardedStream`` for a stream, which closes it when the stream ends, fails or is
 cancelled.
 """
@@ -16,7 +16,6 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncGenerator
-from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal
@@ -47,6 +46,7 @@ from .generation import (
     Trace,
     best_of,
 )
+from .held import Held
 from .http_server import DisconnectHook, body_timeout_error, disconnect_hook
 from .ids import new_generation_id
 from .intake import BodyParser, SpooledBody
@@ -75,7 +75,7 @@ async def handle_generation(components: Components, request: Request, kind: Kind
     core = components.core
     trace = Trace(new_generation_id(), datetime.now(UTC), time.perf_counter())
     current_generation_id.set(trace.generation_id)
-    held = AsyncExitStack()
+    held = Held()
     try:
         # auth: a request that fails it is counted, not audited (anyone could write those rows)
         headers = ClientHeaders.of(request.scope)
@@ -631,7 +631,7 @@ class GuardedStream(StreamingResponse):
         trace: Trace,
         events: AsyncGenerator[bytes],
         streams: ChoiceStreams,
-        held: AsyncExitStack,
+        held: Held,
         extra_headers: list[tuple[bytes, bytes]] | None = None,
     ) -> None:
         self._guarded_events = self._guarded(events)

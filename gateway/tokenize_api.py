@@ -222,7 +222,7 @@ def _refuse_if_never_fits(
 ) -> None:
     """A prompt whose UTF-8 length alone proves it longer than the model's configured context
     can never be admitted: refused without tokenizing it, as a generation refuses one over the
-    live limit (``GenerationCore._count``), so one body cannot hold a core for seconds."""
+    live limit (``GenerationCore._encoding``), so one body cannot hold a core for seconds."""
     at_least = tokenizer.min_tokens_for_bytes(prompt.utf8_bytes())
     if at_least > model.max_context_tokens:
         raise bad_request(

@@ -1,0 +1,80 @@
+"""What holding a request's claims costs: ``contextlib.AsyncExitStack`` against ``gateway.held``.
+
+Why ``gateway.held.Held`` exists instead of the library: a request pushes three releases (the
+limits lease, async; the queue slot and the KV claim, plain) and closes them once. This times
+exactly that, the two holders interleaved in every round, in one process, and prints the
+median µs per request of each and their ratio. The whole-gateway figure is
+``bench.instructions`` with the two checkouts (bench/RESULTS.md).
+
+    .venv/bin/python -m bench.held_bench [--rounds 7] [--requests 50000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+from contextlib import AsyncExitStack
+
+from gateway.held import Held
+
+
+def _plain_release() -> None:
+    pass
+
+
+async def _async_release() -> None:
+    pass
+
+
+async def _with_exit_stack() -> None:
+    held = AsyncExitStack()
+    try:
+        held.push_async_callback(_async_release)
+        held.callback(_plain_release)
+        held.callback(_plain_release)
+    finally:
+        await held.aclose()
+
+
+async def _with_held() -> None:
+    held = Held()
+    try:
+        held.push(_async_release)
+        held.push(_plain_release)
+        held.push(_plain_release)
+    finally:
+        await held.aclose()
+
+
+async def _us_per_request(one: object, requests: int) -> float:
+    assert callable(one)
+    started = time.perf_counter()
+    for _ in range(requests):
+        await one()
+    return (time.perf_counter() - started) / requests * 1e6
+
+
+async def measure(rounds: int, requests: int) -> dict[str, float]:
+    stack: list[float] = []
+    held: list[float] = []
+    for _ in range(rounds):
+        stack.append(await _us_per_request(_with_exit_stack, requests))
+        held.append(await _us_per_request(_with_held, requests))
+    a, b = statistics.median(stack), statistics.median(held)
+    return {"async_exit_stack_us": round(a, 3), "held_us": round(b, 3), "ratio": round(a / b, 2)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--requests", type=int, default=50_000)
+    args = parser.parse_args(argv)
+    print(json.dumps(asyncio.run(measure(args.rounds, args.requests))))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
