@@ -16,6 +16,7 @@ import asyncio
 import json
 import statistics
 import time
+from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 
 from gateway.held import Held
@@ -29,24 +30,27 @@ async def _async_release() -> None:
     pass
 
 
+async def _one_request(
+    close: Callable[[], Awaitable[None]],
+    push_async: Callable[[Callable[[], Awaitable[None]]], object],
+    push: Callable[[Callable[[], None]], object],
+) -> None:
+    try:
+        push_async(_async_release)  # the limits lease
+        push(_plain_release)  # the queue slot
+        push(_plain_release)  # the KV claim
+    finally:
+        await close()
+
+
 async def _with_exit_stack() -> None:
     held = AsyncExitStack()
-    try:
-        held.push_async_callback(_async_release)
-        held.callback(_plain_release)
-        held.callback(_plain_release)
-    finally:
-        await held.aclose()
+    await _one_request(held.aclose, held.push_async_callback, held.callback)
 
 
 async def _with_held() -> None:
     held = Held()
-    try:
-        held.push(_async_release)
-        held.push(_plain_release)
-        held.push(_plain_release)
-    finally:
-        await held.aclose()
+    await _one_request(held.aclose, held.push, held.push)
 
 
 async def _us_per_request(one: object, requests: int) -> float:
