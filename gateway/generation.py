@@ -297,6 +297,8 @@ class GenerationCore:
             candidates = Candidates([ask.pair], model.max_context_tokens)
         limit = candidates.best_limit(max_tokens, margin)
         tokenizer = self._catalog.tokenizers[model.name]
+        # Gate 1 on each prompt; a refusal for length is counted here, once, whichever check
+        # made it (the byte bound before tokenizing, or the count after).
         counted: list[list[int]] = []
         try:
             for prompt in ask.prompts:
