@@ -154,6 +154,17 @@ def _victim_served(stack: TwoPoolStack, seen: list[str] | None = None) -> bool:
         return response.status_code == 200
 
 
+def _prefill_holds_a_request(url: str) -> bool:
+    """Prefill has a request it has not finished with (queued for bootstrap, waiting or being
+    computed): a kill now cuts that request, where a kill after a fixed delay may land when
+    every victim in flight has already left prefill."""
+    try:
+        loads = httpx.get(f"{url}/v1/loads", timeout=5).json().get("loads") or []
+    except (httpx.HTTPError, ValueError):
+        return False
+    return any(int(r.get("num_running_reqs", 0)) + int(r.get("num_waiting_reqs", 0)) for r in loads)
+
+
 def _assert_victim_served_again(cluster: PDCluster, stack: TwoPoolStack, timeout_s: float) -> None:
     seen: list[str] = []
     if wait_until(lambda: _victim_served(stack, seen), timeout_s=timeout_s, interval_s=1):
@@ -262,7 +273,9 @@ def test_prefill_killed_during_transfers_fails_those_requests_cleanly_and_in_tim
             timeout_s=120,
             interval_s=0.2,
         )
-        time.sleep(0.5)
+        assert wait_until(
+            lambda: _prefill_holds_a_request(cluster.prefill_url), timeout_s=60, interval_s=0.02
+        ), "prefill never reported a request in its queues or its batch"
         killed_at = time.monotonic()
         _kill_group(cluster.prefill)
         dead_at = time.monotonic()  # the whole group is gone
