@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
@@ -57,7 +58,7 @@ class EngineRequest:
 def generate_body(
     pair: WorkerPair, request: EngineRequest, *, stream: bool, prompt_logprobs: bool = False
 ) -> bytes:
-    bootstrap_host = pair.prefill.bootstrap_host or urlsplit(pair.prefill.url).hostname
+    bootstrap_host = pair.prefill.bootstrap_host or _hostname(pair.prefill.url)
     body: dict[str, Any] = {
         "input_ids": request.input_ids,
         "sampling_params": request.sampling_params,
@@ -75,6 +76,12 @@ def generate_body(
         body["top_logprobs_num"] = request.top_logprobs
         body["logprob_start_len"] = 0 if prompt_logprobs else -1
     return orjson.dumps(body)
+
+
+@functools.lru_cache(maxsize=1024)
+def _hostname(url: str) -> str | None:
+    # A worker's URL comes from the policies: parsed once, not for every request.
+    return urlsplit(url).hostname
 
 
 def isolation_headers(request: EngineRequest) -> dict[str, str]:

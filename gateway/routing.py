@@ -110,14 +110,20 @@ class Candidates:
         else:
             need = sum(prompts) + (max_tokens + margin) * len(prompts)
             longest = max(prompts)
-        best: tuple[int, WorkerPair] | None = None
+        best: WorkerPair | None = None
+        best_load: int | None = None  # counted once a second pair fits: one alone is not compared
         for pair, limit in zip(self.pairs, self.limits(max_tokens, margin), strict=True):
             if not fits_now(ledger, pair, limit, longest, need):
                 continue
+            if best is None:
+                best = pair
+                continue
+            if best_load is None:
+                best_load = _tokens_in_use(ledger, best)
             load = _tokens_in_use(ledger, pair)
-            if best is None or load < best[0]:
-                best = (load, pair)
-        return best[1] if best else None
+            if load < best_load:
+                best, best_load = pair, load
+        return best
 
 
 def _tokens_in_use(ledger: ClaimLedger, pair: WorkerPair) -> int:

@@ -213,7 +213,8 @@ class UpstreamClient:
         if target is None:
             target = self._targets[url] = _target(url)
         origin, request_line = target
-        head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        # A list, not a generator: a generator resumes once per header.
+        head = "".join([f"{k}: {v}\r\n" for k, v in headers.items()])
         return origin, b"%sContent-Length: %d\r\n%s\r\n%s" % (
             request_line,
             len(body),
@@ -240,11 +241,18 @@ class UpstreamClient:
         joined: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
         def on_answer(_: object = None) -> None:
+            # A plain loop over the futures: this runs for every answer of every request.
             if joined.done():
                 return
-            if all(c.answered for c in connections) or any(
-                c.answered and (c.failure is not None or c.status != 200) for c in connections
-            ):
+            waiting = False
+            for c in connections:
+                done = c.done
+                if done is None or not done.done():
+                    waiting = True
+                elif done.exception() is not None or c.status != 200:
+                    joined.set_result(None)  # one failed: nothing more to wait for
+                    return
+            if not waiting:
                 joined.set_result(None)
 
         for connection in connections:
