@@ -47,7 +47,7 @@ from gateway.dev.harness import GatewayProcess
 # a handful of requests each (one audit commit per row or two, where at full speed a batch holds
 # many), and how many fall in the window moves with how fast the host is at that moment. Polled
 # once at start and then rarely (observations kept routable meanwhile), flushed twice a second:
-# the same rounds then agree within about 1 %, where they moved by up to 8 %. A side's own
+# one side's rounds then agree within 3 % (often 1 %), where they moved by 8 %. A side's own
 # ``--a-env``/``--b-env`` values win.
 CLOCK_WORK_OFF = {
     "ISOGATE_CAPACITY_POLL_INTERVAL_S": "300",
