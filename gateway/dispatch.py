@@ -138,7 +138,12 @@ class PDDispatcher:
                 ("prefill", pair.prefill.url, prefill_body),
                 ("decode", pair.decode.url, body),
             ):
-                exchanges.append((role, await self._send(role, url, role_body, headers)))
+                # ``_send``'s work inline: one coroutine less per role and request.
+                try:
+                    connection = await client.send(f"{url}/generate", role_body, headers)
+                except (UpstreamError, OSError) as exc:
+                    raise _transport_error(role, exc) from exc
+                exchanges.append((role, connection))
             await client.wait_for_answers([connection for _, connection in exchanges])
             # Prefill first: when both failed, decode's failure is most likely prefill's doing.
             for role, connection in exchanges:

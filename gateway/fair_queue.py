@@ -199,17 +199,28 @@ class FairQueue:
             return self.contended_capacity
         return self.capacity
 
+    def take_free(self, share: Share, cost: int = 1) -> Slot | None:
+        """A slot at once, if nobody waits and there is room; else None (``acquire`` waits).
+        Not a coroutine: most requests find room, and take it without a frame to resume."""
+        # Never more than the smaller cap, or a request could wait for room that never comes.
+        cost = min(max(1, cost), self.contended_capacity)
+        tenant = self._tenant(share)  # first: a tenant more may make the contended cap hold
+        if self._queued or self._in_flight + cost > self.room():
+            self._forget_if_idle(tenant)  # ``acquire`` takes it up again to queue it
+            return None
+        self._start(tenant, cost)
+        self._observer.waited(share.tenant_id, 0.0)
+        return Slot(self, tenant, cost)
+
     async def acquire(self, share: Share, max_wait_s: float, cost: int = 1) -> Slot:
         """A slot on this pair for one request of ``share``'s tenant, waiting at most
         ``max_wait_s``; raises ``WaitExpired``. A cancelled caller (its client left: the HTTP
         layer cancels the request) leaves the queue at once."""
-        # Never more than the smaller cap, or a request could wait for room that never comes.
+        free = self.take_free(share, cost)
+        if free is not None:
+            return free
         cost = min(max(1, cost), self.contended_capacity)
         tenant = self._tenant(share)
-        if self._queued == 0 and self._in_flight + cost <= self.room():
-            self._start(tenant, cost)
-            self._observer.waited(share.tenant_id, 0.0)
-            return Slot(self, tenant, cost)
         if len(tenant.waiting) >= self.max_queued_per_tenant:
             # As many waiting as a tenant may have is over its share, whatever it holds.
             raise self._refusal(tenant, "tenant_queue_full", over_share=True)

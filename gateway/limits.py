@@ -202,7 +202,12 @@ class LimitLease:
         (``TenantLimiter.enter``); 429 if either is not there (the request stays counted)."""
         reserved = max(0, tokens)
         _refuse_if_too_large(reserved, self._limits)
-        left = await self._limiter._reserve(self, reserved)
+        limiter = self._limiter
+        left = (
+            await limiter._take_shared(self, reserved, "rest")
+            if limiter._shared(self, "rest")
+            else limiter._take_local(self, reserved, "rest")
+        )
         # Requests left as counted when this one was (the bucket has refilled a little since).
         self.left = Allowance(self.left.requests if self.left else left.requests, left.tokens)
         self.reserved_tokens = reserved
@@ -214,14 +219,20 @@ class LimitLease:
         self._settled = True
         delta = self.reserved_tokens - max(0, actual_tokens)
         if delta:
-            await self._limiter._settle(self, delta)
+            if self._in_redis:
+                await self._limiter._settle_shared(self, delta)
+            else:
+                self._limiter._settle_local(self, delta)
 
     async def release(self) -> None:
         """Give the concurrency slot back. Idempotent."""
         if self._released:
             return
         self._released = True
-        await self._limiter._release(self)
+        if self._in_redis:
+            await self._limiter._release_shared(self)
+        else:
+            self._limiter._release_local(self)
 
     async def __aenter__(self) -> LimitLease:
         return self
@@ -260,57 +271,72 @@ class TenantLimiter:
         reserved = max(0, reserved_tokens)
         _refuse_if_too_large(reserved, limits)
         lease = LimitLease(self, tenant_id, limits, reserved, self._new_lease_id(), in_redis=False)
-        lease.left = await self._take(lease, reserved, "all")
+        lease.left = (
+            await self._take_shared(lease, reserved, "all")
+            if self._shared(lease, "all")
+            else self._take_local(lease, reserved, "all")
+        )
         return lease
 
     async def enter(self, tenant_id: str, limits: TenantLimits) -> LimitLease:
         """Count one request, before anything about it is known but its key; its concurrency
         slot and tokens are taken later (``LimitLease.reserve``)."""
         lease = LimitLease(self, tenant_id, limits, 0, self._new_lease_id(), in_redis=False)
-        lease.left = await self._take(lease, 0, "count")
+        lease.left = (
+            await self._take_shared(lease, 0, "count")
+            if self._shared(lease, "count")
+            else self._take_local(lease, 0, "count")
+        )
         return lease
 
     def _new_lease_id(self) -> str:
         return f"{self._lease_prefix}{next(self._lease_numbers):x}"
 
-    async def _reserve(self, lease: LimitLease, reserved: int) -> Allowance:
-        return await self._take(lease, reserved, "rest")
-
-    async def _take(self, lease: LimitLease, reserved: int, mode: _Mode) -> Allowance:
-        tenant_id, limits = lease.tenant_id, lease._limits
-        if (
+    # Each take is shared (Redis, awaited) or local (in memory, not a coroutine: the local
+    # path is taken without one more frame to resume per step).
+    def _shared(self, lease: LimitLease, mode: _Mode) -> bool:
+        """Whether this take goes to Redis: it is configured and not known to be down, and a
+        lease's later steps go where its first one went."""
+        return (
             self._acquire_script is not None
             and time.monotonic() >= self._redis_down_until
             and (mode != "rest" or lease._in_redis)
-        ):
-            try:
-                verdict, retry_ms, *left = await self._with_timeout(
-                    self._acquire_script(
-                        keys=[self._key(tenant_id, "bucket"), self._key(tenant_id, "inflight")],
-                        args=[
-                            limits.requests_per_minute,
-                            limits.tokens_per_minute,
-                            limits.max_concurrent,
-                            reserved,
-                            lease._lease_id,
-                            int(self._lease_ttl_ms),
-                            mode,
-                        ],
-                    )
-                )
-            except Exception as exc:
-                if not _redis_unreachable(exc):
-                    raise
-                self._warn_fallback(exc)
-            else:
-                if self._warned_fallback:
-                    self._warned_fallback = False
-                    log.warning("limits: Redis reachable again; limits are shared again")
-                _raise_if_refused(int(verdict), int(retry_ms) / 1000, limits)
-                lease._in_redis = True
-                return Allowance(int(left[0]), int(left[1]))
+        )
+
+    def _take_local(self, lease: LimitLease, reserved: int, mode: _Mode) -> Allowance:
         lease._in_redis = False
-        return self._acquire_local(tenant_id, limits, reserved, lease._lease_id, mode)
+        return self._acquire_local(lease.tenant_id, lease._limits, reserved, lease._lease_id, mode)
+
+    async def _take_shared(self, lease: LimitLease, reserved: int, mode: _Mode) -> Allowance:
+        tenant_id, limits = lease.tenant_id, lease._limits
+        assert self._acquire_script is not None  # ``_shared`` said so
+        try:
+            verdict, retry_ms, *left = await self._with_timeout(
+                self._acquire_script(
+                    keys=[self._key(tenant_id, "bucket"), self._key(tenant_id, "inflight")],
+                    args=[
+                        limits.requests_per_minute,
+                        limits.tokens_per_minute,
+                        limits.max_concurrent,
+                        reserved,
+                        lease._lease_id,
+                        int(self._lease_ttl_ms),
+                        mode,
+                    ],
+                )
+            )
+        except Exception as exc:
+            if not _redis_unreachable(exc):
+                raise
+            self._warn_fallback(exc)
+        else:
+            if self._warned_fallback:
+                self._warned_fallback = False
+                log.warning("limits: Redis reachable again; limits are shared again")
+            _raise_if_refused(int(verdict), int(retry_ms) / 1000, limits)
+            lease._in_redis = True
+            return Allowance(int(left[0]), int(left[1]))
+        return self._take_local(lease, reserved, mode)  # Redis unreachable: in memory
 
     def _acquire_local(
         self, tenant_id: str, limits: TenantLimits, reserved: int, lease_id: str, mode: _Mode
@@ -342,39 +368,41 @@ class TenantLimiter:
             bucket.inflight[lease_id] = now + self._lease_ttl_ms
         return Allowance(math.floor(bucket.requests), math.floor(bucket.tokens))
 
-    async def _settle(self, lease: LimitLease, delta: int) -> None:
+    async def _settle_shared(self, lease: LimitLease, delta: int) -> None:
         limits = lease._limits
-        if lease._in_redis and self._settle_script is not None:
-            try:
-                await self._with_timeout(
-                    self._settle_script(
-                        keys=[self._key(lease.tenant_id, "bucket")],
-                        args=[limits.requests_per_minute, limits.tokens_per_minute, delta],
-                    )
+        assert self._settle_script is not None  # a lease is in Redis only if it is configured
+        try:
+            await self._with_timeout(
+                self._settle_script(
+                    keys=[self._key(lease.tenant_id, "bucket")],
+                    args=[limits.requests_per_minute, limits.tokens_per_minute, delta],
                 )
-                return
-            except Exception as exc:
-                if not _redis_unreachable(exc):
-                    raise
-                self._warn_fallback(exc)
-                return  # the reservation stands: conservative
+            )
+        except Exception as exc:
+            if not _redis_unreachable(exc):
+                raise
+            self._warn_fallback(exc)  # the reservation stands: conservative
+
+    def _settle_local(self, lease: LimitLease, delta: int) -> None:
+        limits = lease._limits
         bucket = self._buckets.get(lease.tenant_id)
         if bucket is not None:
             now = time.monotonic() * 1000
             bucket.refill(limits, now)
             bucket.tokens = min(limits.tokens_per_minute, bucket.tokens + delta)
 
-    async def _release(self, lease: LimitLease) -> None:
-        if lease._in_redis and self._redis is not None:
-            try:
-                await self._with_timeout(
-                    self._redis.zrem(self._key(lease.tenant_id, "inflight"), lease._lease_id)
-                )
-            except Exception as exc:
-                if not _redis_unreachable(exc):
-                    raise
-                self._warn_fallback(exc)  # the lease expires on its own
-            return
+    async def _release_shared(self, lease: LimitLease) -> None:
+        assert self._redis is not None  # a lease is in Redis only if it is configured
+        try:
+            await self._with_timeout(
+                self._redis.zrem(self._key(lease.tenant_id, "inflight"), lease._lease_id)
+            )
+        except Exception as exc:
+            if not _redis_unreachable(exc):
+                raise
+            self._warn_fallback(exc)  # the lease expires on its own
+
+    def _release_local(self, lease: LimitLease) -> None:
         bucket = self._buckets.get(lease.tenant_id)
         if bucket is not None:
             bucket.inflight.pop(lease._lease_id, None)

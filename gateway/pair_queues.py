@@ -141,6 +141,9 @@ class PairQueues:
         """A slot of ``pair`` for one request; waits its turn at most ``max_wait_s``, then
         refuses in OpenAI's terms: 429 for a tenant over its share, 503 for a full pair."""
         queue = self.queue(model, pair)
+        free = queue.take_free(share, cost)
+        if free is not None:
+            return free
         try:
             return await queue.acquire(share, self._settings.max_wait_s, cost)
         except WaitExpired as expired:

@@ -170,12 +170,15 @@ class UpstreamClient:
         self._targets: dict[str, tuple[Origin, bytes]] = {}
         self._tls = ssl.create_default_context()
 
-    async def _acquire(self, origin: Origin) -> UpstreamConnection:
+    def _pooled(self, origin: Origin) -> UpstreamConnection | None:
         idle = self._idle.get(origin)
         while idle:
             connection = idle.pop()
             if not connection.closed:
                 return connection
+        return None
+
+    async def _connect(self, origin: Origin) -> UpstreamConnection:
         loop = asyncio.get_running_loop()
         log.debug("new upstream connection", extra={"origin": f"{origin.host}:{origin.port}"})
         try:
@@ -226,7 +229,8 @@ class UpstreamClient:
         """Send a POST; its answer arrives on the returned connection (``wait_for_answers``).
         Hand the connection to ``finish`` when done with it, whatever happened."""
         origin, raw = self._request(url, body, headers)
-        connection = await self._acquire(origin)
+        # A pooled connection without a coroutine of its own: this runs twice per request.
+        connection = self._pooled(origin) or await self._connect(origin)
         connection.begin(raw)
         return connection
 
