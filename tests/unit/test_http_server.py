@@ -1,0 +1,151 @@
+"""The gateway's HTTP/1.1 protocol (``gateway.http_server``) under uvicorn, in process, read
+off a raw socket: a whole answer's head and body as uvicorn would write them, the connection
+kept alive or closed as asked, and anything off the fast path left to uvicorn's own checks."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator
+
+import pytest
+import uvicorn
+from starlette.types import Receive, Scope, Send
+
+from gateway.http_server import ClientBounds, bounded_protocol
+
+pytestmark = pytest.mark.anyio
+
+_BOUNDS = ClientBounds(
+    header_timeout_s=30, body_timeout_s=30, max_header_bytes=16384, max_connections=16
+)
+
+
+async def _app(scope: Scope, receive: Receive, send: Send) -> None:
+    if scope["type"] != "http":
+        return
+    while (await receive()).get("more_body"):
+        pass
+    path = scope["path"]
+    body = b'{"ok": true}'
+    if path == "/whole":
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", b"%d" % len(body)),
+            (b"x-ratelimit-remaining-requests", b"59"),
+        ]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+    elif path == "/parts":  # a declared length, sent in two messages
+        headers = [(b"content-length", b"%d" % len(body))]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": body[:4], "more_body": True})
+        await send({"type": "http.response.body", "body": body[4:]})
+    elif path == "/stream":  # no length: chunked, by uvicorn
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ab", "more_body": True})
+        await send({"type": "http.response.body", "body": b"cd"})
+    elif path.startswith("/injected/"):  # a header that would start a header of its own
+        name, value = {
+            "/injected/value": (b"x-note", b"a\r\nset-cookie: x=1"),
+            "/injected/name": (b"set-cookie: x=1\r\nx-note", b"a"),
+        }[path]
+        headers = [(b"content-length", b"2"), (name, value)]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": b"ok"})
+    elif path == "/short":  # fewer bytes than declared
+        headers = [(b"content-length", b"10")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+
+@pytest.fixture
+async def server_port() -> AsyncIterator[int]:
+    # Listening before the server runs: connections wait in the backlog until it accepts.
+    listening = socket.socket()
+    listening.bind(("127.0.0.1", 0))
+    listening.listen()
+    config = uvicorn.Config(
+        _app,
+        http=bounded_protocol(_BOUNDS),
+        lifespan="off",
+        log_config=None,
+        access_log=False,
+        server_header=False,
+        date_header=False,
+    )
+    server = uvicorn.Server(config)
+    serving = asyncio.ensure_future(server.serve(sockets=[listening]))
+    try:
+        yield listening.getsockname()[1]
+    finally:
+        server.should_exit = True
+        await serving
+        listening.close()
+
+
+async def _exchange(port: int, *paths: str, close: bool = False) -> bytes:
+    """Each path's request on one connection (the last asks to close), then all that was read
+    until the server closed it."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        for index, path in enumerate(paths):
+            last = index == len(paths) - 1
+            connection = b"connection: close\r\n" if close and last else b""
+            writer.write(b"GET %s HTTP/1.1\r\nhost: t\r\n%s\r\n" % (path.encode(), connection))
+        await writer.drain()
+        return await asyncio.wait_for(reader.read(), timeout=10) if close else b""
+    finally:
+        writer.close()
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()
+
+
+async def _read_exactly(port: int, path: str) -> tuple[bytes, bool]:
+    """One request's answer, and whether the server then closed without another byte."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(b"GET %s HTTP/1.1\r\nhost: t\r\n\r\n" % path.encode())
+        await writer.drain()
+        data = await asyncio.wait_for(reader.read(), timeout=10)
+        return data, reader.at_eof()
+    finally:
+        writer.close()
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()
+
+
+async def test_a_whole_answer_is_written_as_uvicorn_writes_it_and_keeps_the_connection(
+    server_port: int,
+) -> None:
+    data = await _exchange(server_port, "/whole", "/whole", close=True)
+    first, second = data.split(b"HTTP/1.1 200 OK\r\n")[1:]
+    assert first == (
+        b"content-type: application/json\r\ncontent-length: 12\r\n"
+        b"x-ratelimit-remaining-requests: 59\r\n\r\n"
+        b'{"ok": true}'
+    )
+    # The second answer came on the same connection, which it then closed as asked.
+    assert second.startswith(b"content-type: application/json\r\ncontent-length: 12\r\n")
+    assert b"connection: close\r\n" in second and second.endswith(b'{"ok": true}')
+
+
+async def test_a_body_in_parts_and_a_stream_are_written_by_uvicorn(server_port: int) -> None:
+    parts = await _exchange(server_port, "/parts", close=True)
+    assert parts.endswith(b'\r\n\r\n{"ok": true}') and b"content-length: 12" in parts
+    stream = await _exchange(server_port, "/stream", close=True)
+    assert b"transfer-encoding: chunked" in stream
+    assert stream.endswith(b"2\r\nab\r\n2\r\ncd\r\n0\r\n\r\n")
+
+
+@pytest.mark.parametrize("part", ["value", "name"])
+async def test_a_header_holding_a_line_break_is_never_written(server_port: int, part: str) -> None:
+    data, closed = await _read_exactly(server_port, f"/injected/{part}")
+    assert b"set-cookie" not in data and closed
+
+
+async def test_an_answer_shorter_than_its_length_closes_the_connection(server_port: int) -> None:
+    data, closed = await _read_exactly(server_port, "/short")
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert b"content-length: 10" in head and len(body) < 10 and closed
