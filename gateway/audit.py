@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import logging
+import operator
 import os
 import time
 from collections import deque
@@ -84,7 +85,11 @@ class AuditEvent:
     pool: str | None = None  # the worker pool that served it (what its tenant is shown)
 
     def row(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in AUDIT_COLUMNS}
+        return dict(zip(AUDIT_COLUMNS, _AUDIT_VALUES(self), strict=True))
+
+
+# Every column's value in one call (a getattr per column cost a call each, on every request).
+_AUDIT_VALUES = operator.attrgetter(*AUDIT_COLUMNS)
 
 
 class AuditSpool:

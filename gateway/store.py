@@ -222,7 +222,7 @@ def _audit_values(row: dict[str, Any]) -> list[Any]:
     10 kB model name) cut to fit, so a value the request path did not bound cannot make a batch
     unwritable; ``created_at`` checked to be a UTC-aware datetime."""
     # .get: rows spooled by an older version lack the columns added since (the pool).
-    values = [row.get(name) for name in AUDIT_COLUMNS]
+    values = list(map(row.get, AUDIT_COLUMNS))
     for index, limit in _AUDIT_STRING_LIMITS:
         value = values[index]
         if isinstance(value, str) and len(value) > limit:

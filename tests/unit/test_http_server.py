@@ -54,6 +54,10 @@ async def _app(scope: Scope, receive: Receive, send: Send) -> None:
         headers = [(b"content-length", b"2"), (name, value)]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": b"ok"})
+    elif path == "/upper":  # a name not in lower case: uvicorn's path, which lowers it
+        headers = [(b"Content-Length", b"2"), (b"X-Note", b"caf\xc3\xa9\tok")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": b"ok"})
     elif path == "/short":  # fewer bytes than declared
         headers = [(b"content-length", b"10")]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
@@ -129,6 +133,13 @@ async def test_a_whole_answer_is_written_as_uvicorn_writes_it_and_keeps_the_conn
     # The second answer came on the same connection, which it then closed as asked.
     assert second.startswith(b"content-type: application/json\r\ncontent-length: 12\r\n")
     assert b"connection: close\r\n" in second and second.endswith(b'{"ok": true}')
+
+
+async def test_a_name_in_upper_case_is_written_by_uvicorn_in_lower_case(server_port: int) -> None:
+    data = await _exchange(server_port, "/upper", close=True)
+    assert data.endswith(
+        b"content-length: 2\r\nx-note: caf\xc3\xa9\tok\r\nconnection: close\r\n\r\nok"
+    )
 
 
 async def test_a_body_in_parts_and_a_stream_are_written_by_uvicorn(server_port: int) -> None:
