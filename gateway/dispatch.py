@@ -159,7 +159,8 @@ class PDDispatcher:
             self._seen_serving(pair.decode.url)
             return answer
         finally:
-            if len(exchanges) < 2 or not all(c.complete for _, c in exchanges):
+            # Written out, not all() over a generator: this runs for every request.
+            if len(exchanges) < 2 or not (exchanges[0][1].complete and exchanges[1][1].complete):
                 self._abort(pair, request)
             for _, connection in exchanges:
                 client.finish(connection)

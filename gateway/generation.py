@@ -405,7 +405,8 @@ class GenerationCore:
             completions = await _all_or_nothing(
                 [self._complete_one(admitted, choice) for choice in admitted.choices]
             )
-        trace.completion_tokens = completion_tokens = sum(c.completion_tokens for c in completions)
+        completion_tokens = sum([c.completion_tokens for c in completions])
+        trace.completion_tokens = completion_tokens
         if admitted.lease is not None:
             await admitted.lease.settle((trace.prompt_tokens or 0) + completion_tokens)
         return completions

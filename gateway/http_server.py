@@ -245,7 +245,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._awaiting_headers = True  # the next request's
 
     def _arm_header_timer(self) -> None:
-        self._disarm_timer()
+        """Only with no timer armed (a new connection, or the first byte of the next request)."""
         self._timer = self.loop.call_later(self._bounds.header_timeout_s, self._headers_timed_out)
 
     def _disarm_timer(self) -> None:

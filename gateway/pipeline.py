@@ -114,7 +114,7 @@ async def handle_generation(components: Components, request: Request, kind: Kind
         parsed = await components.parser.parse(
             body, ChatCompletionRequest if kind == "chat" else CompletionRequest
         )
-        trace.stream = parsed.streaming
+        trace.stream = streaming = parsed.streaming
         trace.model = parsed.model
         policies = components.policies
         model = policies.models.get(parsed.model)
@@ -127,6 +127,9 @@ async def handle_generation(components: Components, request: Request, kind: Kind
         max_tokens = max(_max_tokens(parsed, model), 1)
         tokenizer = components.tokenizers[model.name]
         parsed.check_against(tokenizer.vocab_size, max_tokens)
+        # Completions per prompt: ``best_of`` of them where a completion request asks for more
+        # than it returns.
+        candidates = parsed.candidates if isinstance(parsed, CompletionRequest) else parsed.choices
         ask = GenerationAsk(
             tenant_id=principal.tenant_id,
             model=model,
@@ -135,7 +138,7 @@ async def handle_generation(components: Components, request: Request, kind: Kind
             sampling_params=parsed.sampling_params(max_tokens),
             limits=limits,
             lease=lease,
-            n=parsed.candidates if isinstance(parsed, CompletionRequest) else parsed.choices,
+            n=candidates,
             top_logprobs=parsed.top_logprobs_num,
             output=output_spec(parsed, model)
             if isinstance(parsed, ChatCompletionRequest)
@@ -148,14 +151,14 @@ async def handle_generation(components: Components, request: Request, kind: Kind
         async with ClientWatch(request.scope, request.receive):
             admitted = await core.admit(ask, trace, held)
             limit_headers = admitted.lease.headers() if admitted.lease is not None else []
-            if parsed.streaming:
+            if streaming:
                 streams = await core.open_stream(admitted, trace)
                 events = _sse_events(trace, streams, kind, parsed.include_usage)
                 # From here the stream listens for the disconnect itself.
                 return GuardedStream(core, trace, events, streams, held.pop_all(), limit_headers)
             generated = completions = await core.complete(admitted, trace)
-        if isinstance(parsed, CompletionRequest) and parsed.candidates > parsed.choices:
-            completions = best_of(generated, parsed.candidates, parsed.choices)
+        if isinstance(parsed, CompletionRequest) and candidates > parsed.choices:
+            completions = best_of(generated, candidates, parsed.choices)
             if parsed.logprobs is None:  # asked for the ranking, not by the client
                 completions = [dataclasses.replace(c, logprobs=None) for c in completions]
         if isinstance(parsed, CompletionRequest) and parsed.echo:
