@@ -49,11 +49,13 @@ GENERATION_PATHS: dict[str, Kind] = {
 
 
 async def chat_completions(request: Request) -> Response:
-    return await handle_generation(_components(request), request, "chat")
+    return await handle_generation(_components(request), request.scope, request.receive, "chat")
 
 
 async def completions(request: Request) -> Response:
-    return await handle_generation(_components(request), request, "completion")
+    return await handle_generation(
+        _components(request), request.scope, request.receive, "completion"
+    )
 
 
 async def models(request: Request) -> Response:

@@ -72,9 +72,7 @@ class Gateway:
         if scope["type"] == "http" and scope["method"] == "POST":
             kind = GENERATION_PATHS.get(scope["path"])
             if kind is not None:
-                response = await handle_generation(
-                    self.state.components, Request(scope, receive), kind
-                )
+                response = await handle_generation(self.state.components, scope, receive, kind)
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)

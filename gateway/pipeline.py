@@ -15,13 +15,13 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal
 
 import orjson
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -71,16 +71,18 @@ GENERATION_ID_HEADER = "X-Generation-Id"
 _GENERATION_ID_HEADER_RAW = GENERATION_ID_HEADER.lower().encode()
 
 
-async def handle_generation(components: Components, request: Request, kind: Kind) -> Response:
+async def handle_generation(
+    components: Components, scope: Scope, receive: Receive, kind: Kind
+) -> Response:
     core = components.core
     trace = Trace(new_generation_id(), datetime.now(UTC), time.perf_counter())
     current_generation_id.set(trace.generation_id)
     held = Held()
     try:
         # auth: a request that fails it is counted, not audited (anyone could write those rows)
-        headers = ClientHeaders.of(request.scope)
+        headers = ClientHeaders.of(scope)
         try:
-            trace.principal = principal = await _authenticate(components, request.scope, headers)
+            trace.principal = principal = await _authenticate(components, scope, headers)
         except APIError as error:
             return error.response()
         if principal.is_admin:
@@ -104,8 +106,8 @@ async def handle_generation(components: Components, request: Request, kind: Kind
         # parse
         settings = components.settings
         body = await read_large_body(
-            request.scope,
-            request.receive,
+            scope,
+            receive,
             headers.content_length,
             settings.max_body_bytes,
             settings.body_timeout_s,
@@ -148,7 +150,7 @@ async def handle_generation(components: Components, request: Request, kind: Kind
 
         # admit → claim → dispatch → verify (the core), then the response; a client that
         # leaves meanwhile (queued, or waiting on the workers) cancels it
-        async with ClientWatch(request.scope, request.receive):
+        async with ClientWatch(scope, receive):
             admitted = await core.admit(ask, trace, held)
             limit_headers = admitted.lease.headers() if admitted.lease is not None else []
             if streaming:
@@ -316,19 +318,30 @@ async def read_body(
     return body
 
 
-async def read_large_body(
+def read_large_body(
     scope: Scope,
     receive: Receive,
     declared_length: str | None,
     limit: int,
     timeout_s: float,
     parser: BodyParser | None,
-) -> bytes | SpooledBody:
+) -> Awaitable[bytes | SpooledBody]:
     """``read_body``, but a body of at least ``parser.spill_at`` bytes is written to a file as
-    it arrives (``gateway.intake``) instead of being joined in memory."""
+    it arrives (``gateway.intake``) instead of being joined in memory. Not a coroutine itself
+    under the gateway's own server: each wait for the body would resume one frame more."""
     hook = disconnect_hook(scope)
     if hook is not None:  # the gateway's own server times the body out itself
-        return await _read_body(receive, declared_length, limit, parser, hook)
+        return _read_body(receive, declared_length, limit, parser, hook)
+    return _read_body_in_time(receive, declared_length, limit, timeout_s, parser)
+
+
+async def _read_body_in_time(
+    receive: Receive,
+    declared_length: str | None,
+    limit: int,
+    timeout_s: float,
+    parser: BodyParser | None,
+) -> bytes | SpooledBody:
     try:
         async with asyncio.timeout(timeout_s):
             return await _read_body(receive, declared_length, limit, parser, None)

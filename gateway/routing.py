@@ -9,6 +9,7 @@ the pair chosen is one where it fits *now* and whose workers have the fewest tok
 from __future__ import annotations
 
 import math
+import operator
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -72,26 +73,33 @@ class Candidates:
     policy_max_context: int
     # Wall-clock time after which some observation used here may no longer be routed on.
     fresh_until: float = math.inf
-    _limits: dict[tuple[int, int], list[PromptLimit]] = field(default_factory=dict)
+    # Per (max_tokens, margin): each pair's limit in ``pairs`` order, and the largest of them.
+    _limits: dict[tuple[int, int], tuple[list[PromptLimit], PromptLimit]] = field(
+        default_factory=dict
+    )
 
     def limits(self, max_tokens: int, margin: int) -> list[PromptLimit]:
         """Each pair's limit, in ``pairs`` order (computed once per ``max_tokens``)."""
+        return self._limits_of(max_tokens, margin)[0]
+
+    def best_limit(self, max_tokens: int, margin: int) -> PromptLimit:
+        """The largest prompt any candidate pair admits: a prompt over it fits nowhere."""
+        return self._limits_of(max_tokens, margin)[1]
+
+    def _limits_of(self, max_tokens: int, margin: int) -> tuple[list[PromptLimit], PromptLimit]:
         key = (max_tokens, margin)
-        limits = self._limits.get(key)
-        if limits is None:
+        known = self._limits.get(key)
+        if known is None:
             if len(self._limits) >= _LIMITS_PER_ENTRY:
                 self._limits.clear()  # clients choosing many max_tokens values: bounded memory
-            limits = self._limits[key] = [
+            limits = [
                 prompt_limit(
                     self.policy_max_context, p.prefill_state, p.decode_state, max_tokens, margin
                 )
                 for p in self.pairs
             ]
-        return limits
-
-    def best_limit(self, max_tokens: int, margin: int) -> PromptLimit:
-        """The largest prompt any candidate pair admits: a prompt over it fits nowhere."""
-        return max(self.limits(max_tokens, margin), key=lambda limit: limit.tokens)
+            known = self._limits[key] = (limits, max(limits, key=_tokens))
+        return known
 
     def choose(
         self, ledger: ClaimLedger, prompt_tokens: int, max_tokens: int, margin: int
@@ -112,7 +120,8 @@ class Candidates:
             longest = max(prompts)
         best: WorkerPair | None = None
         best_load: int | None = None  # counted once a second pair fits: one alone is not compared
-        for pair, limit in zip(self.pairs, self.limits(max_tokens, margin), strict=True):
+        limits = self._limits_of(max_tokens, margin)[0]
+        for pair, limit in zip(self.pairs, limits, strict=True):
             if not fits_now(ledger, pair, limit, longest, need):
                 continue
             if best is None:
@@ -134,6 +143,7 @@ def _tokens_in_use(ledger: ClaimLedger, pair: WorkerPair) -> int:
 
 
 _LIMITS_PER_ENTRY = 64
+_tokens = operator.attrgetter("tokens")
 _MAX_ENTRIES = 10_000
 
 

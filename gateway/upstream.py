@@ -45,7 +45,7 @@ class UpstreamConnection(asyncio.Protocol):
     """One pooled HTTP/1.1 connection to a worker, carrying one exchange at a time.
 
     What the dispatcher reads of an exchange: ``done`` (the answer is complete or failed),
-    ``answered``, ``failure``, ``status`` and ``body()``.
+    ``answered``, ``complete``, ``failure``, ``status`` and ``body()``.
     """
 
     def __init__(self) -> None:
@@ -57,6 +57,9 @@ class UpstreamConnection(asyncio.Protocol):
         self.keep_alive = False
         self.headers_done: asyncio.Future[None] | None = None
         self.done: asyncio.Future[None] | None = None
+        # The whole response has arrived (so the connection may carry the next request): set
+        # as it completes, read for every exchange (no one cancels ``done`` or fails it after).
+        self.complete = False
         self.chunks: collections.deque[bytes] = collections.deque()
         # Set when body data arrives, the message completes or the connection fails.
         self.readable: asyncio.Future[None] | None = None
@@ -91,12 +94,13 @@ class UpstreamConnection(asyncio.Protocol):
         self.keep_alive = self.parser.should_keep_alive()
         if self.done is not None and not self.done.done():
             self.done.set_result(None)
+            self.complete = True
         self._wake()
 
     # -- use --
     def begin(self, request: bytes) -> None:
         loop = asyncio.get_running_loop()
-        self.status, self.keep_alive = 0, False
+        self.status, self.keep_alive, self.complete = 0, False, False
         self.headers_done, self.done = loop.create_future(), loop.create_future()
         self.chunks.clear()
         self.readable = None
@@ -132,16 +136,6 @@ class UpstreamConnection(asyncio.Protocol):
 
     def body(self) -> bytes:
         return b"".join(self.chunks)
-
-    @property
-    def complete(self) -> bool:
-        """The whole response has arrived (so the connection may carry the next request)."""
-        return (
-            self.done is not None
-            and self.done.done()
-            and not self.done.cancelled()
-            and self.done.exception() is None
-        )
 
     def close(self) -> None:
         self.closed = True
