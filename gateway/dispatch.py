@@ -133,6 +133,7 @@ class PDDispatcher:
         )
         client = self._client
         exchanges: list[tuple[str, UpstreamConnection]] = []
+        connections: list[UpstreamConnection] = []
         try:
             for role, url, role_body in (
                 ("prefill", pair.prefill.url, prefill_body),
@@ -144,7 +145,8 @@ class PDDispatcher:
                 except (UpstreamError, OSError) as exc:
                     raise _transport_error(role, exc) from exc
                 exchanges.append((role, connection))
-            await client.wait_for_answers([connection for _, connection in exchanges])
+                connections.append(connection)
+            await client.wait_for_answers(connections)
             # Prefill first: when both failed, decode's failure is most likely prefill's doing.
             for role, connection in exchanges:
                 if connection.answered:  # else abandoned: the other one failed

@@ -303,10 +303,6 @@ class TenantLimiter:
             and (mode != "rest" or lease._in_redis)
         )
 
-    def _take_local(self, lease: LimitLease, reserved: int, mode: _Mode) -> Allowance:
-        lease._in_redis = False
-        return self._acquire_local(lease.tenant_id, lease._limits, reserved, lease._lease_id, mode)
-
     async def _take_shared(self, lease: LimitLease, reserved: int, mode: _Mode) -> Allowance:
         tenant_id, limits = lease.tenant_id, lease._limits
         assert self._acquire_script is not None  # ``_shared`` said so
@@ -338,9 +334,9 @@ class TenantLimiter:
             return Allowance(int(left[0]), int(left[1]))
         return self._take_local(lease, reserved, mode)  # Redis unreachable: in memory
 
-    def _acquire_local(
-        self, tenant_id: str, limits: TenantLimits, reserved: int, lease_id: str, mode: _Mode
-    ) -> Allowance:
+    def _take_local(self, lease: LimitLease, reserved: int, mode: _Mode) -> Allowance:
+        lease._in_redis = False
+        tenant_id, limits, lease_id = lease.tenant_id, lease._limits, lease._lease_id
         now = time.monotonic() * 1000
         bucket = self._buckets.get(tenant_id)
         if bucket is None:

@@ -6,7 +6,7 @@ observation of each that a decision was made on.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .capacity import WorkerCapacity
 from .policies import DecodeWorker, PrefillWorker
@@ -20,6 +20,8 @@ class WorkerPair:
     prefill_state: WorkerCapacity
     decode_state: WorkerCapacity
 
-    @property
-    def urls(self) -> tuple[str, str]:
-        return (self.prefill.url, self.decode.url)
+    # The two workers' URLs, as claims are keyed: made with the pair, read for every request.
+    urls: tuple[str, str] = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "urls", (self.prefill.url, self.decode.url))

@@ -258,7 +258,7 @@ class _Request(_Strict):
         """What only the model can bound: token ids in the vocabulary, min_tokens under the
         completion's length (checked here, so the engine never refuses what was accepted)."""
         for param, ids in (
-            ("logit_bias", [int(t) for t in self.logit_bias or {}]),
+            ("logit_bias", list(map(int, self.logit_bias or ()))),
             ("stop_token_ids", self.stop_token_ids or []),
         ):
             for token in ids:

@@ -86,16 +86,21 @@ class UpstreamConnection(asyncio.Protocol):
         if self.headers_done is not None and not self.headers_done.done():
             self.headers_done.set_result(None)
 
+    # ``_wake`` written out in the two callbacks of every answer (one call less each).
     def on_body(self, body: bytes) -> None:
         self.chunks.append(body)
-        self._wake()
+        readable = self.readable
+        if readable is not None and not readable.done():
+            readable.set_result(None)
 
     def on_message_complete(self) -> None:
         self.keep_alive = self.parser.should_keep_alive()
         if self.done is not None and not self.done.done():
             self.done.set_result(None)
             self.complete = True
-        self._wake()
+        readable = self.readable
+        if readable is not None and not readable.done():
+            readable.set_result(None)
 
     # -- use --
     def begin(self, request: bytes) -> None:
@@ -210,8 +215,9 @@ class UpstreamClient:
         if target is None:
             target = self._targets[url] = _target(url)
         origin, request_line = target
-        # A list, not a generator: a generator resumes once per header.
-        head = "".join([f"{k}: {v}\r\n" for k, v in headers.items()])
+        # A map over str's own formatting, not a generator (which resumes once per header) nor
+        # a comprehension (one frame more).
+        head = "".join(map("%s: %s\r\n".__mod__, headers.items()))
         return origin, b"%sContent-Length: %d\r\n%s\r\n%s" % (
             request_line,
             len(body),
