@@ -292,7 +292,8 @@ class FairQueue:
         tenant.holding -= cost
         self._mean_hold_s += 0.2 * (held_s - self._mean_hold_s)
         self._forget_if_idle(tenant)
-        self._dispatch()
+        if self._queued:  # most releases find nobody waiting
+            self._dispatch()
 
     def _forget_if_idle(self, tenant: _Tenant) -> None:
         # An idle tenant holds no state worth keeping: on return it starts at the virtual time.

@@ -225,11 +225,11 @@ class _Request(_Strict):
 
     def grammar(self) -> dict[str, str]:
         """The one constraint SGLang is to decode under, as its sampling parameter."""
-        grammars = {
-            key: value
-            for key, value in (("regex", self.regex), ("ebnf", self.ebnf))
-            if value is not None
-        }
+        grammars: dict[str, str] = {}
+        if self.regex is not None:
+            grammars["regex"] = self.regex
+        if self.ebnf is not None:
+            grammars["ebnf"] = self.ebnf
         if self.json_schema is not None:
             grammars["json_schema"] = self.json_schema
         return grammars

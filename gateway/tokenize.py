@@ -21,7 +21,7 @@ import asyncio
 import json
 import re
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -263,18 +263,20 @@ class ModelTokenizer:
             )[0]
         )
 
-    async def _encode(
+    def _encode(
         self, text: str, *, add_special_tokens: bool, tokenizer: Tokenizer | None = None
-    ) -> list[int]:
+    ) -> Awaitable[list[int]]:
+        """The ids of ``text``, to await. Not a coroutine itself: the caller awaits the batch's
+        future (or the thread's result) in its own frame, one frame less to resume."""
         plain = tokenizer is not None
         tokenizer = tokenizer or self._tokenizer
         if len(text) < self._thread_min_chars:
             batch = self._plain_batch if plain else self._turn_batch
-            return await batch.submit(text, add_special_tokens)
+            return batch.submit(text, add_special_tokens)
         # Long prompts would stall every other request for as long as they take. ``encode``
         # holds the GIL; ``encode_batch`` releases it, so the loop keeps serving meanwhile.
         # Reading .ids builds a Python list (about 25 ms at 1M tokens): also off the loop.
-        return await anyio.to_thread.run_sync(
+        return anyio.to_thread.run_sync(
             lambda: tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         )
 
