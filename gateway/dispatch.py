@@ -133,7 +133,6 @@ class PDDispatcher:
         )
         client = self._client
         exchanges: list[tuple[str, UpstreamConnection]] = []
-        connections: list[UpstreamConnection] = []
         try:
             for role, url, role_body in (
                 ("prefill", pair.prefill.url, prefill_body),
@@ -145,8 +144,7 @@ class PDDispatcher:
                 except (UpstreamError, OSError) as exc:
                     raise _transport_error(role, exc) from exc
                 exchanges.append((role, connection))
-                connections.append(connection)
-            await client.wait_for_answers(connections)
+            await client.wait_for_answers([connection for _, connection in exchanges])
             # Prefill first: when both failed, decode's failure is most likely prefill's doing.
             for role, connection in exchanges:
                 if connection.answered:  # else abandoned: the other one failed

@@ -313,11 +313,7 @@ class GenerationCore:
             if error.code == CONTEXT_LENGTH_EXCEEDED:
                 self._metrics.admission_refusals.labels(model.name, limit.bound).inc()
             raise
-        prompt_lengths = (
-            list(map(len, counted))
-            if ask.n == 1
-            else [len(ids) for ids in counted for _ in range(ask.n)]
-        )
+        prompt_lengths = [len(ids) for ids in counted for _ in range(ask.n)]
         trace.prompt_tokens = prompt_total = sum(prompt_lengths)
 
         pair = candidates.choose_for_all(self._ledger, prompt_lengths, max_tokens, margin)

@@ -622,12 +622,11 @@ class CompletionRequest(_Request):
     def candidates(self) -> int:
         """How many completions are generated per prompt: ``best_of``, of which ``n`` are
         returned (the most likely per token)."""
-        return max(self.best_of or 1, self.n or 1)
+        return max(self.best_of or 1, self.choices)
 
     @property
     def top_logprobs_num(self) -> int | None:
-        best_of = self.best_of
-        if best_of is not None and best_of > (self.n or 1):  # more candidates than choices
+        if self.candidates > self.choices:
             return self.logprobs or 0  # the ranking needs every token's log probability
         return self.logprobs
 

@@ -86,21 +86,16 @@ class UpstreamConnection(asyncio.Protocol):
         if self.headers_done is not None and not self.headers_done.done():
             self.headers_done.set_result(None)
 
-    # ``_wake`` written out in the two callbacks of every answer (one call less each).
     def on_body(self, body: bytes) -> None:
         self.chunks.append(body)
-        readable = self.readable
-        if readable is not None and not readable.done():
-            readable.set_result(None)
+        self._wake()
 
     def on_message_complete(self) -> None:
         self.keep_alive = self.parser.should_keep_alive()
         if self.done is not None and not self.done.done():
             self.done.set_result(None)
             self.complete = True
-        readable = self.readable
-        if readable is not None and not readable.done():
-            readable.set_result(None)
+        self._wake()
 
     # -- use --
     def begin(self, request: bytes) -> None:
