@@ -225,11 +225,12 @@ async def test_two_gateway_processes_sharing_redis_hold_the_limits_together(
         from gateway.limits import TenantLimiter
         from gateway.policies import TenantLimits
 
-        async def main(url, prefix, start_at):
+        async def main(url, prefix):
             client = redis_asyncio.from_url(url)
             await client.ping()
-            await asyncio.sleep(max(0.0, start_at - time.time()))  # both start together
             limiter = TenantLimiter(client, key_prefix=prefix)
+            print("ready", flush=True)
+            sys.stdin.readline()  # both start together, whenever both are up
             rpm = TenantLimits(
                 requests_per_minute=25, tokens_per_minute=1_000_000, max_concurrent=1000
             )
@@ -245,26 +246,33 @@ async def test_two_gateway_processes_sharing_redis_hold_the_limits_together(
                         counts[name] += 1
                     except APIError:
                         pass
-                await asyncio.sleep(0.002)
+                await asyncio.sleep(0.01)  # the two interleave, even on a busy host
             await client.aclose()
             counts["began"], counts["ended"] = began, time.time()
             print(json.dumps(counts))
 
-        asyncio.run(main(sys.argv[1], sys.argv[2], float(sys.argv[3])))
+        asyncio.run(main(sys.argv[1], sys.argv[2]))
         """
     )
-    start_at = str(time.time() + 5)  # both interpreters are up by then
     # Blocking on purpose: the test has nothing else to run while the two processes work.
     processes = [
         subprocess.Popen(  # noqa: ASYNC220
-            [sys.executable, "-c", script, REDIS_URL, redis_prefix, start_at],
+            [sys.executable, "-c", script, REDIS_URL, redis_prefix],
             cwd=ROOT,
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
         )
         for _ in range(2)
     ]
+    for process in processes:
+        assert process.stdout is not None
+        assert process.stdout.readline() == "ready\n", process.communicate(timeout=60)[1]
+    for process in processes:
+        assert process.stdin is not None
+        process.stdin.write("go\n")
+        process.stdin.flush()
     outputs = []
     for process in processes:
         out, err = process.communicate(timeout=60)
