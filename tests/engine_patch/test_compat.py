@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 from engine_patch.compat import HookTarget, compatibility_problems, target_problems
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from tests.engine_patch.fresh_interpreter import run_script
 
 
 def test_installed_sglang_0_5_23_is_compatible():
@@ -32,7 +29,7 @@ def test_a_moved_hook_target_is_a_problem():
     assert "expected ('self', 'request')" in problems[1]
 
 
-def run_load_plugins(prelude: str) -> subprocess.CompletedProcess:
+def run_load_plugins(prelude: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
     """Load the plugin through SGLang's own load_plugins, in a fresh interpreter."""
     script = (
         f"{prelude}\n"
@@ -41,26 +38,20 @@ def run_load_plugins(prelude: str) -> subprocess.CompletedProcess:
         "load_plugins()\n"
         "print('PATCHED', len(HookRegistry._patched))\n"
     )
-    env = {**os.environ, "SGLANG_PLUGINS": "isogate", "PYTHONPATH": str(REPO_ROOT)}
-    return subprocess.run(
-        [sys.executable, "-W", "ignore", "-c", script],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=180,
-    )
+    return run_script(script, {"SGLANG_PLUGINS": "isogate"}, tmp_path)
 
 
-def test_plugin_loads_through_sglang_and_applies_its_hooks():
-    done = run_load_plugins("")
+def test_plugin_loads_through_sglang_and_applies_its_hooks(tmp_path: Path) -> None:
+    done = run_load_plugins("", tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "PATCHED 13" in done.stdout
 
 
-def test_plugin_refuses_to_load_when_a_pd_door_lost_the_admission_fix():
+def test_plugin_refuses_to_load_when_a_pd_door_lost_the_admission_fix(tmp_path: Path) -> None:
     done = run_load_plugins(
         "import sglang.srt.disaggregation.prefill as prefill\n"
-        "prefill.is_unadmitted_reject = lambda req: False\n"
+        "prefill.is_unadmitted_reject = lambda req: False\n",
+        tmp_path,
     )
     assert done.returncode != 0
     assert "PATCHED" not in done.stdout
@@ -70,9 +61,10 @@ def test_plugin_refuses_to_load_when_a_pd_door_lost_the_admission_fix():
     )
 
 
-def test_plugin_refuses_to_load_without_is_unadmitted_reject():
+def test_plugin_refuses_to_load_without_is_unadmitted_reject(tmp_path: Path) -> None:
     done = run_load_plugins(
-        "import sglang.srt.disaggregation.utils as utils\ndel utils.is_unadmitted_reject\n"
+        "import sglang.srt.disaggregation.utils as utils\ndel utils.is_unadmitted_reject\n",
+        tmp_path,
     )
     assert done.returncode != 0
     assert "lacks the upstream admission fix" in done.stderr

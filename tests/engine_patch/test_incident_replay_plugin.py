@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
+from pathlib import Path
 
 import pytest
+
+from tests.engine_patch.fresh_interpreter import run_script
 
 isogate_incident_replay = pytest.importorskip("isogate_incident_replay")
 
@@ -25,31 +25,27 @@ PROBE = (
 )
 
 
-def probe(env: dict[str, str]) -> str:
-    done = subprocess.run(
-        [sys.executable, "-W", "ignore", "-c", PROBE],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "SGLANG_PLUGINS": "isogate_incident_replay", **env},
-        timeout=180,
-    )
+def probe(env: dict[str, str], tmp_path: Path) -> str:
+    done = run_script(PROBE, {"SGLANG_PLUGINS": "isogate_incident_replay", **env}, tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout
 
 
-def test_inactive_without_the_test_switch():
-    out = probe({})
+def test_inactive_without_the_test_switch(tmp_path: Path) -> None:
+    out = probe({}, tmp_path)
     assert "admission_undone False False" in out
     assert "retire_undone False True" in out
 
 
-def test_undoes_the_admission_fix_at_both_doors_and_prefills_retire_only():
-    out = probe({"ISOGATE_TEST_UNDO_ADMISSION_FIX": "1"})
+def test_undoes_the_admission_fix_at_both_doors_and_prefills_retire_only(tmp_path: Path) -> None:
+    out = probe({"ISOGATE_TEST_UNDO_ADMISSION_FIX": "1"}, tmp_path)
     assert "admission_undone True True" in out
     assert "retire_undone True True" in out  # only prefill's binding; utils keeps SGLang's
 
 
-def test_can_undo_the_admission_fix_alone():
-    out = probe({"ISOGATE_TEST_UNDO_ADMISSION_FIX": "1", "ISOGATE_TEST_UNDO_FIXES": "admission"})
+def test_can_undo_the_admission_fix_alone(tmp_path: Path) -> None:
+    out = probe(
+        {"ISOGATE_TEST_UNDO_ADMISSION_FIX": "1", "ISOGATE_TEST_UNDO_FIXES": "admission"}, tmp_path
+    )
     assert "admission_undone True True" in out
     assert "retire_undone False True" in out
