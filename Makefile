@@ -9,10 +9,11 @@ LINT_PATHS := gateway engine_patch engine bench tests migrations
 
 .PHONY: run lint test test-fast bench soak install engine services check-pools clean
 
+# --no-compile: what is imported compiles on its first import (scripts/install-engine says why).
 $(GATEWAY_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q -e '.[test]'
+	$(VENV)/bin/pip install -q --no-compile -e '.[test]'
 	touch $@
 
 install: $(GATEWAY_STAMP)
@@ -42,7 +43,10 @@ lint: install
 TEST_WORKERS ?= 2
 PARALLEL := -n $(TEST_WORKERS) --dist loadgroup
 ENGINE_SUITE_LOG := .run/engine-suite.log
-test: lint install engine services
+# The engine's install (mostly waiting on downloads and the disk) runs beside the gateway's
+# install and the static checks; each one's output is printed whole when it ends.
+test:
+	@$(MAKE) --no-print-directory --jobs=3 --output-sync=target lint engine services
 	@mkdir -p .run
 	@$(ENGINE_PY) -m pytest -ra --durations=10 tests/engine_patch tests/engine_parity \
 		> $(ENGINE_SUITE_LOG) 2>&1 & engine=$$!; \
