@@ -207,6 +207,15 @@ class ManagedProcess:
     def exit_code(self) -> int | None:
         return self._process.poll() if self._process else None
 
+    def wait(self, timeout_s: float) -> int | None:
+        """The exit code once the process has ended; None if it still runs after ``timeout_s``."""
+        if self._process is None:
+            return None
+        try:
+            return self._process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+
     def log_tail(self, size: int = LOG_TAIL_BYTES) -> str:
         try:
             data = self.log_path.read_bytes()
