@@ -9,11 +9,10 @@ LINT_PATHS := gateway engine_patch engine bench tests migrations
 
 .PHONY: run lint test test-fast bench soak install engine services check-pools clean
 
-# --no-compile: what is imported compiles on its first import (scripts/install-engine says why).
 $(GATEWAY_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q --no-compile -e '.[test]'
+	$(VENV)/bin/pip install -q -e '.[test]'
 	touch $@
 
 install: $(GATEWAY_STAMP)
