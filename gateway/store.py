@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import functools
 import hashlib
 import itertools
 import os
@@ -192,12 +191,15 @@ _PG_UNNEST_INSERT = (
 )
 
 
-# SQLite: multi-row INSERTs of positional values, bound by the driver; SQLAlchemy's compiled
-# insert ran a bind processor per value in Python (~35 µs per event more).
-_SQLITE_ROWS_PER_INSERT = 64  # x 15 columns, well under SQLite's 32,766 variables
+# SQLite: INSERTs of positional values, bound by the driver; SQLAlchemy's compiled insert ran a
+# bind processor per value in Python (~35 µs per event more). Whole slices go in one multi-row
+# statement, the rest row by row through one prepared statement: two statement texts in all, so
+# the driver's statement cache always hits. A text per slice length missed it whenever a batch
+# came in a length not seen yet, and preparing a statement of tens of rows costs more than
+# inserting them.
+_SQLITE_ROWS_PER_INSERT = 64  # x 16 columns, well under SQLite's 32,766 variables
 
 
-@functools.lru_cache(maxsize=_SQLITE_ROWS_PER_INSERT)
 def _sqlite_audit_insert(rows: int) -> str:
     values = "(" + ", ".join("?" for _ in AUDIT_COLUMNS) + ")"
     return (
@@ -205,6 +207,10 @@ def _sqlite_audit_insert(rows: int) -> str:
         f"VALUES {', '.join([values] * rows)} "
         "ON CONFLICT (generation_id) DO NOTHING"
     )
+
+
+_SQLITE_AUDIT_INSERT_SLICE = _sqlite_audit_insert(_SQLITE_ROWS_PER_INSERT)
+_SQLITE_AUDIT_INSERT_ROW = _sqlite_audit_insert(1)
 
 
 _CREATED_AT = AUDIT_COLUMNS.index("created_at")
@@ -251,11 +257,14 @@ def _psycopg_connection(conn: Connection) -> psycopg.Connection[Any]:
 
 def _insert_sqlite_audit_rows(conn: Connection, rows: Sequence[dict[str, Any]]) -> None:
     params = [_sqlite_audit_params(row) for row in rows]
-    for start in range(0, len(params), _SQLITE_ROWS_PER_INSERT):
+    whole = len(params) - len(params) % _SQLITE_ROWS_PER_INSERT
+    for start in range(0, whole, _SQLITE_ROWS_PER_INSERT):
         chunk = params[start : start + _SQLITE_ROWS_PER_INSERT]
         conn.exec_driver_sql(
-            _sqlite_audit_insert(len(chunk)), tuple(itertools.chain.from_iterable(chunk))
+            _SQLITE_AUDIT_INSERT_SLICE, tuple(itertools.chain.from_iterable(chunk))
         )
+    if whole < len(params):  # executemany: one statement, prepared once, stepped per row
+        conn.exec_driver_sql(_SQLITE_AUDIT_INSERT_ROW, [tuple(row) for row in params[whole:]])
 
 
 @contextlib.contextmanager

@@ -6,7 +6,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
-from sqlalchemy import inspect, select, text
+from sqlalchemy import event, inspect, select, text
 
 from gateway.store import (
     AuditQuery,
@@ -133,6 +133,54 @@ def test_audit_insert_skips_generation_ids_already_stored(store: Store) -> None:
     assert store.count_audit() == 5
     got, _ = store.query_audit(AuditQuery(tenant_id="acme"))
     assert [r["generation_id"] for r in got] == [f"gen-{i}" for i in reversed(range(5))]
+
+
+def test_audit_batches_of_every_length_store_each_row_once_in_order(store: Store) -> None:
+    # Around the SQLite slice of 64 rows: under it, exactly it, and whole slices plus a rest,
+    # each batch overlapping the one before (a replay).
+    lengths = (1, 63, 64, 65, 130)
+    rows = [audit_row(f"gen-{i:04d}", "acme", at=T0 + timedelta(seconds=i)) for i in range(300)]
+    start = stored = 0
+    for length in lengths:
+        store.insert_audit_rows(rows[start : start + length])
+        stored = start + length
+        start += length // 2
+    assert store.count_audit() == stored
+    with store.engine.connect() as conn:
+        ordered = conn.execute(select(audit_events.c.generation_id).order_by(audit_events.c.seq))
+        assert [generation_id for (generation_id,) in ordered] == [
+            row["generation_id"] for row in rows[:stored]
+        ]
+
+
+def test_sqlite_audit_inserts_use_two_statement_texts_whatever_the_batch_lengths(
+    store: Store,
+) -> None:
+    """The driver's statement cache must always hit: preparing a statement of tens of rows costs
+    more than inserting them, and a text per batch length missed on every new length."""
+    if store.dialect != "sqlite":
+        pytest.skip("SQLite only: PostgreSQL inserts a batch through one unnest statement")
+    statements: set[str] = set()
+
+    def seen(conn: object, cursor: object, statement: str, *args: object) -> None:
+        if statement.startswith("INSERT INTO audit_events"):
+            statements.add(statement)
+
+    event.listen(store.engine, "before_cursor_execute", seen)
+    writer = store.sqlite_audit_writer()
+    assert writer is not None
+    start = 0
+    try:
+        for length in range(1, 140, 3):
+            batch = [audit_row(f"gen-{i}", "acme") for i in range(start, start + length)]
+            store.insert_audit_rows(batch[: length // 2])
+            writer.insert(batch[length // 2 :])
+            start += length
+    finally:
+        writer.close()
+        event.remove(store.engine, "before_cursor_execute", seen)
+    assert store.count_audit() == start
+    assert len(statements) == 2, sorted(len(s) for s in statements)
 
 
 def test_audit_timestamps_round_trip_as_utc(store: Store) -> None:
