@@ -190,7 +190,6 @@ class PDDispatcher:
         ended = False  # decode's stream ran to its end and prefill answered
         try:
             first = asyncio.ensure_future(chunks.__anext__())
-            assert prefill.done is not None  # set by send()
             await asyncio.wait((first, prefill.done), return_when=asyncio.FIRST_COMPLETED)
             if not first.done():
                 _raise_unless_ok("prefill", prefill)

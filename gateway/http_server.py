@@ -37,11 +37,11 @@ import urllib.parse
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import httptools
 import orjson
-from uvicorn._types import ASGISendEvent
+from uvicorn._types import ASGISendEvent, HTTPResponseStartEvent
 from uvicorn.protocols.http.flow_control import service_unavailable
 from uvicorn.protocols.http.httptools_impl import (
     STATUS_LINE,
@@ -116,8 +116,9 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         # requests complete in order).
         self._hooks: deque[DisconnectHook] = deque()
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # A stream connection's transport (uvloop's is not an ``asyncio.Transport`` subclass).
+        super().connection_made(cast(asyncio.Transport, transport))
         self._arm_header_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -331,14 +332,14 @@ class GatewayCycle(RequestResponseCycle):
                 return
         await super().send(message)
 
-    def _whole_answer_head(self, message: ASGISendEvent) -> bytes | None:
+    def _whole_answer_head(self, message: HTTPResponseStartEvent) -> bytes | None:
         """The head, with the response started as uvicorn would start it; None (nothing
         changed) where the fast path does not apply."""
         if self.flow.write_paused or self.disconnected or self.access_log:
             return None
         if self.scope["method"] == "HEAD":
             return None
-        headers = [*self.default_headers, *message.get("headers", ())]  # type: ignore[misc]
+        headers = [*self.default_headers, *message.get("headers", ())]
         # Every name in lower-case token characters, every value without a control character
         # but tab: narrower than uvicorn's patterns, which judge whatever falls outside. Each
         # check is per character, so all names (or values) joined pass exactly when each does.
@@ -348,7 +349,7 @@ class GatewayCycle(RequestResponseCycle):
         if names.translate(None, _NAME_CHARS) or values.translate(None, _VALUE_CHARS):
             return None
         lines = b"".join(map(_HEADER_LINE.__mod__, headers))
-        head = STATUS_LINE[message["status"]] + lines  # type: ignore[typeddict-item]
+        head = STATUS_LINE[message["status"]] + lines
         at = head.find(_LENGTH_FIELD)
         if (
             at < 0

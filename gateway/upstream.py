@@ -45,18 +45,21 @@ class UpstreamConnection(asyncio.Protocol):
     """One pooled HTTP/1.1 connection to a worker, carrying one exchange at a time.
 
     What the dispatcher reads of an exchange: ``done`` (the answer is complete or failed),
-    ``answered``, ``complete``, ``failure``, ``status`` and ``body()``.
+    ``answered``, ``complete``, ``failure``, ``status`` and ``body()``. Made by the event loop
+    (``create_connection``), so a loop is running; ``begin`` gives each exchange futures of its
+    own, and until the first one the futures are pending (no answer before a request).
     """
 
-    def __init__(self) -> None:
-        self.origin: Origin | None = None  # set by the client that opened it
+    def __init__(self, origin: Origin) -> None:
+        self.origin = origin
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.parser = httptools.HttpResponseParser(self)
         self.status = 0
         self.keep_alive = False
-        self.headers_done: asyncio.Future[None] | None = None
-        self.done: asyncio.Future[None] | None = None
+        loop = asyncio.get_running_loop()
+        self.headers_done: asyncio.Future[None] = loop.create_future()
+        self.done: asyncio.Future[None] = loop.create_future()
         # The whole response has arrived (so the connection may carry the next request): set
         # as it completes, read for every exchange (no one cancels ``done`` or fails it after).
         self.complete = False
@@ -83,7 +86,7 @@ class UpstreamConnection(asyncio.Protocol):
     # -- httptools --
     def on_headers_complete(self) -> None:
         self.status = self.parser.get_status_code()
-        if self.headers_done is not None and not self.headers_done.done():
+        if not self.headers_done.done():
             self.headers_done.set_result(None)
 
     def on_body(self, body: bytes) -> None:
@@ -92,7 +95,7 @@ class UpstreamConnection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         self.keep_alive = self.parser.should_keep_alive()
-        if self.done is not None and not self.done.done():
+        if not self.done.done():
             self.done.set_result(None)
             self.complete = True
         self._wake()
@@ -114,7 +117,7 @@ class UpstreamConnection(asyncio.Protocol):
 
     def _fail(self, exc: Exception) -> None:
         for future in (self.headers_done, self.done):
-            if future is not None and not future.done():
+            if not future.done():
                 future.set_exception(exc)
                 future.exception()  # retrieved: no "never retrieved" log when nobody waits
         self._wake()
@@ -126,12 +129,11 @@ class UpstreamConnection(asyncio.Protocol):
     @property
     def answered(self) -> bool:
         """The answer arrived or the exchange failed: nothing more to wait for."""
-        return self.done is not None and self.done.done()
+        return self.done.done()
 
     @property
     def failure(self) -> BaseException | None:
         """Why the exchange failed (transport, timeout), once answered; None if it did not."""
-        assert self.done is not None
         return self.done.exception()
 
     def body(self) -> bytes:
@@ -178,7 +180,7 @@ class UpstreamClient:
         try:
             async with asyncio.timeout(self._connect_timeout_s):
                 _, connection = await loop.create_connection(
-                    UpstreamConnection,
+                    lambda: UpstreamConnection(origin),
                     origin.host,
                     origin.port,
                     ssl=self._tls if origin.tls else None,
@@ -187,14 +189,13 @@ class UpstreamClient:
             raise UpstreamTimeout("connect timed out") from exc
         except OSError as exc:
             raise UpstreamError(f"connect failed: {exc}") from exc
-        connection.origin = origin
         return connection
 
     def finish(self, connection: UpstreamConnection) -> None:
         """Done with an exchange: its connection is pooled if the whole answer arrived, else
         closed (the rest of an abandoned answer must never be read as the next request's)."""
         if connection.complete:
-            self._release(connection.origin, connection)  # type: ignore[arg-type]
+            self._release(connection.origin, connection)
         else:
             connection.close()
 
@@ -246,7 +247,7 @@ class UpstreamClient:
             waiting = False
             for c in connections:
                 done = c.done
-                if done is None or not done.done():
+                if not done.done():
                     waiting = True
                 elif done.exception() is not None or c.status != 200:
                     joined.set_result(None)  # one failed: nothing more to wait for
@@ -255,7 +256,7 @@ class UpstreamClient:
                 joined.set_result(None)
 
         for connection in connections:
-            connection.done.add_done_callback(on_answer)  # type: ignore[union-attr]
+            connection.done.add_done_callback(on_answer)
         on_answer()
         deadline = asyncio.get_running_loop().call_later(self._timeout_s, _time_out, connections)
         try:
@@ -288,20 +289,20 @@ class UpstreamClient:
                     if lines:
                         yield status, [line.rstrip(b"\r") for line in lines]
                         continue  # more may have arrived while the consumer had the batch
-                if connection.done.done():  # type: ignore[union-attr]
-                    connection.done.result()  # type: ignore[union-attr]  # raises if it failed
+                if connection.done.done():
+                    connection.done.result()  # raises if it failed
                     if not connection.chunks:
                         break
                     continue
-                connection.readable = asyncio.get_running_loop().create_future()
-                await self._wait(connection, connection.readable, "upstream stream stalled")
+                readable = connection.readable = asyncio.get_running_loop().create_future()
+                await self._wait(connection, readable, "upstream stream stalled")
             if pending:
                 yield status, [pending]
         finally:
             self.finish(connection)
 
     async def _wait(
-        self, connection: UpstreamConnection, future: asyncio.Future[None] | None, message: str
+        self, connection: UpstreamConnection, future: asyncio.Future[None], message: str
     ) -> None:
         # A timer that fails the connection's futures: one handle per wait (once per streamed
         # chunk), where ``asyncio.timeout`` costs a context manager and task bookkeeping too.
@@ -309,7 +310,7 @@ class UpstreamClient:
             self._timeout_s, connection.time_out, message
         )
         try:
-            await future  # type: ignore[misc]
+            await future
         finally:
             deadline.cancel()
 
