@@ -38,9 +38,10 @@ lint: install
 # The gateway's suite (unit, stand-in and real-SGLang end-to-end tests) on TEST_WORKERS xdist
 # workers (one module at a time each; tests/conftest.py), and beside it engine_patch's unit tests
 # and the parser/template parity tests against the real SGLang classes (engine venv; they start
-# no server), whose output follows the gateway suite's. Fails if either fails.
+# no server), whose output follows the gateway suite's. Fails if either fails. The groups are
+# handed out in the order tests/conftest.py gives them (longest first), not xdist's own.
 TEST_WORKERS ?= 2
-PARALLEL := -n $(TEST_WORKERS) --dist loadgroup
+PARALLEL := -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 ENGINE_SUITE_LOG := .run/engine-suite.log
 # The engine's install (mostly waiting on downloads and the disk) runs beside the gateway's
 # install and the static checks; each one's output is printed whole when it ends.

@@ -6,7 +6,9 @@ tests that need another shape (the incident's) start their own and stop it.
 ``make test`` runs the suite on two pytest-xdist workers: much of it waits (on a pair
 starting, a timeout, a fault) while the other core is idle. Each module runs whole on one
 worker (its module fixtures and its fixed ports are never set up twice at once), and every
-module that uses the session pair runs on the same worker, so the pair starts once.
+module that uses the session pair runs on the same worker, so the pair starts once. The
+modules are handed out longest first (``schedule_order``; ``make test`` passes
+``--no-loadscope-reorder`` so that xdist keeps that order).
 """
 
 from __future__ import annotations
@@ -53,16 +55,47 @@ SESSION_GROUP = "session-pair"
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The xdist group of each test (used by ``--dist loadgroup``): its module's, or the
-    session pair's for every module where any test uses it."""
+    session pair's for every module where any test uses it; and the groups in the order they
+    are to be handed out (``schedule_order``)."""
     on_session_pair = {
         item.module.__name__
         for item in items
         if isinstance(item, pytest.Function) and SESSION_FIXTURES & set(item.fixturenames)
     }
+    groups: dict[pytest.Item, str] = {}
     for item in items:
         module = item.module.__name__ if isinstance(item, pytest.Function) else item.nodeid
-        group = SESSION_GROUP if module in on_session_pair else module
+        group = groups[item] = SESSION_GROUP if module in on_session_pair else module
         item.add_marker(pytest.mark.xdist_group(group))
+    items[:] = schedule_order(items, groups)
+
+
+def schedule_order(items: list[pytest.Item], groups: dict[pytest.Item, str]) -> list[pytest.Item]:
+    """The tests, group by group, longest groups first, for ``--no-loadscope-reorder``.
+
+    xdist hands a worker the next group in collection order whenever it runs dry, so the
+    suite's length is that of the busiest worker: long groups handed out last leave the other
+    worker idle meanwhile (longest first is the classic rule). xdist's own order (most tests
+    first) is the wrong one here: the groups that start SGLang pairs of their own have few
+    tests, and each of their tests waits on a pair for most of its time. So: first those
+    groups (real-engine tests not on the session pair), then the session pair's, then the
+    others, most tests first within each class.
+    """
+    members: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        members.setdefault(groups[item], []).append(item)
+
+    def rank(group: str) -> tuple[int, int]:
+        tests = members[group]
+        if group == SESSION_GROUP:
+            kind = 1
+        elif any(item.get_closest_marker("engine") for item in tests):
+            kind = 0  # starts pairs of its own
+        else:
+            kind = 2
+        return kind, -len(tests)
+
+    return [item for group in sorted(members, key=rank) for item in members[group]]
 
 
 @dataclass(frozen=True)
