@@ -42,7 +42,7 @@ Priority = Literal["high", "normal", "low"]
 PRIORITY_ORDER: tuple[Priority, ...] = ("high", "normal", "low")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # built per request: not frozen (see gateway.generation)
 class Share:
     """A tenant's claim on a contended pair: its weight within its priority class."""
 

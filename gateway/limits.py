@@ -148,7 +148,7 @@ class _Bucket:
         self.at_ms = now_ms
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # built per request: not frozen (see gateway.generation)
 class Allowance:
     """What a tenant may still send once a request was admitted, as OpenAI reports it."""
 

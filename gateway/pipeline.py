@@ -279,7 +279,7 @@ def _with_generation_id(response: Response, trace: Trace) -> Response:
     return response
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # built per request: not frozen (see gateway.generation)
 class ClientHeaders:
     """The request headers the pipeline reads, found in one pass over the raw ASGI list.
 
