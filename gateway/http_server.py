@@ -295,7 +295,6 @@ _NAME_TABLE = bytes(int(byte in _NAME_CHARS) for byte in range(256))
 _VALUE_TABLE = bytes(int(byte in _VALUE_CHARS) for byte in range(256))
 _LENGTH_FIELD = b"\r\ncontent-length: "
 _NAME, _VALUE = operator.itemgetter(0), operator.itemgetter(1)
-_HEADER_LINE = b"%s: %s\r\n"
 
 
 class GatewayCycle(RequestResponseCycle):
@@ -353,8 +352,10 @@ class GatewayCycle(RequestResponseCycle):
         values = b"".join(map(_VALUE, headers))
         if 0 in names.translate(_NAME_TABLE) or 0 in values.translate(_VALUE_TABLE):
             return None
-        lines = b"".join(map(_HEADER_LINE.__mod__, headers))
-        head = STATUS_LINE[message["status"]] + lines
+        # Lines by bytes.join, not a format per line; with no header at all the content-length
+        # check below refuses the head anyway.
+        lines = b"\r\n".join(map(b": ".join, headers))
+        head = STATUS_LINE[message["status"]] + lines + b"\r\n"
         at = head.find(_LENGTH_FIELD)
         if (
             at < 0
