@@ -68,6 +68,9 @@ class Behaviour:
     # Prefill's scores of the prompt (``logprob_start_len`` 0): for token ids this much off
     # the prompt's, as if another sequence had been scored.
     prompt_scores_shift: int = 0
+    # A stream sends its first chunk, then holds the rest until the test sets this: chunks
+    # that must reach the gateway apart do, however busy the machine.
+    rest_of_stream: threading.Event | None = None
 
 
 class _DroppedConnection(Response):
@@ -194,12 +197,15 @@ class StandInWorker:
     async def _stream(self, body: dict[str, Any]):
         text = ""
         chunks = self.behaviour.text_chunks
+        rest = self.behaviour.rest_of_stream
         for index, chunk in enumerate(chunks):
             text += chunk
             lie = index >= self.behaviour.lie_from_chunk
             meta = self._meta(body, index + 1, len(chunks), lie=lie)
             yield b"data: " + orjson.dumps({"text": text, "meta_info": meta}) + b"\n\n"
             await asyncio.sleep(0.01)
+            while index == 0 and rest is not None and not rest.is_set():  # noqa: ASYNC110
+                await asyncio.sleep(0.005)  # a threading.Event, set from the test's thread
         yield b"data: [DONE]\n\n"
 
     def _meta(

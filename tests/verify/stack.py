@@ -11,7 +11,7 @@ import contextlib
 import itertools
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -123,8 +123,13 @@ def start_gateway(policies: Path, work_dir: Path, env: dict[str, str]) -> Gatewa
 
 def sse_events(response: httpx.Response) -> list[Any]:
     """The stream's ``data:`` payloads in order: parsed JSON, or the string ``[DONE]``."""
+    return sse_payloads(response.iter_lines())
+
+
+def sse_payloads(lines: Iterable[str]) -> list[Any]:
+    """``sse_events`` of a stream's lines."""
     events: list[Any] = []
-    for line in response.iter_lines():
+    for line in lines:
         if line.startswith("data: "):
             payload = line[len("data: ") :]
             events.append(payload if payload == "[DONE]" else orjson.loads(payload))

@@ -10,6 +10,7 @@ metrics, and the tenant's audit log records ``verification_failed``.
 from __future__ import annotations
 
 import secrets
+import threading
 from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
@@ -25,6 +26,7 @@ from tests.verify.stack import (
     LyingStack,
     lying_stack,
     sse_events,
+    sse_payloads,
     streamed_content,
     wait_until,
 )
@@ -209,18 +211,27 @@ def test_another_tenants_canary_split_across_two_chunks_ends_the_stream(
 ) -> None:
     marker = publish_marker(stack, owner="tenant-b")
     cut = len(MARKER_PREFIX) + 4
+    # The honest first chunk reaches the client before the rest exists: otherwise all three may
+    # arrive in one read (a busy machine), and the gateway rightly withholds the whole answer.
+    rest = threading.Event()
     behave(
         stack,
-        Behaviour(text_chunks=(HONEST, "as I recall " + marker[:cut], marker[cut:] + " the end")),
+        Behaviour(
+            text_chunks=(HONEST, "as I recall " + marker[:cut], marker[cut:] + " the end"),
+            rest_of_stream=rest,
+        ),
     )
     hits_before = stack.metric("isogate_canary_hits_total")
     with (
         stack.client(tenant_key) as client,
         client.stream("POST", "/v1/chat/completions", json=body(stream=True)) as response,
     ):
-        raw = response.read()
-        events = sse_events(response)
-    assert response.status_code == 200
+        assert response.status_code == 200
+        chunks = response.iter_raw()
+        raw = next(chunks)  # the first event, sent while the worker holds the rest
+        rest.set()
+        raw += b"".join(chunks)
+    events = sse_payloads(raw.decode().splitlines())
     content = streamed_content(events)
     assert (HONEST + "as I recall ").startswith(content) and content  # some honest text got out ...
     assert (
