@@ -72,6 +72,25 @@ def behave(stack: LyingStack, behaviour: Behaviour) -> None:
     stack.decode.behaviour = replace(behaviour, pool_tokens=POOL_TOKENS)
 
 
+def stream_in_two_parts(
+    stack: LyingStack, tenant_key: str, rest: threading.Event
+) -> tuple[httpx.Response, bytes, list[Any]]:
+    """A streamed chat request whose worker holds all but its first chunk (``rest_of_stream``)
+    until the client has the first bytes: the honest first chunk is answered before the rest
+    exists. Without that, on a busy machine the chunks can reach the gateway in one read, and
+    the gateway then rightly withholds the whole answer (a 502, not a stream that ends in an
+    error). Returns the response, its raw body and its events."""
+    with (
+        stack.client(tenant_key) as client,
+        client.stream("POST", "/v1/chat/completions", json=body(stream=True)) as response,
+    ):
+        chunks = response.iter_raw()
+        raw = next(chunks, b"")
+        rest.set()
+        raw += b"".join(chunks)
+    return response, raw, sse_payloads(raw.decode().splitlines())
+
+
 def body(stream: bool) -> dict[str, Any]:
     return {
         "model": MODEL,
@@ -146,13 +165,17 @@ def test_a_stream_that_lies_midway_ends_with_one_error_event_and_no_done(
     stack: LyingStack, tenant_key: str, lie: str
 ) -> None:
     behaviour, reason = LIES[lie]
-    behave(stack, replace(behaviour, text_chunks=(HONEST, LEAK, " and more"), lie_from_chunk=1))
-    with (
-        stack.client(tenant_key) as client,
-        client.stream("POST", "/v1/chat/completions", json=body(stream=True)) as response,
-    ):
-        raw = response.read()
-        events = sse_events(response)
+    rest = threading.Event()
+    behave(
+        stack,
+        replace(
+            behaviour,
+            text_chunks=(HONEST, LEAK, " and more"),
+            lie_from_chunk=1,
+            rest_of_stream=rest,
+        ),
+    )
+    response, raw, events = stream_in_two_parts(stack, tenant_key, rest)
     assert response.status_code == 200
     assert LEAK.encode() not in raw
     assert HONEST.startswith(
@@ -211,8 +234,6 @@ def test_another_tenants_canary_split_across_two_chunks_ends_the_stream(
 ) -> None:
     marker = publish_marker(stack, owner="tenant-b")
     cut = len(MARKER_PREFIX) + 4
-    # The honest first chunk reaches the client before the rest exists: otherwise all three may
-    # arrive in one read (a busy machine), and the gateway rightly withholds the whole answer.
     rest = threading.Event()
     behave(
         stack,
@@ -222,16 +243,8 @@ def test_another_tenants_canary_split_across_two_chunks_ends_the_stream(
         ),
     )
     hits_before = stack.metric("isogate_canary_hits_total")
-    with (
-        stack.client(tenant_key) as client,
-        client.stream("POST", "/v1/chat/completions", json=body(stream=True)) as response,
-    ):
-        assert response.status_code == 200
-        chunks = response.iter_raw()
-        raw = next(chunks)  # the first event, sent while the worker holds the rest
-        rest.set()
-        raw += b"".join(chunks)
-    events = sse_payloads(raw.decode().splitlines())
+    response, raw, events = stream_in_two_parts(stack, tenant_key, rest)
+    assert response.status_code == 200
     content = streamed_content(events)
     assert (HONEST + "as I recall ").startswith(content) and content  # some honest text got out ...
     assert (
