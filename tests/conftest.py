@@ -14,7 +14,7 @@ modules are handed out longest first (``schedule_order``; ``make test`` passes
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -68,6 +68,33 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         group = groups[item] = SESSION_GROUP if module in on_session_pair else module
         item.add_marker(pytest.mark.xdist_group(group))
     items[:] = schedule_order(items, groups)
+
+
+# Set once a failing test has carried the session pair's logs (they are the same for the next).
+PAIR_LOGS_REPORTED = pytest.StashKey[bool]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """The first failing test on the session pair carries the tails of the pair's logs.
+
+    A pair that stops answering shows up in a test as a read timeout, and the logs are in a
+    temporary folder of a CI machine nobody can open afterwards: what the servers said last is
+    the only evidence there will be. Once per worker; the next failures would repeat it.
+    """
+    report: pytest.TestReport = yield
+    cluster = getattr(item, "funcargs", {}).get("pd_cluster")
+    if (
+        report.failed
+        and isinstance(cluster, PDCluster)
+        and not item.config.stash.get(PAIR_LOGS_REPORTED, False)
+    ):
+        item.config.stash[PAIR_LOGS_REPORTED] = True
+        for name, process in (("prefill", cluster.prefill), ("decode", cluster.decode)):
+            report.sections.append((f"session pair: {name} log, last lines", process.log_tail()))
+    return report
 
 
 def schedule_order(items: list[pytest.Item], groups: dict[pytest.Item, str]) -> list[pytest.Item]:
