@@ -1,0 +1,186 @@
+"""Python function calls per request, two checkouts side by side, by module: where a CPU
+difference that ``bench.instructions`` measured comes from.
+
+callgrind (``bench.instructions``, ``bench.callgrind_diff``) counts instructions exactly, but
+sees the interpreter's C functions, not which Python code ran. This runs each gateway (A, B)
+in front of the instant backends under cProfile (``bench/cprofile_serve.py``), switched on for
+exactly ``--requests`` requests after a warm-up, and reports per request: the calls and the
+profiled CPU time of each module (``gateway/...``, a library, the built-ins), then the
+functions whose calls differ most. A call count is exact and repeats; the microseconds are
+the main thread's CPU time under the profiler, which inflates cheap calls: read them as shares.
+
+    .venv/bin/python -m bench.python_calls --b OTHER_CHECKOUT [--a .] [--requests 2000]
+        [--concurrency 16] [--stream] [--top 25] [--a-env/--b-env NAME=VALUE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import contextlib
+import os
+import pstats
+import shutil
+import signal
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench.compare_gateways import add_side_arguments, sides
+from bench.config import BenchConfig
+from bench.instructions import CLOCK_WORK_OFF, send_requests
+from bench.processes import start_gateway
+from bench.rig import instant_pair
+from bench.routing_bench import request_body
+
+WRAPPER = Path(__file__).with_name("cprofile_serve.py")
+
+
+@dataclass
+class Profile:
+    """One side's counts over its requests: by module and by function."""
+
+    requests: int
+    calls: collections.Counter[str] = field(default_factory=collections.Counter)
+    seconds: collections.Counter[str] = field(default_factory=collections.Counter)
+    function_calls: collections.Counter[str] = field(default_factory=collections.Counter)
+
+    def per_request(self, count: float) -> float:
+        return count / self.requests
+
+
+def module_of(filename: str, root: Path) -> str:
+    """``gateway/x.py`` for the measured checkout's code, ``lib:name`` for an installed
+    package, ``stdlib:name`` for the standard library, ``built-in`` for C functions."""
+    if filename == "~":
+        return "built-in"
+    if "site-packages/" in filename:
+        return "lib:" + filename.split("site-packages/", 1)[1].split("/", 1)[0]
+    with contextlib.suppress(ValueError):
+        return str(Path(filename).relative_to(root))
+    return "stdlib:" + Path(filename).name
+
+
+def read_profile(path: Path, root: Path, requests: int) -> Profile:
+    profile = Profile(requests)
+    stats = pstats.Stats(str(path)).stats
+    for (filename, _line, name), (_primitive, calls, own_s, _cum, _callers) in stats.items():
+        module = module_of(filename, root)
+        profile.calls[module] += calls
+        profile.seconds[module] += own_s
+        profile.function_calls[f"{module}:{name}"] += calls
+    return profile
+
+
+def profiled_requests(
+    pid: int, out: Path, url: str, key: str, body: bytes, args: argparse.Namespace
+) -> None:
+    os.kill(pid, signal.SIGUSR1)
+    asyncio.run(
+        send_requests(
+            url,
+            key,
+            body,
+            requests=args.requests,
+            concurrency=args.concurrency,
+            stream=args.stream,
+        )
+    )
+    os.kill(pid, signal.SIGUSR2)
+    deadline = time.monotonic() + 60
+    while not out.exists() or out.stat().st_size == 0:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the gateway wrote no profile to {out}")
+        time.sleep(0.1)
+    time.sleep(0.5)  # the dump is written in one go; let it finish
+
+
+def report(a: Profile, b: Profile, top: int) -> None:
+    for what, a_total, b_total, unit in (
+        ("calls", sum(a.calls.values()), sum(b.calls.values()), 1),
+        ("profiled us", sum(a.seconds.values()), sum(b.seconds.values()), 1e6),
+    ):
+        a_each, b_each = a.per_request(a_total) * unit, b.per_request(b_total) * unit
+        print(f"{what} per request: A {a_each:.0f}  B {b_each:.0f}  (B/A {b_each / a_each:.3f})")
+    print(f"\n{'calls/req A':>11} {'B':>7} {'us/req A':>9} {'B':>7}  module")
+    modules = set(a.calls) | set(b.calls)
+    by_size = sorted(modules, key=lambda m: -(a.seconds[m] + b.seconds[m]))
+    for module in by_size[:top]:
+        print(
+            f"{a.per_request(a.calls[module]):11.1f} {b.per_request(b.calls[module]):7.1f} "
+            f"{a.per_request(a.seconds[module]) * 1e6:9.1f} "
+            f"{b.per_request(b.seconds[module]) * 1e6:7.1f}  {module}"
+        )
+    print(f"\n{'calls/req A':>11} {'B':>7}  function (largest differences)")
+    functions = set(a.function_calls) | set(b.function_calls)
+    delta = {
+        name: b.per_request(b.function_calls[name]) - a.per_request(a.function_calls[name])
+        for name in functions
+    }
+    for name in sorted(functions, key=lambda n: -abs(delta[n]))[:top]:
+        print(
+            f"{a.per_request(a.function_calls[name]):11.1f} "
+            f"{b.per_request(b.function_calls[name]):7.1f}  {name}"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_side_arguments(parser)
+    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--warmup", type=int, default=200)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--stream", action="store_true")
+    parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--keep", action="store_true", help="keep the two profiles (pstats)")
+    args = parser.parse_args(argv)
+    config = BenchConfig.from_env()
+    work = Path(tempfile.mkdtemp(prefix="isogate-python-calls-"))
+    profiles: dict[str, Profile] = {}
+    try:
+        with contextlib.ExitStack() as rig:
+            policies = rig.enter_context(instant_pair(config, work))
+            body = request_body(args.stream)
+            for side in sides(args, config.ports.gateway):
+                root, out = side.root.resolve(), work / f"{side.name}.prof"
+                gateway, key = start_gateway(
+                    policies,
+                    work / side.name,
+                    side.port,
+                    cpus=config.router_cpus,
+                    env={**CLOCK_WORK_OFF, **side.env},
+                    root=root,
+                    command_prefix=["/bin/sh", "-c", f'exec "$0" {WRAPPER} {out} "$@"'],
+                )
+                rig.callback(gateway.stop)
+                assert gateway.process is not None
+                url = gateway.url + "/v1/completions"
+                asyncio.run(  # warm-up, not counted
+                    send_requests(
+                        url,
+                        key,
+                        body,
+                        requests=args.warmup,
+                        concurrency=args.concurrency,
+                        stream=args.stream,
+                    )
+                )
+                profiled_requests(gateway.process.pid, out, url, key, body, args)
+                profiles[side.name] = read_profile(out, root, args.requests)
+        mode = "stream" if args.stream else "plain"
+        print(f"A = {args.a}\nB = {args.b}\n{mode} c={args.concurrency}")
+        report(profiles["A"], profiles["B"], args.top)
+    finally:
+        if args.keep:
+            print(f"kept: {work}/A.prof, {work}/B.prof")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
