@@ -9,14 +9,21 @@ worker (its module fixtures and its fixed ports are never set up twice at once),
 module that uses the session pair runs on the same worker, so the pair starts once. The
 modules are handed out longest first (``schedule_order``; ``make test`` passes
 ``--no-loadscope-reorder`` so that xdist keeps that order).
+
+A pair that stops serving fails every later test on it, far from the cause. So after each
+module on the session pair the pair must be idle again (``session_pair_left_idle``), and the
+first failing test on it carries the tails of its logs (``pytest_runtest_makereport``).
 """
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass
+from typing import Any
 
+import httpx
 import pytest
 
 from gateway.dev.cluster import (
@@ -48,6 +55,15 @@ os.environ.setdefault("SGLANG_CUDA_COREDUMP_BEFORE_CRASH", "0")
 
 SESSION_FIXTURES = frozenset({"pd_cluster", "pd_router", "gateway", "tenant"})
 SESSION_GROUP = "session-pair"
+# The modules that use the session pair (set at collection), and the pair while it runs.
+SESSION_MODULES = pytest.StashKey[frozenset[str]]()
+RUNNING_PAIR = pytest.StashKey["PDCluster | ExternalCluster"]()
+# The first module after which the pair was found busy (the later ones may only inherit it).
+PAIR_BUSY_SINCE = pytest.StashKey[str]()
+# How long a module's last requests may take to leave the pair once the module is done.
+PAIR_IDLE_WAIT_S = 60.0
+# A server is idle when each of these is 0 on every rank.
+IDLE_FIELDS = ("num_running_reqs", "num_waiting_reqs", "num_used_tokens")
 
 
 # First: xdist's own hook reads the groups (into each test's node ID) in the same hook, and a
@@ -62,6 +78,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for item in items
         if isinstance(item, pytest.Function) and SESSION_FIXTURES & set(item.fixturenames)
     }
+    config.stash[SESSION_MODULES] = frozenset(on_session_pair)
     groups: dict[pytest.Item, str] = {}
     for item in items:
         module = item.module.__name__ if isinstance(item, pytest.Function) else item.nodeid
@@ -137,12 +154,17 @@ class ExternalCluster:
 
 
 @pytest.fixture(scope="session")
-def pd_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDCluster | ExternalCluster]:
+def pd_cluster(
+    tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config
+) -> Iterator[PDCluster | ExternalCluster]:
     external = os.environ.get("ISOGATE_TEST_CLUSTER")
     if external:
         prefill_url, decode_url, bootstrap_port = external.split(",")
         spec = default_cluster_spec(log_dir=tmp_path_factory.mktemp("unused"))
-        yield ExternalCluster(prefill_url, decode_url, int(bootstrap_port), spec)
+        pytestconfig.stash[RUNNING_PAIR] = ExternalCluster(
+            prefill_url, decode_url, int(bootstrap_port), spec
+        )
+        yield pytestconfig.stash[RUNNING_PAIR]
         return
     engine_python = default_engine_python()
     if not engine_python.exists():
@@ -158,7 +180,68 @@ def pd_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDCluster |
         context_length=SESSION_POOL_TOKENS,
     )
     with PDCluster(spec) as cluster:
-        yield cluster
+        pytestconfig.stash[RUNNING_PAIR] = cluster
+        try:
+            yield cluster
+        finally:
+            del pytestconfig.stash[RUNNING_PAIR]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def session_pair_left_idle(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After each module on the session pair: the pair holds no request and no KV any more.
+
+    Every later module shares the pair. A module that leaves a request or its pages held there
+    (an abort that never reached a worker, a transfer nobody finishes) shrinks the pool for all
+    that follow, and they fail one by one with timeouts, far from the cause. This names it.
+    """
+    yield
+    cluster = request.config.stash.get(RUNNING_PAIR, None)
+    if cluster is None or request.module.__name__ not in request.config.stash[SESSION_MODULES]:
+        return
+    busy = busy_workers(cluster, PAIR_IDLE_WAIT_S)
+    if busy:
+        module = request.module.__name__
+        since = request.config.stash.setdefault(PAIR_BUSY_SINCE, module)
+        pytest.fail(
+            f"{module} left the session pair busy {PAIR_IDLE_WAIT_S:.0f} s after its last "
+            f"test: {busy}" + (f" (it was busy already after {since})" if since != module else "")
+        )
+
+
+def busy_workers(cluster: PDCluster | ExternalCluster, wait_s: float) -> dict[str, object]:
+    """What still runs, waits or holds KV pages on each server of the pair after ``wait_s``
+    (SGLang's ``/v1/loads``; the prefix cache's pages are free to evict, so not counted);
+    empty once both are idle."""
+    urls = {"prefill": cluster.prefill_url, "decode": cluster.decode_url}
+    deadline = time.monotonic() + wait_s
+    while True:
+        busy: dict[str, object] = {}
+        for name, url in urls.items():
+            try:
+                ranks = httpx.get(f"{url}/v1/loads", timeout=10).json()["loads"]
+            except (httpx.HTTPError, ValueError, KeyError) as exc:
+                busy[name] = f"no loads: {exc!r}"
+                continue
+            held = [counts for counts in map(_held, ranks) if counts]
+            if held:
+                busy[name] = held
+        if not busy or time.monotonic() > deadline:
+            return busy
+        time.sleep(0.5)
+
+
+def _held(rank: dict[str, Any]) -> dict[str, int]:
+    """A rank's counts of requests and pages that are not 0: its own, its PD queues' and
+    its other queues' (grammar, paused, retracted)."""
+    counts = {key: rank.get(key) for key in IDLE_FIELDS}
+    counts |= {
+        key: value
+        for key, value in (rank.get("disaggregation") or {}).items()
+        if key.endswith("_reqs")
+    }
+    counts |= {f"queue {key}": value for key, value in (rank.get("queues") or {}).items()}
+    return {key: value for key, value in counts.items() if isinstance(value, int) and value}
 
 
 @pytest.fixture(scope="session")
