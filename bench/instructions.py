@@ -96,6 +96,16 @@ async def send_requests(
         await asyncio.gather(*(worker() for _ in range(concurrency)))
 
 
+def add_load_arguments(parser: argparse.ArgumentParser, *, requests: int, warmup: int) -> None:
+    """The two checkouts (``add_side_arguments``) and the load counted on each: ``--requests``
+    after ``--warmup`` ones, ``--concurrency`` in flight, ``--stream`` or not."""
+    add_side_arguments(parser)
+    parser.add_argument("--requests", type=int, default=requests)
+    parser.add_argument("--warmup", type=int, default=warmup)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--stream", action="store_true")
+
+
 def _callgrind_control(*args: str) -> None:
     subprocess.run(
         ["callgrind_control", *args],
@@ -138,12 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    add_side_arguments(parser)
-    parser.add_argument("--requests", type=int, default=300)
-    parser.add_argument("--warmup", type=int, default=100)
-    parser.add_argument("--concurrency", type=int, default=16)
+    add_load_arguments(parser, requests=300, warmup=100)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--stream", action="store_true")
     parser.add_argument(
         "--keep", action="store_true", help="keep the work directory and callgrind's dumps"
     )

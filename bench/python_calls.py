@@ -10,7 +10,8 @@ functions whose calls differ most. A call count is exact and repeats; the micros
 the main thread's CPU time under the profiler, which inflates cheap calls: read them as shares.
 
     .venv/bin/python -m bench.python_calls --b OTHER_CHECKOUT [--a .] [--requests 2000]
-        [--concurrency 16] [--stream] [--top 25] [--a-env/--b-env NAME=VALUE]
+        [--concurrency 16] [--stream] [--top 25] [--save-profiles DIR]
+        [--a-env/--b-env NAME=VALUE]
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.compare_gateways import add_side_arguments, sides
+from bench.compare_gateways import sides
 from bench.config import BenchConfig
-from bench.instructions import CLOCK_WORK_OFF, send_requests
+from bench.instructions import CLOCK_WORK_OFF, add_load_arguments, send_requests
 from bench.processes import start_gateway
 from bench.rig import instant_pair
 from bench.routing_bench import request_body
@@ -74,20 +75,19 @@ def read_profile(path: Path, root: Path, requests: int) -> Profile:
     return profile
 
 
+def drive(url: str, key: str, body: bytes, args: argparse.Namespace, requests: int) -> None:
+    asyncio.run(
+        send_requests(
+            url, key, body, requests=requests, concurrency=args.concurrency, stream=args.stream
+        )
+    )
+
+
 def profiled_requests(
     pid: int, out: Path, url: str, key: str, body: bytes, args: argparse.Namespace
 ) -> None:
     os.kill(pid, signal.SIGUSR1)
-    asyncio.run(
-        send_requests(
-            url,
-            key,
-            body,
-            requests=args.requests,
-            concurrency=args.concurrency,
-            stream=args.stream,
-        )
-    )
+    drive(url, key, body, args, args.requests)
     os.kill(pid, signal.SIGUSR2)
     deadline = time.monotonic() + 60
     while not out.exists() or out.stat().st_size == 0:
@@ -130,13 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    add_side_arguments(parser)
-    parser.add_argument("--requests", type=int, default=2000)
-    parser.add_argument("--warmup", type=int, default=200)
-    parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--stream", action="store_true")
+    add_load_arguments(parser, requests=2000, warmup=200)
     parser.add_argument("--top", type=int, default=25)
-    parser.add_argument("--keep", action="store_true", help="keep the two profiles (pstats)")
+    parser.add_argument(
+        "--save-profiles", type=Path, metavar="DIR", help="copy A.prof and B.prof (pstats) there"
+    )
     args = parser.parse_args(argv)
     config = BenchConfig.from_env()
     work = Path(tempfile.mkdtemp(prefix="isogate-python-calls-"))
@@ -159,26 +157,18 @@ def main(argv: list[str] | None = None) -> int:
                 rig.callback(gateway.stop)
                 assert gateway.process is not None
                 url = gateway.url + "/v1/completions"
-                asyncio.run(  # warm-up, not counted
-                    send_requests(
-                        url,
-                        key,
-                        body,
-                        requests=args.warmup,
-                        concurrency=args.concurrency,
-                        stream=args.stream,
-                    )
-                )
+                drive(url, key, body, args, args.warmup)  # not counted
                 profiled_requests(gateway.process.pid, out, url, key, body, args)
                 profiles[side.name] = read_profile(out, root, args.requests)
         mode = "stream" if args.stream else "plain"
         print(f"A = {args.a}\nB = {args.b}\n{mode} c={args.concurrency}")
         report(profiles["A"], profiles["B"], args.top)
+        if args.save_profiles is not None:
+            args.save_profiles.mkdir(parents=True, exist_ok=True)
+            for name in profiles:
+                shutil.copy(work / f"{name}.prof", args.save_profiles / f"{name}.prof")
     finally:
-        if args.keep:
-            print(f"kept: {work}/A.prof, {work}/B.prof")
-        else:
-            shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
     return 0
 
 
