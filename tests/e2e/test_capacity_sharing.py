@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from typing import Any
 
 from gateway.dev.harness import GatewayProcess
 from gateway.dev.model import ensure_tiny_model
@@ -13,10 +14,20 @@ from tests.standin_worker import StandInWorker
 REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
-def capacity_view(gateway: GatewayProcess) -> dict[str, dict]:
+def capacity_view(gateway: GatewayProcess) -> dict[str, dict[str, Any]]:
     with gateway.admin() as client:
         workers = client.get("/admin/workers").json()["data"]
     return {w["url"]: w["capacity"] for w in workers}
+
+
+# A replica's capacity records, by worker URL and the wall-clock time of the poll behind each.
+Observations = dict[tuple[str, float], dict[str, Any]]
+
+
+def both_saw(first: Observations, second: Observations) -> set[tuple[str, float]]:
+    """The observations both replicas reported: without a shared store each polls for itself,
+    at its own instants, and there are none."""
+    return first.keys() & second.keys()
 
 
 def test_two_gateways_sharing_redis_see_the_same_capacity_numbers(tmp_path) -> None:
@@ -36,14 +47,21 @@ def test_two_gateways_sharing_redis_see_the_same_capacity_numbers(tmp_path) -> N
             GatewayProcess(policies, tmp_path / "a", env=shared) as first,
             GatewayProcess(policies, tmp_path / "b", env=shared) as second,
         ):
-            matches = 0
+            # Each replica's records by (worker, the poll that produced it). Read one after the
+            # other, the two views can straddle a new poll (the more likely, the busier the
+            # host), so what must agree is each observation both of them saw, not each moment.
+            seen: tuple[Observations, Observations] = ({}, {})
             deadline = time.monotonic() + 20
-            while matches < 3 and time.monotonic() < deadline:
-                a, b = capacity_view(first), capacity_view(second)
-                if a == b and all(a.values()):
-                    matches += 1
+            while time.monotonic() < deadline and len(both_saw(*seen)) < 6:
+                for gateway, observations in zip((first, second), seen, strict=True):
+                    for url, record in capacity_view(gateway).items():
+                        if record:
+                            observations[url, record["observed_at"]] = record
                 time.sleep(0.3)
-            assert matches >= 3, (a, b)
+            shared = both_saw(*seen)
+            assert {url for url, _ in shared} == {prefill.url, decode.url}, seen
+            assert len(shared) >= 6, seen
+            assert all(seen[0][key] == seen[1][key] for key in shared), seen
             # One replica polls per interval: the workers see about one poll per interval, not two.
             polls_before, started = decode.polls, time.monotonic()
             time.sleep(3)
