@@ -40,9 +40,7 @@ lint: install
 # and the parser/template parity tests against the real SGLang classes (engine venv; they start
 # no server), whose output follows the gateway suite's. Fails if either fails. The groups are
 # handed out in the order tests/conftest.py gives them (longest first), not xdist's own.
-# Three workers on two cores: with two, a quarter of the cores' time went idle (tests waiting on
-# timeouts, stand-ins, a pair answering), and a third worker fills it (README: figures).
-TEST_WORKERS ?= 3
+TEST_WORKERS ?= 2
 PARALLEL := -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 ENGINE_SUITE_LOG := .run/engine-suite.log
 # The engine's install (mostly waiting on downloads and the disk) runs beside the gateway's

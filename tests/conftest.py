@@ -3,8 +3,8 @@
 A PD pair takes about 35 s and 4.5 GB to start, so every end-to-end test shares this one;
 tests that need another shape (the incident's) start their own and stop it.
 
-``make test`` runs the suite on three pytest-xdist workers (on two cores): much of it waits
-(on a pair starting, a timeout, a fault) while a core is idle. Each module runs whole on one
+``make test`` runs the suite on two pytest-xdist workers: much of it waits (on a pair
+starting, a timeout, a fault) while the other core is idle. Each module runs whole on one
 worker (its module fixtures and its fixed ports are never set up twice at once), and every
 module that uses the session pair runs on the same worker, so the pair starts once. The
 modules are handed out longest first (``schedule_order``; ``make test`` passes

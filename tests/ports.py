@@ -1,7 +1,7 @@
 """Port ranges of the suites that pick fixed ports, split between pytest-xdist workers.
 
-``make test`` runs several workers at once; a suite's range is cut into one share per worker,
-so two workers never try the same port (a port that is free when checked can be taken before it
+``make test`` runs two workers at once; a suite's range is cut into one share per worker, so
+two workers never try the same port (a port that is free when checked can be taken before it
 is bound).
 
 Every fixed port lies below the kernel's ephemeral range (32768 and up on Linux): there the
