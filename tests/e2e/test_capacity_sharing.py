@@ -39,13 +39,13 @@ def test_two_gateways_sharing_redis_see_the_same_capacity_numbers(tmp_path) -> N
             tokenizer_dir=ensure_tiny_model(),
             pools=[PoolSpec("shared", ((prefill.url, 1),), (decode.url,))],
         )
-        shared = {
+        one_store = {
             "ISOGATE_REDIS_URL": REDIS_URL,
             "ISOGATE_REDIS_KEY_PREFIX": "test-" + secrets.token_hex(4),
         }
         with (
-            GatewayProcess(policies, tmp_path / "a", env=shared) as first,
-            GatewayProcess(policies, tmp_path / "b", env=shared) as second,
+            GatewayProcess(policies, tmp_path / "a", env=one_store) as first,
+            GatewayProcess(policies, tmp_path / "b", env=one_store) as second,
         ):
             # Each replica's records by (worker, the poll that produced it). Read one after the
             # other, the two views can straddle a new poll (the more likely, the busier the
@@ -58,10 +58,10 @@ def test_two_gateways_sharing_redis_see_the_same_capacity_numbers(tmp_path) -> N
                         if record:
                             observations[url, record["observed_at"]] = record
                 time.sleep(0.3)
-            shared = both_saw(*seen)
-            assert {url for url, _ in shared} == {prefill.url, decode.url}, seen
-            assert len(shared) >= 6, seen
-            assert all(seen[0][key] == seen[1][key] for key in shared), seen
+            common = both_saw(*seen)
+            assert {url for url, _ in common} == {prefill.url, decode.url}, seen
+            assert len(common) >= 6, seen
+            assert all(seen[0][key] == seen[1][key] for key in common), seen
             # One replica polls per interval: the workers see about one poll per interval, not two.
             polls_before, started = decode.polls, time.monotonic()
             time.sleep(3)
