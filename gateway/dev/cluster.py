@@ -40,6 +40,10 @@ LOG_TAIL_BYTES = 4000
 
 # Environment that makes SGLang take its CPU path and Mooncake use TCP on loopback.
 CPU_ENGINE_ENV: Mapping[str, str] = {"SGLANG_USE_CPU_ENGINE": "1", "MOONCAKE_PROTOCOL": "tcp"}
+# The CPU shim plugin (engine/cpu, `fork_workers`) then forks a server's scheduler and
+# detokenizer instead of spawning them: they inherit its imports rather than repeating them,
+# which is most of what a CPU server costs to start.
+FORK_WORKERS_ENV: Mapping[str, str] = {"ISOGATE_CPU_FORK_WORKERS": "1"}
 CPU_SERVER_ARGS: tuple[str, ...] = (
     "--device", "cpu",
     # The weights come with the model (gateway/dev/model.py): biased so grammars terminate.
@@ -97,6 +101,8 @@ class ClusterSpec:
     decode: WorkerSpec
     log_dir: Path
     engine_python: Path
+    # False: SGLang's own `spawn`, as on a GPU, where each child loads the plugins itself.
+    fork_workers: bool = True
 
 
 def default_engine_python() -> Path:
@@ -324,7 +330,11 @@ class PDCluster:
         return ManagedProcess(
             name=f"sglang-{worker.mode}",
             command=server_command(worker, self.spec.model_dir, self.spec.engine_python),
-            env={**CPU_ENGINE_ENV, **worker.env},
+            env={
+                **CPU_ENGINE_ENV,
+                **(FORK_WORKERS_ENV if self.spec.fork_workers else {}),
+                **worker.env,
+            },
             log_path=self.spec.log_dir / f"sglang-{worker.mode}-{worker.port}.log",
         )
 

@@ -26,6 +26,9 @@ CPU_SHIM_PLUGIN = "isogate_cpu"
 ENGINE_PATCH_PLUGIN = "isogate"
 INCIDENT_REPLAY_PLUGIN = "isogate_incident_replay"
 ENGINE_LOG_PREFIX = "isogate-engine:"
+# What the CPU shim logs in a server whose scheduler and detokenizer it forks
+# (engine/cpu, isogate_engine_cpu.fork_workers).
+FORKED_LOG_LINE = "isogate_cpu: scheduler and detokenizer forked, not spawned"
 # Decode gives up on a prefill that never bootstraps, or on KV that never comes, after this long
 # (default 300 s). Refused prompts end on this wait (prefill answers 400, decode 500 when it
 # expires), so it is a test's duration; an honest transfer here takes well under a second, and

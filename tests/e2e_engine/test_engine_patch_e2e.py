@@ -11,6 +11,7 @@ and prefill's retirement of a request with a pending abort; see its docstring.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from gateway.dev.cluster import STARTUP_TIMEOUT_S, PDCluster
 from tests.e2e_engine.pd_pairs import (
     CPU_SHIM_PLUGIN,
     ENGINE_PATCH_PLUGIN,
+    FORKED_LOG_LINE,
     INCIDENT_REPLAY_PLUGIN,
     SHORT_DISAGG_TIMEOUTS,
     PDReply,
@@ -40,7 +42,9 @@ PROMPT_BETWEEN_POOLS = 2000
 UNDO_FIXES = {"ISOGATE_TEST_UNDO_ADMISSION_FIX": "1"}
 
 
-def incident_pair(tmp_path: Path, plugins: list[str], **env: str) -> PDCluster:
+def incident_pair(
+    tmp_path: Path, plugins: list[str], *, fork_workers: bool = True, **env: str
+) -> PDCluster:
     spec = pair_spec(
         tmp_path / "logs",
         prefill_pool=PREFILL_POOL,
@@ -48,7 +52,7 @@ def incident_pair(tmp_path: Path, plugins: list[str], **env: str) -> PDCluster:
         context_length=CONTEXT,
         env={**plugin_env(*plugins), **SHORT_DISAGG_TIMEOUTS, **env},
     )
-    return PDCluster(spec)
+    return PDCluster(dataclasses.replace(spec, fork_workers=fork_workers))
 
 
 def replay(cluster: PDCluster) -> tuple[PDReply, PDReply]:
@@ -132,8 +136,10 @@ def test_with_engine_patch_the_incident_worker_refuses_to_start(tmp_path):
 
 def test_with_engine_patch_clamped_tags_come_back_and_the_over_pool_prompt_gets_400(tmp_path):
     plugins = [CPU_SHIM_PLUGIN, INCIDENT_REPLAY_PLUGIN, ENGINE_PATCH_PLUGIN]
+    # SGLang's own spawn, as on a GPU: each child loads the plugin itself, where the other
+    # pairs' forked children inherit it. This pair's checks run in all three processes.
     with incident_pair(
-        tmp_path, plugins, ISOGATE_ENGINE_CLAMP_CONTEXT="1", **UNDO_FIXES
+        tmp_path, plugins, fork_workers=False, ISOGATE_ENGINE_CLAMP_CONTEXT="1", **UNDO_FIXES
     ) as cluster:
         with httpx.Client(timeout=30) as client:
             models = client.get(f"{cluster.prefill_url}/v1/models").json()
@@ -156,7 +162,9 @@ def test_with_engine_patch_clamped_tags_come_back_and_the_over_pool_prompt_gets_
         _, incident = replay(cluster)
         decode_lines = engine_log_lines(cluster, "decode")
         prefill_lines = engine_log_lines(cluster, "prefill")
+        decode_log = cluster.decode.log_path.read_text(errors="replace")
 
+    assert FORKED_LOG_LINE not in decode_log  # spawned, as asked
     clamped = models["data"][0]["max_model_len"]
     assert clamped <= PREFILL_POOL < CONTEXT
     assert server_info["context_length"] == clamped

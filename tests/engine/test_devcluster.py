@@ -27,6 +27,7 @@ from gateway.dev.cluster import (
     group_members,
 )
 from gateway.dev.model import CHAT_TEMPLATE, MODEL_FILES, ensure_tiny_model
+from tests.e2e_engine.pd_pairs import FORKED_LOG_LINE
 
 MAX_NEW_TOKENS = 12
 PROMPT = "Hello, world! How are you today?"
@@ -125,6 +126,15 @@ def test_workers_report_the_configured_pool_sizes(pd_cluster: PDCluster) -> None
         "decode",
         pd_cluster.spec.decode.max_total_tokens,
     )
+
+
+@pytest.mark.engine
+def test_the_dev_pair_forks_each_servers_scheduler_and_detokenizer(pd_cluster: PDCluster) -> None:
+    # Spawned, each would import torch, transformers and SGLang again: most of a CPU start.
+    if not isinstance(pd_cluster, PDCluster):
+        pytest.skip("an external pair (ISOGATE_TEST_CLUSTER): its logs are not ours")
+    for role, log in pd_cluster.logs.items():
+        assert FORKED_LOG_LINE in log.read_text(errors="replace"), role
 
 
 def test_tiny_model_is_generated_identically_every_time(tmp_path: Path) -> None:

@@ -1,4 +1,5 @@
-"""SGLang general plugin `isogate_cpu` (CPU-ONLY, development): the pinned-memory workaround.
+"""SGLang general plugin `isogate_cpu` (CPU-ONLY, development): the pinned-memory workaround,
+and forked server children where asked for (`fork_workers`).
 
 On prefill, `disaggregation/prefill.py` pins a host copy of the KV indices when the sender
 says `supports_host_tensor_indices`; pinning needs CUDA, so on the CPU it raises
@@ -9,6 +10,8 @@ makes the Mooncake sender take the plain-tensor path.
 import logging
 
 import torch
+
+from isogate_engine_cpu import fork_workers
 
 logger = logging.getLogger(__name__)
 
@@ -29,3 +32,5 @@ def register() -> None:
 
     MooncakeKVSender.supports_host_tensor_indices = False
     logger.info("isogate_cpu: MooncakeKVSender.supports_host_tensor_indices = False (CPU dev)")
+    if fork_workers.wanted():
+        fork_workers.install()
