@@ -65,8 +65,13 @@ class WaitExpired(Exception):
         self.reason = reason
 
 
-def _granted(waiter: _Waiter) -> bool:
-    return waiter.future.done() and not waiter.future.cancelled()
+class _TurnExpired(Exception):
+    """Set on a waiter's future when its ``max_wait_s`` runs out before its turn came."""
+
+
+def _expire(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_exception(_TurnExpired())
 
 
 class QueueObserver(Protocol):
@@ -100,7 +105,10 @@ class _Waiter:
     share: Share
     cost: int
     enqueued_at: float
+    # Resolved by ``_dispatch`` when the turn comes; cancelled with its caller's task, or
+    # failed with ``_TurnExpired`` by its timer. Either may happen while it is still queued.
     future: asyncio.Future[None]
+    granted: bool = False  # a slot was started for it, whatever became of its caller
 
 
 @dataclass(slots=True)
@@ -206,7 +214,7 @@ class FairQueue:
         cost = min(max(1, cost), self.contended_capacity)
         tenant = self._tenant(share)  # first: a tenant more may make the contended cap hold
         if self._queued or self._in_flight + cost > self.room():
-            self._forget_if_idle(tenant)  # ``acquire`` takes it up again to queue it
+            self._forget_if_idle(tenant)  # ``wait_turn`` takes it up again to queue it
             return None
         self._start(tenant, cost)
         self._observer.waited(share.tenant_id, 0.0)
@@ -216,33 +224,43 @@ class FairQueue:
         """A slot on this pair for one request of ``share``'s tenant, waiting at most
         ``max_wait_s``; raises ``WaitExpired``. A cancelled caller (its client left: the HTTP
         layer cancels the request) leaves the queue at once."""
-        free = self.take_free(share, cost)
-        if free is not None:
-            return free
+        return self.take_free(share, cost) or await self.wait_turn(share, max_wait_s, cost)
+
+    async def wait_turn(self, share: Share, max_wait_s: float, cost: int = 1) -> Slot:
+        """``acquire`` once ``take_free`` found no slot: queue, and wait for the turn.
+
+        The wait is the future alone, with a timer on it, not ``asyncio.wait``, which builds
+        a future, callbacks and two sets per call: under load most requests come this way.
+        """
         cost = min(max(1, cost), self.contended_capacity)
         tenant = self._tenant(share)
         if len(tenant.waiting) >= self.max_queued_per_tenant:
             # As many waiting as a tenant may have is over its share, whatever it holds.
             raise self._refusal(tenant, "tenant_queue_full", over_share=True)
-        waiter = _Waiter(share, cost, self.clock(), asyncio.get_running_loop().create_future())
+        loop = asyncio.get_running_loop()
+        waiter = _Waiter(share, cost, self.clock(), loop.create_future())
         self._enqueue(tenant, waiter)
+        timer = None
+        if math.isfinite(max_wait_s):
+            timer = loop.call_later(max_wait_s, _expire, waiter.future)
         try:
-            await asyncio.wait(
-                (waiter.future,), timeout=max_wait_s if math.isfinite(max_wait_s) else None
-            )
+            await waiter.future
         except BaseException as gone:
-            if _granted(waiter):
+            if waiter.granted:
                 Slot(self, tenant, cost).release()  # granted as the caller went: give it back
-            else:
-                self._leave(tenant, waiter)
-                if isinstance(gone, asyncio.CancelledError):
-                    self._observer.refused(share.tenant_id, "abandoned")
+                raise
+            expired = isinstance(gone, _TurnExpired)
+            self._leave(tenant, waiter, refusing=expired)
+            if expired:
+                raise self._refusal(tenant, "wait_expired") from None
+            if isinstance(gone, asyncio.CancelledError):
+                self._observer.refused(share.tenant_id, "abandoned")
             raise
-        if _granted(waiter):
-            self._observer.waited(share.tenant_id, self.clock() - waiter.enqueued_at)
-            return Slot(self, tenant, cost)
-        self._leave(tenant, waiter, refusing=True)
-        raise self._refusal(tenant, "wait_expired")
+        finally:
+            if timer is not None:
+                timer.cancel()
+        self._observer.waited(share.tenant_id, self.clock() - waiter.enqueued_at)
+        return Slot(self, tenant, cost)
 
     # -- the schedule -------------------------------------------------------------------------
 
@@ -268,14 +286,18 @@ class FairQueue:
         waiter.future.cancel()
         try:
             tenant.waiting.remove(waiter)
+            queued = True
         except ValueError:
-            return
-        self._queued -= 1
-        self._observer.queued(tenant.share.tenant_id, -1)
+            queued = False  # ``_dispatch`` found it leaving and took it out already
+        if queued:
+            self._queued -= 1
+            self._observer.queued(tenant.share.tenant_id, -1)
         if not refusing:  # a refusal still needs the tenant's standing to say 429 or 503
             self._forget_if_idle(tenant)
-        # The head of the queue may have been waiting for the slots this one would have taken.
-        self._dispatch()
+        if queued:
+            # The head of the queue may have been waiting for the slots this one would have
+            # taken.
+            self._dispatch()
 
     def _start(self, tenant: _Tenant, cost: int) -> None:
         """Charge ``tenant`` for one request now going to the pair."""
@@ -322,12 +344,16 @@ class FairQueue:
             if tenant is None:
                 return
             waiter = tenant.waiting[0]
-            if self._in_flight + waiter.cost > self.room():
+            leaving = waiter.future.done()  # cancelled or expired, its caller not yet run
+            if not leaving and self._in_flight + waiter.cost > self.room():
                 return  # the head waits for room; nobody overtakes it (no starvation by size)
             tenant.waiting.popleft()
             self._queued -= 1
             self._observer.queued(tenant.share.tenant_id, -1)
+            if leaving:
+                continue
             self._start(tenant, waiter.cost)
+            waiter.granted = True
             waiter.future.set_result(None)
 
     def _refusal(self, tenant: _Tenant, reason: str, *, over_share: bool = False) -> WaitExpired:

@@ -145,7 +145,7 @@ class PairQueues:
         if free is not None:
             return free
         try:
-            return await queue.acquire(share, self._settings.max_wait_s, cost)
+            return await queue.wait_turn(share, self._settings.max_wait_s, cost)
         except WaitExpired as expired:
             raise queue_refusal(expired, pair.pool) from None
 

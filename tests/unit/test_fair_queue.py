@@ -258,6 +258,49 @@ def test_a_slot_granted_as_its_waiter_is_cancelled_is_given_back() -> None:
     asyncio.run(scenario())
 
 
+def test_a_slot_freed_while_a_cancelled_waiter_is_leaving_goes_to_the_next_in_line() -> None:
+    async def scenario() -> None:
+        # Contended (several tenants): one slot; one tenant alone: two.
+        queue = FairQueue(2, contended_capacity=1, linger_s=0.0, max_queued_per_tenant=10)
+        slot = await queue.acquire(Share("x"), FOREVER)
+        leaving = asyncio.ensure_future(queue.acquire(Share("a"), FOREVER))
+        await asyncio.sleep(0)
+        staying = asyncio.ensure_future(queue.acquire(Share("b"), FOREVER))
+        await asyncio.sleep(0)
+        assert queue.queued == 2
+        leaving.cancel()  # its caller has not run since...
+        slot.release()  # ...when the slot frees
+        with pytest.raises(asyncio.CancelledError):
+            await leaving
+        kept = await asyncio.wait_for(staying, 1.0)
+        assert queue.in_flight == 1 and queue.holding_of("b") == 1 and queue.queued == 0
+        assert queue.holding_of("a") == 0 and queue.queued_of("a") == 0
+        kept.release()
+        # Nobody was left behind: a tenant alone has the whole pair again.
+        alone = [queue.take_free(Share("c")) for _ in range(2)]
+        assert all(alone) and queue.in_flight == 2
+
+    asyncio.run(scenario())
+
+
+def test_a_wait_that_expires_as_a_slot_frees_is_refused_and_the_slot_goes_on() -> None:
+    async def scenario() -> None:
+        queue = FairQueue(1, max_queued_per_tenant=10)
+        slot = await queue.acquire(Share("x"), FOREVER)
+        expiring = asyncio.ensure_future(queue.acquire(Share("a"), 0.05))
+        await asyncio.sleep(0)
+        staying = asyncio.ensure_future(queue.acquire(Share("b"), FOREVER))
+        await asyncio.sleep(0.2)  # a's wait has run out; b's has not
+        slot.release()
+        with pytest.raises(WaitExpired):
+            await expiring
+        (await asyncio.wait_for(staying, 1.0)).release()
+        assert queue.in_flight == 0 and queue.queued == 0
+        assert queue.holding_of("a") == 0 and queue.queued_of("a") == 0
+
+    asyncio.run(scenario())
+
+
 def test_a_larger_cap_lets_waiters_go_at_once() -> None:
     async def scenario() -> None:
         queue = FairQueue(1, max_queued_per_tenant=10)
