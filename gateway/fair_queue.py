@@ -286,10 +286,10 @@ class FairQueue:
         waiter.future.cancel()
         try:
             tenant.waiting.remove(waiter)
-            queued = True
         except ValueError:
             queued = False  # ``_dispatch`` found it leaving and took it out already
-        if queued:
+        else:
+            queued = True
             self._queued -= 1
             self._observer.queued(tenant.share.tenant_id, -1)
         if not refusing:  # a refusal still needs the tenant's standing to say 429 or 503
