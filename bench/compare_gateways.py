@@ -28,7 +28,7 @@ from bench.processes import (
     cpu_seconds,
     start_gateway,
 )
-from bench.rig import instant_pair
+from bench.rig import INSTANT_GATEWAY_ENV, instant_pair
 from bench.routing_bench import request_body
 from bench.wrk import run_wrk
 from gateway.dev.harness import GatewayProcess
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
                 side.port,
                 cpus=config.router_cpus,
                 priority=config.priority,
-                env=side.env,
+                env={**INSTANT_GATEWAY_ENV, **side.env},
                 root=None if side.root.resolve() == REPO_ROOT else side.root,
             )
         print(f"A = {args.a}\nB = {args.b}")

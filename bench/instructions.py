@@ -38,7 +38,7 @@ import httpx
 from bench.compare_gateways import add_side_arguments, sides
 from bench.config import BenchConfig
 from bench.processes import start_gateway
-from bench.rig import instant_pair
+from bench.rig import INSTANT_GATEWAY_ENV, instant_pair
 from bench.routing_bench import request_body
 from gateway.dev.harness import GatewayProcess
 
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
                 work / side.name,
                 side.port,
                 cpus=config.router_cpus,
-                env={**CLOCK_WORK_OFF, **side.env},
+                env={**INSTANT_GATEWAY_ENV, **CLOCK_WORK_OFF, **side.env},
                 root=side.root.resolve(),
                 command_prefix=callgrind_prefix(out_dir),
                 timeout_s=600,

@@ -25,7 +25,7 @@ from bench.config import BenchConfig
 from bench.processes import (
     start_gateway,
 )
-from bench.rig import instant_pair
+from bench.rig import INSTANT_GATEWAY_ENV, instant_pair
 from bench.routing_bench import request_body
 from bench.wrk import run_wrk
 
@@ -86,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
             cpus=config.router_cpus,
             priority=config.priority,
             root=config.gateway_root,
+            env=INSTANT_GATEWAY_ENV,
         )
         url = gateway.url + "/v1/completions"
         body = request_body(args.stream)

@@ -30,7 +30,7 @@ import httpx
 import orjson
 
 from bench.processes import BenchModel, free_ports, pin, start_gateway, write_bench_policies
-from bench.rig import DEEPSEEK_MODEL, LONG_MODEL, MODEL, Rig
+from bench.rig import DEEPSEEK_MODEL, INSTANT_GATEWAY_ENV, LONG_MODEL, MODEL, Rig
 from bench.routing_bench import request_body
 from bench.stream_client import Target, percentile, run_load
 from gateway.dev.deepseek_model import ensure_deepseek_model
@@ -267,7 +267,7 @@ def capped_refusal(rig: Rig, megabytes: int = 50, log=print) -> RefusalRow:
         cpus=rig.config.router_cpus,
         priority=rig.config.priority,
         root=rig.config.gateway_root,
-        env={"ISOGATE_MAX_BODY_BYTES": str(CAPPED_BODY_BYTES)},
+        env={**INSTANT_GATEWAY_ENV, "ISOGATE_MAX_BODY_BYTES": str(CAPPED_BODY_BYTES)},
     )
     try:
         row = _refused(

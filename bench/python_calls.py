@@ -33,7 +33,7 @@ from bench.compare_gateways import sides
 from bench.config import BenchConfig
 from bench.instructions import CLOCK_WORK_OFF, add_load_arguments, send_requests
 from bench.processes import start_gateway
-from bench.rig import instant_pair
+from bench.rig import INSTANT_GATEWAY_ENV, instant_pair
 from bench.routing_bench import request_body
 
 WRAPPER = Path(__file__).with_name("cprofile_serve.py")
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
                     work / side.name,
                     side.port,
                     cpus=config.router_cpus,
-                    env={**CLOCK_WORK_OFF, **side.env},
+                    env={**INSTANT_GATEWAY_ENV, **CLOCK_WORK_OFF, **side.env},
                     root=root,
                     command_prefix=["/bin/sh", "-c", f'exec "$0" {WRAPPER} {out} "$@"'],
                 )

@@ -32,6 +32,15 @@ DEEPSEEK_MODEL = "deepseek-v4-tiny"
 INCIDENT_LIMIT_TOKENS = 681_280
 SLOW_STREAM_INTERVAL_S = 2.0
 SLOW_STREAM_CHUNKS = 600
+# For every gateway in front of the instant backends but the hostile bench's (which keeps the
+# product's defaults). The backends never saturate; the gateway's default cap on requests in
+# flight per pair (a CPU pair's knee, gateway.pair_queues) would hold the bench's load in the
+# fair queue (1,000 held streams: 12 flowing, the rest refused after their wait) instead of
+# measuring the gateway passing it on. Lifted, the cap is what the backends report
+# (max_running_requests 2048), as for a pool whose workers scale. A setting, not the pool's
+# field: checkouts from before the queue read the same policies, and their schema forbids
+# unknown keys, while they ignore an unknown setting.
+INSTANT_GATEWAY_ENV = {"ISOGATE_QUEUE_IN_FLIGHT_PER_PAIR": "1000000"}
 
 
 @dataclass
@@ -121,6 +130,7 @@ def instant_rig(config: BenchConfig, work_dir: Path) -> Iterator[Rig]:
             cpus=config.router_cpus,
             priority=config.priority,
             root=config.gateway_root,
+            env=INSTANT_GATEWAY_ENV,
         )
         yield Rig(
             config,
