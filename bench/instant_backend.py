@@ -15,7 +15,10 @@ What it answers (shapes taken from real SGLang 0.5.23, ``tests/data``):
   ``isolation_generation`` (what ``engine_patch`` does in the real engine); streams carry
   the cumulative text, as SGLang's do;
 - ``POST /v1/completions`` and ``/v1/chat/completions`` in OpenAI shape (what a client sends
-  straight to a worker, or what ``sglang_router`` forwards), streamed or not.
+  straight to a worker, or what ``sglang_router`` forwards), streamed or not;
+- ``GET /bench/streams``: ``{"in_progress": N}``, the slow streams still being sent (not
+  SGLang's: what the memory bench asks once the clients have gone, where counting TCP
+  connections would count a router's idle keep-alive connections too).
 
 A stream sends ``--chunks`` chunks, ``--stream-interval-s`` apart (0: back to back), so the
 same server also holds thousands of slow streams open for the gateway memory bench.
@@ -120,12 +123,25 @@ class Request:
         self.body: list[bytes] = []
 
 
+class SlowStreams:
+    """The connections of one server that are sending a slow stream."""
+
+    def __init__(self) -> None:
+        self.in_progress: set[BackendProtocol] = set()
+
+    def body(self) -> bytes:
+        return orjson.dumps({"in_progress": len(self.in_progress)})
+
+
 class BackendProtocol(asyncio.Protocol):
     """One client connection: parse requests with httptools, answer each once it is complete."""
 
-    def __init__(self, config: BackendConfig, statics: dict[bytes, bytes]) -> None:
+    def __init__(
+        self, config: BackendConfig, statics: dict[bytes, bytes], slow_streams: SlowStreams
+    ) -> None:
         self._config = config
         self._statics = statics
+        self._slow_streams = slow_streams
         self._parser = httptools.HttpRequestParser(self)
         self._transport: asyncio.Transport | None = None
         self._request = Request()
@@ -149,6 +165,7 @@ class BackendProtocol(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if self._pending_chunk is not None:
             self._pending_chunk.cancel()
+        self._slow_streams.in_progress.discard(self)
         self._transport = None
 
     # -- httptools callbacks -----------------------------------------------------------------
@@ -171,7 +188,10 @@ class BackendProtocol(asyncio.Protocol):
         path = request.url.split(b"?", 1)[0]
         method = self._parser.get_method()
         if method == b"GET":
-            body = self._statics.get(path)
+            if path == b"/bench/streams":
+                body: bytes | None = self._slow_streams.body()
+            else:
+                body = self._statics.get(path)
             if body is None:
                 self._write(_head(404, b"application/json", 2, keep_alive) + b"{}")
             else:
@@ -216,6 +236,7 @@ class BackendProtocol(asyncio.Protocol):
             self._pending_chunk = None
             event = next(events, None)
             if event is None:
+                self._slow_streams.in_progress.discard(self)
                 self._write(b"0\r\n\r\n")
                 if not keep_alive:
                     self._close()
@@ -223,6 +244,7 @@ class BackendProtocol(asyncio.Protocol):
             self._write(_chunk(event))
             self._pending_chunk = loop.call_later(self._config.stream_interval_s, send_next)
 
+        self._slow_streams.in_progress.add(self)
         send_next()
         return True
 
@@ -347,8 +369,13 @@ class OpenAIAnswer:
 async def serve(config: BackendConfig, host: str, port: int) -> None:
     loop = asyncio.get_running_loop()
     statics = _static_bodies(config)
+    slow_streams = SlowStreams()
     server = await loop.create_server(
-        lambda: BackendProtocol(config, statics), host, port, backlog=4096, reuse_address=True
+        lambda: BackendProtocol(config, statics, slow_streams),
+        host,
+        port,
+        backlog=4096,
+        reuse_address=True,
     )
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

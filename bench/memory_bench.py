@@ -11,8 +11,8 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
+import httpx
 import orjson
 
 from bench.processes import rss_bytes
@@ -71,15 +71,12 @@ def _mb(pid: int) -> float:
     return rss_bytes(pid) / 1e6
 
 
-def established_to(port: int) -> int:
-    """Established TCP connections whose remote end is 127.0.0.1:port (from /proc/net/tcp)."""
-    target = f"0100007F:{port:04X}"
-    count = 0
-    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
-        fields = line.split()
-        if fields[2] == target and fields[3] == "01":  # rem_address, state ESTABLISHED
-            count += 1
-    return count
+def streams_in_progress(port: int) -> int:
+    """The slow streams the decode backend at ``port`` is still sending (its own count: the
+    gateway's connections to it also carry aborts, then stay open idle in its pool)."""
+    answer = httpx.get(f"http://127.0.0.1:{port}/bench/streams", timeout=5.0)
+    answer.raise_for_status()
+    return int(answer.json()["in_progress"])
 
 
 async def _hold(rig: Rig, counts: tuple[int, ...], log) -> tuple[list[dict], float]:
@@ -134,10 +131,10 @@ def run_memory_bench(rig: Rig, idle_fresh_mb: float, log=print) -> MemoryResult:
     rows, _ = asyncio.run(_hold(rig, rig.config.streams, log))
     assert rig.slow_decode.port is not None
     closed_at = time.monotonic()
-    upstream_open = established_to(rig.slow_decode.port)
+    upstream_open = streams_in_progress(rig.slow_decode.port)
     while upstream_open > 5 and time.monotonic() - closed_at < 30:
         time.sleep(0.5)
-        upstream_open = established_to(rig.slow_decode.port)
+        upstream_open = streams_in_progress(rig.slow_decode.port)
     release_s = time.monotonic() - closed_at
     time.sleep(max(0.0, 3.0 - release_s))
     idle_after = _mb(rig.gateway_pid)
