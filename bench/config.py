@@ -31,6 +31,7 @@ class Ports:
     bootstrap: int = 34012
     slow_decode: int = 34013  # streams slowly: holds streams open for the memory bench
     router: int = 34020  # and router + 1 for its Prometheus endpoint
+    smg: int = 34022  # and smg + 1 for its Prometheus endpoint
     gateway: int = 34030
     # Spaced out: SGLang takes ports above its own for internal use (as gateway.dev.cluster does).
     real_prefill: int = 34100

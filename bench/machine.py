@@ -9,7 +9,7 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-from bench.processes import ENGINE_PYTHON, REPO_ROOT
+from bench.processes import ENGINE_PYTHON, REPO_ROOT, SMG_BINARY
 
 
 def _cpu_model() -> str:
@@ -55,6 +55,17 @@ def describe_machine() -> dict[str, str]:
         ]
     ).split()
     wrk = _run(["wrk", "-v"]).splitlines()
+    smg = (
+        _run(
+            [
+                str(SMG_BINARY.with_name("python")),
+                "-c",
+                "from importlib.metadata import version; print(version('smg'))",
+            ]
+        )
+        if SMG_BINARY.exists()
+        else "not installed (section 1 runs without it)"
+    )
     return {
         "cpu": _cpu_model(),
         "cpus": f"{os.cpu_count()} ({len(os.sched_getaffinity(0))} usable)",
@@ -74,6 +85,7 @@ def describe_machine() -> dict[str, str]:
             )
         ),
         "sglang_router": engine_versions[0] if len(engine_versions) == 3 else "unavailable",
+        "smg": smg,
         "sglang / torch (real-engine run)": " / ".join(engine_versions[1:])
         if len(engine_versions) == 3
         else "unavailable",

@@ -1,5 +1,5 @@
-"""The processes a bench runs: instant backends, ``sglang_router``, the gateway; pinning, CPU
-and memory.
+"""The processes a bench runs: instant backends, ``sglang_router``, SMG, the gateway; pinning,
+CPU and memory.
 
 Every process runs in its own process group (``stop`` kills the group) and may be pinned to
 a set of CPUs (all of its threads, including ones started later, since they inherit the
@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +27,9 @@ from gateway.dev.harness import GatewayProcess, port_is_free
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ENGINE_PYTHON = Path(os.environ.get("ENGINE_VENV") or REPO_ROOT / ".venv-engine") / "bin" / "python"
+# SMG (``smg`` on PyPI), in a virtual environment of its own: its grpcio and protobuf are newer
+# than the engine's. ``scripts/bench`` installs it; a bench without it leaves SMG out.
+SMG_BINARY = REPO_ROOT / ".venv-smg" / "bin" / "smg"
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -233,11 +236,85 @@ def sglang_router(
     priority: int = 0,
 ) -> Managed:
     """SGLang's Rust PD router (``sglang_router`` 0.3.2, engine venv), ready on /readiness."""
+    return _peer_router(
+        "sglang-router",
+        lambda at: _router_command(prefill_url, bootstrap_port, decode_url, at),
+        port,
+        log_dir,
+        cpus=cpus,
+        priority=priority,
+    )
+
+
+def _smg_command(
+    prefill_url: str, bootstrap_port: int, decode_url: str, port: int, models: Sequence[str]
+) -> list[str]:
+    # SMG routes by model: the workers report their model path, the bench's clients name the
+    # gateway's model, so each name is an alias of the path.
+    model_path = httpx.get(f"{prefill_url}/server_info", timeout=10).json()["model_path"]
+    aliases = [arg for name in models for arg in ("--model-alias", f"{name}={model_path}")]
+    return [
+        str(SMG_BINARY),
+        "launch",
+        "--pd-disaggregation",
+        "--prefill",
+        prefill_url,
+        str(bootstrap_port),
+        "--decode",
+        decode_url,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--prometheus-host",
+        "127.0.0.1",
+        "--prometheus-port",
+        str(port + 1),
+        "--log-level",
+        "warn",
+        "--worker-startup-check-interval",
+        "1",
+        *aliases,
+    ]
+
+
+def smg_router(
+    prefill_url: str,
+    bootstrap_port: int,
+    decode_url: str,
+    port: int,
+    log_dir: Path,
+    *,
+    models: Sequence[str],
+    cpus: set[int] | None,
+    priority: int = 0,
+) -> Managed:
+    """SMG (``smg launch``, PD mode, ``.venv-smg``) in front of one pair, ready on /readiness."""
+    return _peer_router(
+        "smg",
+        lambda at: _smg_command(prefill_url, bootstrap_port, decode_url, at, models),
+        port,
+        log_dir,
+        cpus=cpus,
+        priority=priority,
+    )
+
+
+def _peer_router(
+    name: str,
+    command_at: Callable[[int], list[str]],
+    port: int,
+    log_dir: Path,
+    *,
+    cpus: set[int] | None,
+    priority: int,
+) -> Managed:
+    """A Rust router started on ``port`` (and its Prometheus port next to it), ready on
+    /readiness."""
     for attempt in range(3):
         port = free_ports(port, count=2)  # the router's port and its Prometheus port
-        command = _router_command(prefill_url, bootstrap_port, decode_url, port)
         router = Managed(
-            "sglang-router", command, log_dir / f"sglang-router-{port}.log", cpus, priority=priority
+            name, command_at(port), log_dir / f"{name}-{port}.log", cpus, priority=priority
         ).start()
         try:
             wait_http(f"http://127.0.0.1:{port}/readiness", 90, router.process, router.log_path)

@@ -95,6 +95,30 @@ def routing_tables(routing: list[dict]) -> list[str]:
     return out
 
 
+def _smg_context(plain: dict[tuple[int, str], dict[str, Any]]) -> list[str]:
+    """The gateway against SMG in the same run, where SMG ran: no target of its own (issue 7
+    names sglang_router), but the peer users compare with on speed."""
+    saturated = {
+        target: [c for (n, t), c in plain.items() if t == target and n > 1]
+        for target in ("smg", "gateway")
+    }
+    if not saturated["smg"] or not saturated["gateway"]:
+        return []
+    best = {t: max(c["rps"] for c in cells) for t, cells in saturated.items()}
+    cpu = {
+        t: min((c["cpu_us_per_request"] for c in cells if c.get("cpu_us_per_request")), default=0)
+        for t, cells in saturated.items()
+    }
+    if not (best["smg"] and cpu["smg"]):
+        return []
+    return [
+        f"| (context) against SMG, same run: saturation throughput and CPU per request | "
+        f"gateway {best['gateway']:,.0f} req/s and {cpu['gateway']:,.0f} µs, "
+        f"SMG {best['smg']:,.0f} req/s and {cpu['smg']:,.0f} µs "
+        f"(×{best['gateway'] / best['smg']:.2f}, ×{cpu['gateway'] / cpu['smg']:.1f}) | - |"
+    ]
+
+
 def target_lines(results: dict[str, Any]) -> list[str]:
     lines = ["| target | measured | verdict |", "|---|---|---|"]
 
@@ -154,6 +178,7 @@ def target_lines(results: dict[str, Any]) -> list[str]:
                 f"sglang_router {cpu['sglang_router']:,.0f} µs (×{ratio:.1f}) | "
                 f"{verdict(ratio <= 2)} |"
             )
+        lines += _smg_context(plain)
     prompt = results.get("prompt") or {}
     refusal = {r["megabytes"]: r for r in prompt.get("refusal", [])}
     if 50 in refusal:
@@ -273,17 +298,17 @@ def render(results: dict[str, Any]) -> str:
     out += ["## Targets (issue 7)", "", *target_lines(results)]
     if results.get("routing"):
         out += [
-            "## 1. Routing cost: direct vs sglang_router 0.3.2 (PD) vs isogate gateway, "
-            "instant backend",
+            "## 1. Routing cost: direct vs sglang_router 0.3.2 (PD) vs SMG (PD, where installed) "
+            "vs isogate gateway, instant backend",
             "",
-            "Same client request to all three (`POST /v1/completions`, short prompt, "
+            "Same client request to all of them (`POST /v1/completions`, short prompt, "
             "4 output tokens). "
             "`direct` = straight to the decode instant backend (the floor). "
             "Added = target − direct at the "
             "same concurrency. CPU µs/req = the router process's CPU time ÷ requests served. "
             f"Each figure is the median of {config.get('routing_rounds', 1)} runs of "
             f"{config.get('wrk_duration_s')} s "
-            "(wrk; the three targets interleaved in every round). "
+            "(wrk; the targets interleaved in every round). "
             f"Pinning: {config.get('pinning')}",
             "",
         ]

@@ -1,5 +1,6 @@
 """The instant-backend rig: two instant backends (prefill, decode), a slow-streaming decode,
-``sglang_router`` and the gateway in front of them, started once for the sections that use it."""
+``sglang_router``, SMG (where ``.venv-smg`` is installed) and the gateway in front of them,
+started once for the sections that use it."""
 
 from __future__ import annotations
 
@@ -10,11 +11,13 @@ from pathlib import Path
 
 from bench.config import BenchConfig
 from bench.processes import (
+    SMG_BINARY,
     BenchModel,
     BenchPool,
     Managed,
     instant_backend,
     sglang_router,
+    smg_router,
     start_gateway,
     write_bench_policies,
 )
@@ -54,6 +57,11 @@ class Rig:
     gateway_key: str
     slow_decode: Managed
     pool: BenchPool  # the instant prefill and decode every model but the slow one routes to
+    smg: Managed | None = None  # None where .venv-smg is not installed
+
+    @property
+    def smg_url(self) -> str | None:
+        return f"http://127.0.0.1:{self.smg.port}" if self.smg is not None else None
 
     @property
     def gateway_url(self) -> str:
@@ -106,6 +114,19 @@ def instant_rig(config: BenchConfig, work_dir: Path) -> Iterator[Rig]:
             priority=config.priority,
         )
         started.append(router)
+        smg = None
+        if SMG_BINARY.exists():
+            smg = smg_router(
+                prefill_url,
+                ports.bootstrap,
+                decode_url,
+                ports.smg,
+                work_dir,
+                models=[MODEL],
+                cpus=config.router_cpus,
+                priority=config.priority,
+            )
+            started.append(smg)
         pool = BenchPool(prefill_url, ports.bootstrap, decode_url)
         slow_pool = BenchPool(prefill_url, ports.bootstrap, slow_url)
         policies = write_bench_policies(
@@ -142,6 +163,7 @@ def instant_rig(config: BenchConfig, work_dir: Path) -> Iterator[Rig]:
             key,
             backends["slow"],
             pool,
+            smg,
         )
     finally:
         if gateway is not None:

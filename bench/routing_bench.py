@@ -1,13 +1,14 @@
-"""Section 1: added latency and throughput of sglang_router and the gateway, against direct.
+"""Section 1: added latency and throughput of sglang_router, SMG and the gateway, against direct.
 
-All three get the same client request (``POST /v1/completions``, a short prompt, 4 output
+All of them get the same client request (``POST /v1/completions``, a short prompt, 4 output
 tokens) in front of the same instant backend: "direct" sends it straight to the decode
-backend (one hop, the floor), ``sglang_router`` (PD mode) and the gateway forward it to
-prefill and decode. ``wrk`` measures whole responses (non-streaming, and streaming where the
-whole stream is 4 chunks sent back to back); ``bench.stream_client`` measures streaming time
-to first token. Targets are interleaved inside each cell, so a noisy neighbour hits all three,
-and each cell runs ``config.routing_rounds`` times (targets interleaved in every round); a
-target's figures for the cell are the medians over the rounds (requests and errors: totals).
+backend (one hop, the floor), ``sglang_router`` and SMG (PD mode; SMG where ``.venv-smg`` is
+installed) and the gateway forward it to prefill and decode. ``wrk`` measures whole responses
+(non-streaming, and streaming where the whole stream is 4 chunks sent back to back);
+``bench.stream_client`` measures streaming time to first token. Targets are interleaved inside
+each cell, so a noisy neighbour hits them all, and each cell runs ``config.routing_rounds``
+times (targets interleaved in every round); a target's figures for the cell are the medians
+over the rounds (requests and errors: totals).
 
 CPU per request is the router process's own CPU time over the run divided by the requests it
 served: at saturation it is the cost figure that does not depend on where the bottleneck is.
@@ -32,7 +33,7 @@ PROMPT = "Summarise the following in one line: the gateway checks tenant isolati
 
 @dataclass
 class Cell:
-    target: str  # direct | sglang_router | gateway
+    target: str  # direct | sglang_router | smg | gateway
     mode: str  # plain | stream (wrk: whole response) | ttft (stream_client: first body byte)
     concurrency: int
     requests: int
@@ -50,9 +51,11 @@ def request_body(stream: bool) -> bytes:
 
 
 def _targets(rig: Rig) -> list[tuple[str, str, int | None]]:
+    peers = [("smg", rig.smg_url, rig.smg.pid)] if rig.smg is not None and rig.smg_url else []
     return [
         ("direct", rig.direct_url, None),
         ("sglang_router", rig.router_url, rig.router.pid),
+        *peers,
         ("gateway", rig.gateway_url, rig.gateway_pid),
     ]
 

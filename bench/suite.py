@@ -70,7 +70,7 @@ def main() -> int:
     boost(os.getpid(), config.priority)
     started = time.monotonic()
     pinning = (
-        f"sglang_router and the gateway each on CPU {sorted(config.router_cpus)} "
+        f"sglang_router, SMG and the gateway each on CPU {sorted(config.router_cpus)} "
         "(one core, one at a time under load); instant backends, wrk (1 thread) and the runner "
         f"on CPUs {sorted(config.helper_cpus)}"
         if config.router_cpus
