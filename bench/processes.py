@@ -199,11 +199,12 @@ def instant_backend(
     return backend
 
 
-def _router_command(prefill_url: str, bootstrap_port: int, decode_url: str, port: int) -> list[str]:
+def _pd_router_arguments(
+    prefill_url: str, bootstrap_port: int, decode_url: str, port: int
+) -> list[str]:
+    """What both Rust routers (``sglang_router``, SMG) are told: one PD pair, their port and
+    Prometheus port, warnings only, workers checked each second at start."""
     return [
-        str(ENGINE_PYTHON),
-        "-m",
-        "sglang_router.launch_router",
         "--pd-disaggregation",
         "--prefill",
         prefill_url,
@@ -222,6 +223,15 @@ def _router_command(prefill_url: str, bootstrap_port: int, decode_url: str, port
         "warn",
         "--worker-startup-check-interval",
         "1",
+    ]
+
+
+def _router_command(prefill_url: str, bootstrap_port: int, decode_url: str, port: int) -> list[str]:
+    return [
+        str(ENGINE_PYTHON),
+        "-m",
+        "sglang_router.launch_router",
+        *_pd_router_arguments(prefill_url, bootstrap_port, decode_url, port),
     ]
 
 
@@ -256,24 +266,7 @@ def _smg_command(
     return [
         str(SMG_BINARY),
         "launch",
-        "--pd-disaggregation",
-        "--prefill",
-        prefill_url,
-        str(bootstrap_port),
-        "--decode",
-        decode_url,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--prometheus-host",
-        "127.0.0.1",
-        "--prometheus-port",
-        str(port + 1),
-        "--log-level",
-        "warn",
-        "--worker-startup-check-interval",
-        "1",
+        *_pd_router_arguments(prefill_url, bootstrap_port, decode_url, port),
         *aliases,
     ]
 
