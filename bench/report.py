@@ -95,30 +95,6 @@ def routing_tables(routing: list[dict]) -> list[str]:
     return out
 
 
-def _smg_context(plain: dict[tuple[int, str], dict[str, Any]]) -> list[str]:
-    """The gateway against SMG in the same run, where SMG ran: no target of its own (issue 7
-    names sglang_router), but the peer users compare with on speed."""
-    saturated = {
-        target: [c for (n, t), c in plain.items() if t == target and n > 1]
-        for target in ("smg", "gateway")
-    }
-    if not saturated["smg"] or not saturated["gateway"]:
-        return []
-    best = {t: max(c["rps"] for c in cells) for t, cells in saturated.items()}
-    cpu = {
-        t: min((c["cpu_us_per_request"] for c in cells if c.get("cpu_us_per_request")), default=0)
-        for t, cells in saturated.items()
-    }
-    if not (best["smg"] and cpu["smg"]):
-        return []
-    return [
-        f"| (context) against SMG, same run: saturation throughput and CPU per request | "
-        f"gateway {best['gateway']:,.0f} req/s and {cpu['gateway']:,.0f} µs, "
-        f"SMG {best['smg']:,.0f} req/s and {cpu['smg']:,.0f} µs "
-        f"(×{best['gateway'] / best['smg']:.2f}, ×{cpu['gateway'] / cpu['smg']:.1f}) | - |"
-    ]
-
-
 def target_lines(results: dict[str, Any]) -> list[str]:
     lines = ["| target | measured | verdict |", "|---|---|---|"]
 
@@ -150,7 +126,7 @@ def target_lines(results: dict[str, Any]) -> list[str]:
                 )
         best = {
             t: max((c["rps"] for (n, tt), c in plain.items() if tt == t and n > 1), default=0.0)
-            for t in ("sglang_router", "gateway")
+            for t in ("sglang_router", "smg", "gateway")
         }
         if best["sglang_router"]:
             ratio = best["gateway"] / best["sglang_router"]
@@ -169,7 +145,7 @@ def target_lines(results: dict[str, Any]) -> list[str]:
                 ),
                 default=None,
             )
-            for t in ("sglang_router", "gateway")
+            for t in ("sglang_router", "smg", "gateway")
         }
         if cpu["sglang_router"] and cpu["gateway"]:
             ratio = cpu["gateway"] / cpu["sglang_router"]
@@ -178,7 +154,15 @@ def target_lines(results: dict[str, Any]) -> list[str]:
                 f"sglang_router {cpu['sglang_router']:,.0f} µs (×{ratio:.1f}) | "
                 f"{verdict(ratio <= 2)} |"
             )
-        lines += _smg_context(plain)
+        # SMG, where it ran: no target of its own (issue 7 names sglang_router), but the peer
+        # users compare with on speed.
+        if best["smg"] and cpu["smg"] and cpu["gateway"]:
+            lines.append(
+                f"| (context) against SMG, same run: saturation throughput and CPU per request | "
+                f"gateway {best['gateway']:,.0f} req/s and {cpu['gateway']:,.0f} µs, "
+                f"SMG {best['smg']:,.0f} req/s and {cpu['smg']:,.0f} µs "
+                f"(×{best['gateway'] / best['smg']:.2f}, ×{cpu['gateway'] / cpu['smg']:.1f}) | - |"
+            )
     prompt = results.get("prompt") or {}
     refusal = {r["megabytes"]: r for r in prompt.get("refusal", [])}
     if 50 in refusal:

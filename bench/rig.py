@@ -60,10 +60,6 @@ class Rig:
     smg: Managed | None = None  # None where .venv-smg is not installed
 
     @property
-    def smg_url(self) -> str | None:
-        return f"http://127.0.0.1:{self.smg.port}" if self.smg is not None else None
-
-    @property
     def gateway_url(self) -> str:
         return self.gateway.url
 

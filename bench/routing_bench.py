@@ -51,7 +51,8 @@ def request_body(stream: bool) -> bytes:
 
 
 def _targets(rig: Rig) -> list[tuple[str, str, int | None]]:
-    peers = [("smg", rig.smg_url, rig.smg.pid)] if rig.smg is not None and rig.smg_url else []
+    smg = rig.smg
+    peers = [("smg", f"http://127.0.0.1:{smg.port}", smg.pid)] if smg is not None else []
     return [
         ("direct", rig.direct_url, None),
         ("sglang_router", rig.router_url, rig.router.pid),
