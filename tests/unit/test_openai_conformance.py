@@ -133,6 +133,26 @@ def test_an_explicit_null_means_not_given(
     assert outcome(schema, {**required, **nulls}) is None
 
 
+@pytest.mark.parametrize("schema", [protocol.ChatCompletionRequest, protocol.CompletionRequest])
+def test_a_sampling_field_reaches_the_engine_only_when_the_client_sent_a_value(
+    schema: type[protocol._Request],
+) -> None:
+    # ``sampling_params`` looks only at the fields a client sent: every default must be None.
+    required = (
+        CHAT_REQUIRED
+        if schema is protocol.ChatCompletionRequest
+        else {
+            "model": "m",
+            "prompt": "hi",
+        }
+    )
+    for field, _ in protocol._SAMPLING_FIELDS:
+        assert schema.model_fields[field].default is None, field
+    unset = schema.model_validate(required)
+    nulls = schema.model_validate({**required, **{f: None for f, _ in protocol._SAMPLING_FIELDS}})
+    assert unset.sampling_params(8) == nulls.sampling_params(8) == {"max_new_tokens": 8}
+
+
 def test_the_honoured_fields_reach_the_engine_as_sglang_takes_them() -> None:
     parsed = protocol.parse_request(
         orjson.dumps(
