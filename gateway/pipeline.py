@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import re
 import time
 from collections.abc import AsyncGenerator, Awaitable
 from dataclasses import dataclass
@@ -292,20 +293,26 @@ class ClientHeaders:
 
     @classmethod
     def of(cls, scope: Scope) -> ClientHeaders:
-        authorization = content_length = reserved = None
-        for name, value in scope["headers"]:  # lower-case names (ASGI); the first of a name counts
-            if name == b"authorization":
-                if authorization is None:
-                    authorization = value.decode("latin-1")
-            elif name == b"content-length":
-                if content_length is None:
-                    content_length = value.decode("latin-1")
-            elif reserved is None and name.startswith(_RESERVED_PREFIXES):
-                reserved = name.decode("latin-1")
-        return cls(authorization, content_length, reserved)
+        headers = scope["headers"]  # lower-case names (ASGI); the first of a name counts
+        # The lookups in C, not a Python loop over every header: a dict of each name's first
+        # value, and one search of the names joined for a reserved prefix.
+        first = dict(reversed(headers))
+        authorization, content_length = first.get(b"authorization"), first.get(b"content-length")
+        reserved = None
+        if _RESERVED_NAME.search(b"\n" + b"\n".join(first)) is not None:
+            reserved = next(
+                (n.decode("latin-1") for n, _ in headers if n.startswith(_RESERVED_PREFIXES)), None
+            )
+        return cls(
+            None if authorization is None else authorization.decode("latin-1"),
+            None if content_length is None else content_length.decode("latin-1"),
+            reserved,
+        )
 
 
 _RESERVED_PREFIXES = tuple(prefix.encode() for prefix in RESERVED_HEADER_PREFIXES)
+# A name that starts with a reserved prefix, in the names joined by newlines (none holds one).
+_RESERVED_NAME = re.compile(b"\n(?:" + b"|".join(map(re.escape, _RESERVED_PREFIXES)) + b")")
 
 
 async def read_body(
