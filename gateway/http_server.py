@@ -160,6 +160,11 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
                     self._bounds.body_timeout_s, self._body_timed_out
                 )
 
+    def on_header(self, name: bytes, value: bytes) -> None:
+        # uvicorn's, but the Expect header is looked for once the headers are complete, not
+        # compared on every header as it arrives.
+        self.headers.append((name.lower(), value.rstrip(b" \t")))
+
     def on_headers_complete(self) -> None:
         self._disarm_timer()
         self._awaiting_headers, self._received_in_headers = False, 0
@@ -181,6 +186,10 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
                     "too_many_connections",
                     headers={"Retry-After": "1"},
                 )
+            )
+        if b"expect" in map(_NAME, headers):  # in C; the values looked at only if there is one
+            self.expect_100_continue = any(
+                n == b"expect" and v.lower() == b"100-continue" for n, v in headers
             )
         hook = DisconnectHook()
         self.scope["extensions"] = {DISCONNECT_EXTENSION: {"hook": hook}}

@@ -58,6 +58,11 @@ async def _app(scope: Scope, receive: Receive, send: Send) -> None:
         headers = [(b"Content-Length", b"2"), (b"X-Note", b"caf\xc3\xa9\tok")]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": b"ok"})
+    elif path == "/headers":  # the request's headers as the app sees them
+        seen = b"\n".join(b"%s=%s" % pair for pair in scope["headers"])
+        headers = [(b"content-length", b"%d" % len(seen))]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": seen})
     elif path == "/short":  # fewer bytes than declared
         headers = [(b"content-length", b"10")]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
@@ -160,3 +165,48 @@ async def test_an_answer_shorter_than_its_length_closes_the_connection(server_po
     data, closed = await _read_exactly(server_port, "/short")
     head, _, body = data.partition(b"\r\n\r\n")
     assert b"content-length: 10" in head and len(body) < 10 and closed
+
+
+async def test_header_names_reach_the_app_in_lower_case_and_values_without_trailing_space(
+    server_port: int,
+) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", server_port)
+    try:
+        writer.write(b"GET /headers HTTP/1.1\r\nHost: t\r\nX-Note: a b \t\r\n\r\n")
+        await writer.drain()
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(head.split(b"content-length: ")[1].split(b"\r\n")[0])
+        assert await reader.readexactly(length) == b"host=t\nx-note=a b"
+    finally:
+        writer.close()
+
+
+@pytest.mark.parametrize("expect", [b"100-continue", b"100-Continue"])
+async def test_a_client_that_expects_100_continue_is_told_to_send_its_body(
+    server_port: int, expect: bytes
+) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", server_port)
+    try:
+        writer.write(
+            b"POST /whole HTTP/1.1\r\nhost: t\r\ncontent-length: 2\r\nExpect: %s\r\n\r\n" % expect
+        )
+        await writer.drain()
+        interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=10)
+        assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
+        writer.write(b"{}")
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=10)
+        assert head.startswith(b"HTTP/1.1 200 OK\r\n")
+    finally:
+        writer.close()
+
+
+async def test_a_client_that_expects_nothing_gets_no_interim_answer(server_port: int) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", server_port)
+    try:
+        writer.write(b"POST /whole HTTP/1.1\r\nhost: t\r\ncontent-length: 2\r\n\r\n{}")
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=10)
+        assert head.startswith(b"HTTP/1.1 200 OK\r\n")
+    finally:
+        writer.close()
