@@ -19,16 +19,23 @@ _ULID_CHARS = 26
 _ROOM_MASK = (1 << 63) - 1
 
 
-# Ten bits (two digits) per lookup, 13 lookups for the 130 bits of 26 digits (the value's
-# top two bits are zero): 2.9 µs per ID where base64.b32encode, a Python loop in 3.11, took 4.8.
+# The time's ten digits two at a time (ten bits per lookup, five lookups), and each of the
+# sixteen random digits from one random byte's low five bits (256 is a multiple of 32, so each
+# digit is uniform): both by C calls (map, translate), not a loop of the interpreter per digit.
 _DIGIT_PAIRS = tuple(first + second for first in _CROCKFORD for second in _CROCKFORD)
-_PAIR_SHIFTS = tuple(range(120, -1, -10))
+_TIME_SHIFTS = (40, 30, 20, 10, 0)
+_LOW_TEN_BITS = (1023).__and__
+_RANDOM_DIGITS = 16
+_BYTE_TO_DIGIT = bytes(ord(_CROCKFORD[byte & 31]) for byte in range(256))
 _TO_INT_DIGITS = str.maketrans(_CROCKFORD, "0123456789abcdefghijklmnopqrstuv")
 
 
 def new_generation_id() -> str:
-    value = (int(time.time() * 1000) << 80) | int.from_bytes(os.urandom(10), "big")
-    return PREFIX + "".join([_DIGIT_PAIRS[(value >> shift) & 1023] for shift in _PAIR_SHIFTS])
+    millis = int(time.time() * 1000)
+    stamp = "".join(
+        map(_DIGIT_PAIRS.__getitem__, map(_LOW_TEN_BITS, map(millis.__rshift__, _TIME_SHIFTS)))
+    )
+    return PREFIX + stamp + os.urandom(_RANDOM_DIGITS).translate(_BYTE_TO_DIGIT).decode("ascii")
 
 
 def is_generation_id(text: str) -> bool:

@@ -61,16 +61,18 @@ def test_new_ids_decode_to_their_time_and_sort_by_it(monkeypatch) -> None:
 
 
 @settings(deadline=None)
-@given(st.integers(min_value=0, max_value=(1 << 48) - 1), st.binary(min_size=10, max_size=10))
+@given(st.integers(min_value=0, max_value=(1 << 48) - 1), st.binary(min_size=16, max_size=16))
 def test_a_new_id_is_the_reference_encoding_of_its_time_and_random_bits(
     millis: int, random: bytes
 ) -> None:
+    # Each of the 16 random digits is one random byte's low five bits: 80 random bits.
+    random_bits = 0
+    for byte in random:
+        random_bits = (random_bits << 5) | (byte & 31)
     real_time, real_urandom = ids.time.time, ids.os.urandom
     ids.time.time, ids.os.urandom = (lambda: millis / 1000 + 0.0004), (lambda size: random)
     try:
         generation_id = ids.new_generation_id()
     finally:
         ids.time.time, ids.os.urandom = real_time, real_urandom
-    assert generation_id == "gen_" + reference_encode(
-        (millis << 80) | int.from_bytes(random, "big")
-    )
+    assert generation_id == "gen_" + reference_encode((millis << 80) | random_bits)
