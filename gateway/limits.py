@@ -44,6 +44,7 @@ _T = TypeVar("_T")
 _Mode = Literal["all", "count", "rest"]
 
 _WINDOW_MS = 60_000.0
+_floor = math.floor
 # Retry hint when the concurrency limit is reached: when a slot frees is unknown.
 _CONCURRENCY_RETRY_S = 1.0
 # After Redis failed, the in-memory limiter alone is used for this long before Redis is tried again.
@@ -140,11 +141,16 @@ class _Bucket:
     inflight: dict[str, float] = field(default_factory=dict)  # lease id → expiry (ms)
 
     def refill(self, limits: TenantLimits, now_ms: float) -> None:
-        # The Lua ``refill`` of the Redis path, term for term (held equal by a test).
-        elapsed = max(0.0, now_ms - self.at_ms)
+        # The Lua ``refill`` of the Redis path, term for term (held equal by a test); its
+        # ``math.max`` and ``math.min`` as comparisons (no built-in called, on every request).
+        elapsed = now_ms - self.at_ms
+        if elapsed < 0.0:
+            elapsed = 0.0
         rpm, tpm = limits.requests_per_minute, limits.tokens_per_minute
-        self.requests = min(rpm, self.requests + elapsed * rpm / _WINDOW_MS)
-        self.tokens = min(tpm, self.tokens + elapsed * tpm / _WINDOW_MS)
+        requests = self.requests + elapsed * rpm / _WINDOW_MS
+        tokens = self.tokens + elapsed * tpm / _WINDOW_MS
+        self.requests = rpm if rpm <= requests else requests
+        self.tokens = tpm if tpm <= tokens else tokens
         self.at_ms = now_ms
 
 
@@ -335,34 +341,41 @@ class TenantLimiter:
         return self._take_local(lease, reserved, mode)  # Redis unreachable: in memory
 
     def _take_local(self, lease: LimitLease, reserved: int, mode: _Mode) -> Allowance:
+        """The script's decisions in memory, in its order: the concurrency slot (not when only
+        counting), the request (not for the rest of a counted one), the tokens (always: a
+        bucket left in debt by ``settle`` refuses even a request that reserves none)."""
         lease._in_redis = False
-        tenant_id, limits, lease_id = lease.tenant_id, lease._limits, lease._lease_id
+        limits = lease._limits
         now = time.monotonic() * 1000
-        bucket = self._buckets.get(tenant_id)
+        bucket = self._buckets.get(lease.tenant_id)
         if bucket is None:
-            bucket = self._buckets[tenant_id] = _Bucket(
+            bucket = self._buckets[lease.tenant_id] = _Bucket(
                 limits.requests_per_minute, limits.tokens_per_minute, now
             )
         bucket.refill(limits, now)
-        if mode != "count" and len(bucket.inflight) >= limits.max_concurrent:
-            # Leases past their TTL no longer count; they can only matter at the limit, so they
-            # are looked for there, not on every request (and never exceed the limit in number).
-            for expired in [lid for lid, expiry in bucket.inflight.items() if expiry <= now]:
-                del bucket.inflight[expired]
-            if len(bucket.inflight) >= limits.max_concurrent:
-                _raise_if_refused(1, _CONCURRENCY_RETRY_S, limits)
-        if mode != "rest" and bucket.requests < 1:
+        counted = mode != "rest"
+        if mode != "count":
+            inflight = bucket.inflight
+            if len(inflight) >= limits.max_concurrent:
+                # Leases past their TTL no longer count; they can only matter at the limit, so
+                # they are looked for there, not on every request (and never exceed the limit
+                # in number).
+                for expired in [lid for lid, expiry in inflight.items() if expiry <= now]:
+                    del inflight[expired]
+                if len(inflight) >= limits.max_concurrent:
+                    _raise_if_refused(1, _CONCURRENCY_RETRY_S, limits)
+        if counted and bucket.requests < 1:
             wait_ms = (1 - bucket.requests) * _WINDOW_MS / limits.requests_per_minute
             _raise_if_refused(2, wait_ms / 1000, limits)
         if bucket.tokens < reserved:
             wait_ms = (reserved - bucket.tokens) * _WINDOW_MS / limits.tokens_per_minute
             _raise_if_refused(3, wait_ms / 1000, limits)
-        if mode != "rest":
+        if counted:
             bucket.requests -= 1
         bucket.tokens -= reserved
         if mode != "count":
-            bucket.inflight[lease_id] = now + self._lease_ttl_ms
-        return Allowance(math.floor(bucket.requests), math.floor(bucket.tokens))
+            bucket.inflight[lease._lease_id] = now + self._lease_ttl_ms
+        return Allowance(_floor(bucket.requests), _floor(bucket.tokens))
 
     async def _settle_shared(self, lease: LimitLease, delta: int) -> None:
         limits = lease._limits
