@@ -138,7 +138,8 @@ class _Bucket:
     requests: float
     tokens: float
     at_ms: float
-    inflight: dict[str, float] = field(default_factory=dict)  # lease id → expiry (ms)
+    # Leases in flight → expiry (ms); in memory the lease itself is the key (no name to make).
+    inflight: dict[LimitLease, float] = field(default_factory=dict)
 
     def refill(self, limits: TenantLimits, now_ms: float) -> None:
         # The Lua ``refill`` of the Redis path, term for term (held equal by a test); its
@@ -166,7 +167,8 @@ def rate_limit_headers(limits: TenantLimits, left: Allowance) -> list[tuple[byte
     """OpenAI's ``x-ratelimit-*`` headers: each limit, what is left of it, and how long until
     it is whole again (the buckets refill continuously over a minute)."""
     rpm, tpm = limits.requests_per_minute, limits.tokens_per_minute
-    requests, tokens = max(0, left.requests), max(0, left.tokens)
+    requests, tokens = left.requests, left.tokens
+    requests, tokens = (requests if requests > 0 else 0), (tokens if tokens > 0 else 0)
     return [
         (b"x-ratelimit-limit-requests", b"%d" % rpm),
         (b"x-ratelimit-limit-tokens", b"%d" % tpm),
@@ -180,25 +182,38 @@ def rate_limit_headers(limits: TenantLimits, left: Allowance) -> list[tuple[byte
 class LimitLease:
     """One admitted request's hold on its tenant's limits."""
 
+    __slots__ = (
+        "_id",
+        "_in_redis",
+        "_limiter",
+        "_limits",
+        "_released",
+        "_settled",
+        "left",
+        "reserved_tokens",
+        "tenant_id",
+    )
+
     def __init__(
-        self,
-        limiter: TenantLimiter,
-        tenant_id: str,
-        limits: TenantLimits,
-        reserved: int,
-        lease_id: str,
-        *,
-        in_redis: bool,
-    ):
+        self, limiter: TenantLimiter, tenant_id: str, limits: TenantLimits, reserved: int
+    ) -> None:
         self.tenant_id = tenant_id
         self.reserved_tokens = reserved
         self._limiter = limiter
         self._limits = limits
-        self._lease_id = lease_id
-        self._in_redis = in_redis
+        self._id: str | None = None
+        self._in_redis = False
         self._settled = False
         self._released = False
         self.left: Allowance | None = None  # what the tenant may still send, when known
+
+    @property
+    def lease_id(self) -> str:
+        """The lease's name in Redis's set of leases in flight, unique across replicas: made
+        when Redis first needs it (in memory the lease itself is the key)."""
+        if self._id is None:
+            self._id = self._limiter._new_lease_id()
+        return self._id
 
     def headers(self) -> list[tuple[bytes, bytes]]:
         return [] if self.left is None else rate_limit_headers(self._limits, self.left)
@@ -215,7 +230,10 @@ class LimitLease:
             else limiter._take_local(self, reserved, "rest")
         )
         # Requests left as counted when this one was (the bucket has refilled a little since).
-        self.left = Allowance(self.left.requests if self.left else left.requests, left.tokens)
+        if self.left is None:
+            self.left = left
+        else:
+            self.left.tokens = left.tokens
         self.reserved_tokens = reserved
 
     async def settle(self, actual_tokens: int) -> None:
@@ -276,7 +294,7 @@ class TenantLimiter:
         """Count the request, take a concurrency slot and reserve its tokens, all or nothing."""
         reserved = max(0, reserved_tokens)
         _refuse_if_too_large(reserved, limits)
-        lease = LimitLease(self, tenant_id, limits, reserved, self._new_lease_id(), in_redis=False)
+        lease = LimitLease(self, tenant_id, limits, reserved)
         lease.left = (
             await self._take_shared(lease, reserved, "all")
             if self._shared(lease, "all")
@@ -287,7 +305,7 @@ class TenantLimiter:
     async def enter(self, tenant_id: str, limits: TenantLimits) -> LimitLease:
         """Count one request, before anything about it is known but its key; its concurrency
         slot and tokens are taken later (``LimitLease.reserve``)."""
-        lease = LimitLease(self, tenant_id, limits, 0, self._new_lease_id(), in_redis=False)
+        lease = LimitLease(self, tenant_id, limits, 0)
         lease.left = (
             await self._take_shared(lease, 0, "count")
             if self._shared(lease, "count")
@@ -321,7 +339,7 @@ class TenantLimiter:
                         limits.tokens_per_minute,
                         limits.max_concurrent,
                         reserved,
-                        lease._lease_id,
+                        lease.lease_id,
                         int(self._lease_ttl_ms),
                         mode,
                     ],
@@ -374,7 +392,7 @@ class TenantLimiter:
             bucket.requests -= 1
         bucket.tokens -= reserved
         if mode != "count":
-            bucket.inflight[lease._lease_id] = now + self._lease_ttl_ms
+            bucket.inflight[lease] = now + self._lease_ttl_ms
         return Allowance(_floor(bucket.requests), _floor(bucket.tokens))
 
     async def _settle_shared(self, lease: LimitLease, delta: int) -> None:
@@ -404,7 +422,7 @@ class TenantLimiter:
         assert self._redis is not None  # a lease is in Redis only if it is configured
         try:
             await self._with_timeout(
-                self._redis.zrem(self._key(lease.tenant_id, "inflight"), lease._lease_id)
+                self._redis.zrem(self._key(lease.tenant_id, "inflight"), lease.lease_id)
             )
         except Exception as exc:
             if not _redis_unreachable(exc):
@@ -414,7 +432,7 @@ class TenantLimiter:
     def _release_local(self, lease: LimitLease) -> None:
         bucket = self._buckets.get(lease.tenant_id)
         if bucket is not None:
-            bucket.inflight.pop(lease._lease_id, None)
+            bucket.inflight.pop(lease, None)
 
     def _key(self, tenant_id: str, what: str) -> str:
         # The hash tag keeps a tenant's keys in one slot of a Redis Cluster (one script).
