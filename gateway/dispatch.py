@@ -19,12 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
 
 import orjson
 
@@ -58,7 +56,7 @@ class EngineRequest:
 def generate_body(
     pair: WorkerPair, request: EngineRequest, *, stream: bool, prompt_logprobs: bool = False
 ) -> bytes:
-    bootstrap_host = pair.prefill.bootstrap_host or _hostname(pair.prefill.url)
+    bootstrap_host, bootstrap_port = pair.bootstrap
     body: dict[str, Any] = {
         "input_ids": request.input_ids,
         "sampling_params": request.sampling_params,
@@ -66,7 +64,7 @@ def generate_body(
         "rid": request.generation_id,
         "extra_key": request.cache_salt,
         "bootstrap_host": bootstrap_host,
-        "bootstrap_port": pair.prefill.bootstrap_port,
+        "bootstrap_port": bootstrap_port,
         "bootstrap_room": bootstrap_room(request.generation_id),
     }
     if request.top_logprobs is not None:
@@ -76,12 +74,6 @@ def generate_body(
         body["top_logprobs_num"] = request.top_logprobs
         body["logprob_start_len"] = 0 if prompt_logprobs else -1
     return orjson.dumps(body)
-
-
-@functools.lru_cache(maxsize=1024)
-def _hostname(url: str) -> str | None:
-    # A worker's URL comes from the policies: parsed once, not for every request.
-    return urlsplit(url).hostname
 
 
 def isolation_headers(request: EngineRequest) -> dict[str, str]:
@@ -120,10 +112,8 @@ class PDDispatcher:
         failed prefill leaves decode waiting for a transfer that never comes, so the first
         failure ends the wait and the other exchange is abandoned (its connection closed).
         """
-        log.debug(
-            "dispatch",
-            extra={"prefill": pair.prefill.url, "decode": pair.decode.url, "stream": False},
-        )
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("dispatch", extra={"workers": pair.urls, "stream": False})
         headers = isolation_headers(request)
         body = generate_body(pair, request, stream=False)  # the same for both roles...
         prefill_body = (  # ...unless prefill is to score the prompt
@@ -134,13 +124,14 @@ class PDDispatcher:
         client = self._client
         exchanges: list[tuple[str, UpstreamConnection]] = []
         try:
+            prefill_url, decode_url = pair.generate_urls
             for role, url, role_body in (
-                ("prefill", pair.prefill.url, prefill_body),
-                ("decode", pair.decode.url, body),
+                ("prefill", prefill_url, prefill_body),
+                ("decode", decode_url, body),
             ):
                 # ``_send``'s work inline: one coroutine less per role and request.
                 try:
-                    connection = await client.send(f"{url}/generate", role_body, headers)
+                    connection = await client.send(url, role_body, headers)
                 except (UpstreamError, OSError) as exc:
                     raise _transport_error(role, exc) from exc
                 exchanges.append((role, connection))
@@ -155,8 +146,8 @@ class PDDispatcher:
                 answer[PREFILL_META] = (
                     prefill_answer.get("meta_info") if isinstance(prefill_answer, dict) else None
                 )
-            self._seen_serving(pair.prefill.url)
-            self._seen_serving(pair.decode.url)
+            self._seen_serving(pair.urls[0])
+            self._seen_serving(pair.urls[1])
             return answer
         finally:
             # Written out, not all() over a generator: this runs for every request.
@@ -176,14 +167,12 @@ class PDDispatcher:
         default), so the first chunk races prefill's answer (awaited on its connection, like
         ``generate``). Once decode has produced a token, the transfer is complete.
         """
-        log.debug(
-            "dispatch",
-            extra={"prefill": pair.prefill.url, "decode": pair.decode.url, "stream": True},
-        )
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("dispatch", extra={"workers": pair.urls, "stream": True})
         client = self._client
         headers = isolation_headers(request)
         prefill = await self._send(
-            "prefill", pair.prefill.url, generate_body(pair, request, stream=False), headers
+            "prefill", pair.generate_urls[0], generate_body(pair, request, stream=False), headers
         )
         chunks = self._decode_chunks(pair, request, headers)
         first: asyncio.Future[list[dict[str, Any]]] | None = None
@@ -204,8 +193,8 @@ class PDDispatcher:
                 await client.wait_for_answers((prefill,))
             ended = True
             _raise_unless_ok("prefill", prefill)
-            self._seen_serving(pair.prefill.url)
-            self._seen_serving(pair.decode.url)
+            self._seen_serving(pair.urls[0])
+            self._seen_serving(pair.urls[1])
         finally:
             if not (ended and prefill.complete):
                 self._abort(pair, request)
@@ -220,7 +209,7 @@ class PDDispatcher:
         self, pair: WorkerPair, request: EngineRequest, headers: dict[str, str]
     ) -> AsyncGenerator[list[dict[str, Any]]]:
         lines = self._client.stream(
-            f"{pair.decode.url}/generate", generate_body(pair, request, stream=True), headers
+            pair.generate_urls[1], generate_body(pair, request, stream=True), headers
         )
         try:
             status, _ = await lines.__anext__()
@@ -262,7 +251,7 @@ class PDDispatcher:
         self, role: str, url: str, body: bytes, headers: dict[str, str]
     ) -> UpstreamConnection:
         try:
-            return await self._client.send(f"{url}/generate", body, headers)
+            return await self._client.send(url, body, headers)
         except (UpstreamError, OSError) as exc:
             raise _transport_error(role, exc) from exc
 

@@ -7,6 +7,7 @@ observation of each that a decision was made on.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 from .capacity import WorkerCapacity
 from .policies import DecodeWorker, PrefillWorker
@@ -20,8 +21,18 @@ class WorkerPair:
     prefill_state: WorkerCapacity
     decode_state: WorkerCapacity
 
-    # The two workers' URLs, as claims are keyed: made with the pair, read for every request.
+    # Made with the pair and read for every request, where the policy's own objects are
+    # slower to read: the two workers' URLs (as claims are keyed), their ``/generate``
+    # endpoints, and where decode reaches prefill's bootstrap server (host, port).
     urls: tuple[str, str] = field(init=False, compare=False, repr=False)
+    generate_urls: tuple[str, str] = field(init=False, compare=False, repr=False)
+    bootstrap: tuple[str | None, int] = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "urls", (self.prefill.url, self.decode.url))
+        prefill, decode = self.prefill, self.decode
+        object.__setattr__(self, "urls", (prefill.url, decode.url))
+        object.__setattr__(
+            self, "generate_urls", (f"{prefill.url}/generate", f"{decode.url}/generate")
+        )
+        host = prefill.bootstrap_host or urlsplit(prefill.url).hostname
+        object.__setattr__(self, "bootstrap", (host, prefill.bootstrap_port))
