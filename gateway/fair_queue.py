@@ -210,8 +210,10 @@ class FairQueue:
     def take_free(self, share: Share, cost: int = 1) -> Slot | None:
         """A slot at once, if nobody waits and there is room; else None (``acquire`` waits).
         Not a coroutine: most requests find room, and take it without a frame to resume."""
-        # Never more than the smaller cap, or a request could wait for room that never comes.
-        cost = min(max(1, cost), self.contended_capacity)
+        # Never more than the smaller cap, or a request could wait for room that never comes
+        # (a cost of one never is: both caps are at least one).
+        if cost != 1:
+            cost = min(max(1, cost), self.contended_capacity)
         tenant = self._tenant(share)  # first: a tenant more may make the contended cap hold
         if self._queued or self._in_flight + cost > self.room():
             self._forget_if_idle(tenant)  # ``wait_turn`` takes it up again to queue it
@@ -268,8 +270,10 @@ class FairQueue:
         tenant = self._tenants.get(share.tenant_id)
         if tenant is None:
             tenant = self._tenants[share.tenant_id] = _Tenant(share)
-        elif tenant.share != share:
-            tenant.share = share  # a policy reload changed its weight or class
+        elif tenant.share is not share:
+            # Policies give one share per tenant (``Policies.share``): another one means a
+            # reload, which may have changed its weight or class.
+            tenant.share = share
         return tenant
 
     def _enqueue(self, tenant: _Tenant, waiter: _Waiter) -> None:

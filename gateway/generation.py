@@ -47,7 +47,6 @@ from .audit import AuditEvent, AuditLog
 from .auth import Principal
 from .dispatch import PREFILL_META, EngineRequest, PDDispatcher
 from .errors import APIError, unavailable
-from .fair_queue import Share
 from .held import Held
 from .ids import new_generation_id, tenant_cache_salt
 from .limits import LimitLease, TenantLimiter
@@ -326,9 +325,11 @@ class GenerationCore:
         # request leaves the queue holding its slot; all three are released with ``held``.
         lease = None
         if ask.limits is not None:
-            tenant = self._catalog.policies.tenant(ask.tenant_id)
-            share = Share(ask.tenant_id, tenant.weight, tenant.priority)
-            slot = await self._queues.take(model, pair, share, len(prompt_lengths))
+            share = self._catalog.policies.share(ask.tenant_id)
+            queues, cost = self._queues, len(prompt_lengths)
+            slot = queues.take_free(model, pair, share, cost) or await queues.wait_turn(
+                model, pair, share, cost
+            )
             held.push(slot.release)
             reserved = prompt_total + max_tokens * len(prompt_lengths)
             if ask.lease is not None:

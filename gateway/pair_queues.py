@@ -131,21 +131,21 @@ class PairQueues:
             )
         return cap, min(cap, contended)
 
-    async def take(
-        self,
-        model: ModelPolicy,
-        pair: WorkerPair,
-        share: Share,
-        cost: int,
+    def take_free(
+        self, model: ModelPolicy, pair: WorkerPair, share: Share, cost: int
+    ) -> Slot | None:
+        """A slot of ``pair`` for one request at once, if nobody waits and there is room; else
+        None, and ``wait_turn``. Not a coroutine: most requests find room."""
+        return self.queue(model, pair).take_free(share, cost)
+
+    async def wait_turn(
+        self, model: ModelPolicy, pair: WorkerPair, share: Share, cost: int
     ) -> Slot:
-        """A slot of ``pair`` for one request; waits its turn at most ``max_wait_s``, then
-        refuses in OpenAI's terms: 429 for a tenant over its share, 503 for a full pair."""
-        queue = self.queue(model, pair)
-        free = queue.take_free(share, cost)
-        if free is not None:
-            return free
+        """A slot of ``pair`` once the request's turn comes, waiting at most ``max_wait_s``;
+        then a refusal in OpenAI's terms: 429 for a tenant over its share, 503 for a full
+        pair."""
         try:
-            return await queue.wait_turn(share, self._settings.max_wait_s, cost)
+            return await self.queue(model, pair).wait_turn(share, self._settings.max_wait_s, cost)
         except WaitExpired as expired:
             raise queue_refusal(expired, pair.pool) from None
 

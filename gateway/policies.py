@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, TypeVar, overload
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .fair_queue import Priority
+from .fair_queue import Priority, Share
 from .tool_parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 
 IsolationClass = Literal["shared", "dedicated"]
@@ -157,8 +157,20 @@ class Policies:
     tenants: dict[str, TenantPolicy]
     source: Path
 
+    # Each tenant's ``Share``, made on first use: these policies never change.
+    _shares: dict[str, Share] = field(default_factory=dict, compare=False, repr=False)
+
     def tenant(self, tenant_id: str) -> TenantPolicy:
         return self.tenants.get(tenant_id, self.tenant_defaults)
+
+    def share(self, tenant_id: str) -> Share:
+        """The tenant's claim on a contended pair (its weight and priority class): one object
+        per tenant for the life of these policies, so that a queue knows it by identity."""
+        share = self._shares.get(tenant_id)
+        if share is None:
+            policy = self.tenant(tenant_id)
+            share = self._shares[tenant_id] = Share(tenant_id, policy.weight, policy.priority)
+        return share
 
     def pools_for(self, model: ModelPolicy, tenant_id: str) -> tuple[WorkerPool, ...]:
         """The pools a tenant may be routed to: its own if dedicated, shared ones otherwise."""
