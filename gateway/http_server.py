@@ -25,6 +25,13 @@ declares its length, then the body in one message) is checked in one pass and wr
 its body in one system call. uvicorn checks, lower-cases and compares each header in Python;
 with OpenAI's six ``x-ratelimit-*`` headers on every answer, that cost a request 4.5 % of its
 instructions (``bench/RESULTS.md``). Any other response is uvicorn's own.
+
+Where this protocol serves a request, its scope offers ``HEADER_LINES_EXTENSION``: the app's
+``http.response.start`` message may then carry, under that key, header lines it made itself
+(``name: value\r\n`` each, lower-case token names, values without control characters),
+written after the message's ``headers`` as they are, unchecked. The gateway's own answers
+(content type, length, generation ID, rate limits) are made that way, in one format
+operation, instead of as pairs that are built, then checked and joined one by one.
 """
 
 from __future__ import annotations
@@ -68,6 +75,7 @@ class ClientBounds:
 
 
 DISCONNECT_EXTENSION = "isogate.disconnect"
+HEADER_LINES_EXTENSION = "isogate.header_lines"
 
 
 class DisconnectHook:
@@ -82,6 +90,19 @@ class DisconnectHook:
         self.callback: Callable[[], None] | None = None
         self.gone = False
         self.refused: APIError | None = None
+
+
+def header_lines_offered(scope: Mapping[str, Any]) -> bool:
+    """Whether the server takes header lines in a start message (the module doc)."""
+    return HEADER_LINES_EXTENSION in (scope.get("extensions") or ())
+
+
+def header_pairs(lines: bytes) -> list[tuple[bytes, bytes]]:
+    """Header lines as ASGI's (name, value) pairs, for a server that takes only those."""
+    return [
+        (name, value)
+        for name, _, value in (line.partition(b": ") for line in lines.split(b"\r\n") if line)
+    ]
 
 
 def disconnect_hook(scope: Mapping[str, Any]) -> DisconnectHook | None:
@@ -115,6 +136,10 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         # Hooks of the requests whose responses are not complete, oldest first (pipelined
         # requests complete in order).
         self._hooks: deque[DisconnectHook] = deque()
+        # Header lines only where this protocol writes heads itself (not with an access log).
+        self._offers: dict[str, dict[object, object]] = (
+            {} if self.access_log else {HEADER_LINES_EXTENSION: {}}
+        )
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # A stream connection's transport (uvloop's is not an ``asyncio.Transport`` subclass).
@@ -192,7 +217,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
                 n == b"expect" and v.lower() == b"100-continue" for n, v in headers
             )
         hook = DisconnectHook()
-        self.scope["extensions"] = {DISCONNECT_EXTENSION: {"hook": hook}}
+        self.scope["extensions"] = {DISCONNECT_EXTENSION: {"hook": hook}, **self._offers}
         self._hooks.append(hook)
         self._in_body = True
         self._start_cycle()
@@ -343,6 +368,10 @@ class GatewayCycle(RequestResponseCycle):
             if head is not None:
                 self._head = head
                 return
+            lines = message.get(HEADER_LINES_EXTENSION)
+            if lines:  # uvicorn's path takes pairs only
+                headers = [*message.get("headers", ()), *header_pairs(cast(bytes, lines))]
+                message = cast(HTTPResponseStartEvent, {**message, "headers": headers})
         await super().send(message)
 
     def _whole_answer_head(self, message: HTTPResponseStartEvent) -> bytes | None:
@@ -361,10 +390,14 @@ class GatewayCycle(RequestResponseCycle):
         values = b"".join(map(_VALUE, headers))
         if 0 in names.translate(_NAME_TABLE) or 0 in values.translate(_VALUE_TABLE):
             return None
-        # Lines by bytes.join, not a format per line; with no header at all the content-length
-        # check below refuses the head anyway.
-        lines = b"\r\n".join(map(b": ".join, headers))
-        head = STATUS_LINE[message["status"]] + lines + b"\r\n"
+        # Lines by bytes.join, not a format per line, then the lines the app made itself; with
+        # no header at all the content-length check below refuses the head anyway.
+        head = STATUS_LINE[message["status"]]
+        if headers:
+            head += b"\r\n".join(map(b": ".join, headers)) + b"\r\n"
+        vouched = message.get(HEADER_LINES_EXTENSION)
+        if vouched:
+            head += cast(bytes, vouched)
         at = head.find(_LENGTH_FIELD)
         if (
             at < 0

@@ -163,20 +163,32 @@ class Allowance:
     tokens: int
 
 
-def rate_limit_headers(limits: TenantLimits, left: Allowance) -> list[tuple[bytes, bytes]]:
-    """OpenAI's ``x-ratelimit-*`` headers: each limit, what is left of it, and how long until
-    it is whole again (the buckets refill continuously over a minute)."""
+# OpenAI's ``x-ratelimit-*`` headers as header lines, filled in by one format operation.
+_RATE_LIMIT_LINES = (
+    b"x-ratelimit-limit-requests: %d\r\n"
+    b"x-ratelimit-limit-tokens: %d\r\n"
+    b"x-ratelimit-remaining-requests: %d\r\n"
+    b"x-ratelimit-remaining-tokens: %d\r\n"
+    b"x-ratelimit-reset-requests: %dms\r\n"
+    b"x-ratelimit-reset-tokens: %dms\r\n"
+)
+
+
+def rate_limit_lines(limits: TenantLimits, left: Allowance) -> bytes:
+    """OpenAI's ``x-ratelimit-*`` headers, as header lines (``name: value\\r\\n`` each): each
+    limit, what is left of it, and how long until it is whole again (the buckets refill
+    continuously over a minute)."""
     rpm, tpm = limits.requests_per_minute, limits.tokens_per_minute
     requests, tokens = left.requests, left.tokens
     requests, tokens = (requests if requests > 0 else 0), (tokens if tokens > 0 else 0)
-    return [
-        (b"x-ratelimit-limit-requests", b"%d" % rpm),
-        (b"x-ratelimit-limit-tokens", b"%d" % tpm),
-        (b"x-ratelimit-remaining-requests", b"%d" % requests),
-        (b"x-ratelimit-remaining-tokens", b"%d" % tokens),
-        (b"x-ratelimit-reset-requests", b"%dms" % ((rpm - requests) * 60_000 // rpm)),
-        (b"x-ratelimit-reset-tokens", b"%dms" % ((tpm - tokens) * 60_000 // tpm)),
-    ]
+    return _RATE_LIMIT_LINES % (
+        rpm,
+        tpm,
+        requests,
+        tokens,
+        (rpm - requests) * 60_000 // rpm,
+        (tpm - tokens) * 60_000 // tpm,
+    )
 
 
 class LimitLease:
@@ -215,8 +227,9 @@ class LimitLease:
             self._id = self._limiter._new_lease_id()
         return self._id
 
-    def headers(self) -> list[tuple[bytes, bytes]]:
-        return [] if self.left is None else rate_limit_headers(self._limits, self.left)
+    def header_lines(self) -> bytes:
+        """The rate-limit headers as header lines (``rate_limit_lines``); none until known."""
+        return b"" if self.left is None else rate_limit_lines(self._limits, self.left)
 
     async def reserve(self, tokens: int) -> None:
         """Take the concurrency slot and reserve the tokens of a request counted already

@@ -48,7 +48,14 @@ from .generation import (
     best_of,
 )
 from .held import Held
-from .http_server import DisconnectHook, body_timeout_error, disconnect_hook
+from .http_server import (
+    HEADER_LINES_EXTENSION,
+    DisconnectHook,
+    body_timeout_error,
+    disconnect_hook,
+    header_lines_offered,
+    header_pairs,
+)
 from .ids import new_generation_id
 from .intake import BodyParser, SpooledBody
 from .logs import current_generation_id
@@ -69,7 +76,6 @@ log = logging.getLogger("isogate.request")
 Kind = Literal["chat", "completion"]
 # On every generation response, errors included: a client can find any request's audit event.
 GENERATION_ID_HEADER = "X-Generation-Id"
-_GENERATION_ID_HEADER_RAW = GENERATION_ID_HEADER.lower().encode()
 
 
 async def handle_generation(
@@ -153,12 +159,14 @@ async def handle_generation(
         # leaves meanwhile (queued, or waiting on the workers) cancels it
         async with ClientWatch(scope, receive):
             admitted = await core.admit(ask, trace, held)
-            limit_headers = admitted.lease.headers() if admitted.lease is not None else []
+            limit_lines = admitted.lease.header_lines() if admitted.lease is not None else b""
             if streaming:
                 streams = await core.open_stream(admitted, trace)
                 events = _sse_events(trace, streams, kind, parsed.include_usage)
                 # From here the stream listens for the disconnect itself.
-                return GuardedStream(core, trace, events, streams, held.pop_all(), limit_headers)
+                return GuardedStream(
+                    core, trace, events, streams, held.pop_all(), header_pairs(limit_lines)
+                )
             generated = completions = await core.complete(admitted, trace)
         if isinstance(parsed, CompletionRequest) and candidates > parsed.choices:
             completions = best_of(generated, candidates, parsed.choices)
@@ -171,7 +179,7 @@ async def handle_generation(
         fingerprint = protocol.system_fingerprint(model.name, str(model.tokenizer))
         result = _answer(kind, trace, model.name, fingerprint, completions, generated)
         core.record(trace, SERVED)
-        return JSONBodyResponse(orjson.dumps(result), trace.generation_id, limit_headers)
+        return JSONBodyResponse(orjson.dumps(result), trace.generation_id, limit_lines)
     except IsolationFailure as failure:
         core.record(trace, Outcome.of_failure(failure))
         return _with_generation_id(failure.api_error().response(), trace)
@@ -408,24 +416,40 @@ def _too_large(limit: int) -> APIError:
 
 
 class JSONBodyResponse(Response):
-    """A served response: JSON bytes with their length and the generation ID.
+    """A served response: JSON bytes with their length, the generation ID and ``extra_lines``
+    (header lines, ``name: value\\r\\n`` each).
 
-    The headers are set directly rather than by ``Response.__init__``, which rebuilds them
-    from a dict for every response.
+    The head is made by one format operation, as header lines where the gateway's own server
+    takes them (``gateway.http_server``), else as the pairs they stand for; not by
+    ``Response.__init__``, which rebuilds headers from a dict for every response.
     """
 
-    def __init__(
-        self, body: bytes, generation_id: str, extra: list[tuple[bytes, bytes]] | None = None
-    ) -> None:
+    def __init__(self, body: bytes, generation_id: str, extra_lines: bytes = b"") -> None:
         self.status_code = 200
         self.background = None
         self.body = body
-        self.raw_headers = [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(body)).encode()),
-            (_GENERATION_ID_HEADER_RAW, generation_id.encode()),
-            *(extra or ()),
-        ]
+        self._lines = _SERVED_HEAD % (len(body), generation_id.encode()) + extra_lines
+
+    @property
+    def raw_headers(self) -> list[tuple[bytes, bytes]]:
+        """As Starlette's responses hold them: made from the lines when asked for."""
+        return header_pairs(self._lines)
+
+    @raw_headers.setter
+    def raw_headers(self, pairs: list[tuple[bytes, bytes]]) -> None:
+        self._lines = b"".join(b"%s: %s\r\n" % pair for pair in pairs)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if header_lines_offered(scope):
+            start: dict[str, Any] = {"headers": [], HEADER_LINES_EXTENSION: self._lines}
+        else:
+            start = {"headers": header_pairs(self._lines)}
+        await send({"type": "http.response.start", "status": 200, **start})
+        await send({"type": "http.response.body", "body": self.body})
+
+
+# The served answer's own header lines: its type, length and generation ID.
+_SERVED_HEAD = b"content-type: application/json\r\ncontent-length: %d\r\nx-generation-id: %s\r\n"
 
 
 def _max_tokens(parsed: ChatCompletionRequest | CompletionRequest, model: ModelPolicy) -> int:

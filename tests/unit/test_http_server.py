@@ -13,7 +13,12 @@ import pytest
 import uvicorn
 from starlette.types import Receive, Scope, Send
 
-from gateway.http_server import ClientBounds, bounded_protocol
+from gateway.http_server import (
+    HEADER_LINES_EXTENSION,
+    ClientBounds,
+    bounded_protocol,
+    header_lines_offered,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -57,6 +62,14 @@ async def _app(scope: Scope, receive: Receive, send: Send) -> None:
     elif path == "/upper":  # a name not in lower case: uvicorn's path, which lowers it
         headers = [(b"Content-Length", b"2"), (b"X-Note", b"caf\xc3\xa9\tok")]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": b"ok"})
+    elif path.startswith("/lines"):  # header lines the app made itself, if the server takes them
+        assert header_lines_offered(scope)
+        lines = b"content-length: 2\r\nx-ratelimit-remaining-requests: 59\r\n"
+        # A name not in lower case: uvicorn's path, which must still write the lines.
+        headers = [(b"X-Note", b"a")] if path == "/lines/upper" else [(b"x-note", b"a")]
+        start = {"type": "http.response.start", "status": 200, "headers": headers}
+        await send({**start, HEADER_LINES_EXTENSION: lines})
         await send({"type": "http.response.body", "body": b"ok"})
     elif path == "/headers":  # the request's headers as the app sees them
         seen = b"\n".join(b"%s=%s" % pair for pair in scope["headers"])
@@ -210,3 +223,19 @@ async def test_a_client_that_expects_nothing_gets_no_interim_answer(server_port:
         assert head.startswith(b"HTTP/1.1 200 OK\r\n")
     finally:
         writer.close()
+
+
+async def test_header_lines_the_app_made_are_written_after_its_headers(server_port: int) -> None:
+    data = await _exchange(server_port, "/lines", close=True)
+    assert data == (
+        b"HTTP/1.1 200 OK\r\nx-note: a\r\ncontent-length: 2\r\n"
+        b"x-ratelimit-remaining-requests: 59\r\nconnection: close\r\n\r\nok"
+    )
+
+
+async def test_header_lines_reach_uvicorns_path_as_headers(server_port: int) -> None:
+    data = await _exchange(server_port, "/lines/upper", close=True)
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert body == b"ok"
+    assert b"\r\nx-note: a\r\n" in head and b"\r\ncontent-length: 2\r\n" in head
+    assert b"\r\nx-ratelimit-remaining-requests: 59\r\n" in head + b"\r\n"

@@ -10,7 +10,12 @@ import pytest
 from starlette.requests import ClientDisconnect
 
 from gateway.errors import APIError
-from gateway.http_server import DISCONNECT_EXTENSION, DisconnectHook
+from gateway.http_server import (
+    DISCONNECT_EXTENSION,
+    HEADER_LINES_EXTENSION,
+    DisconnectHook,
+    header_pairs,
+)
 from gateway.pipeline import ClientHeaders, JSONBodyResponse, read_body
 
 
@@ -116,3 +121,25 @@ def test_a_served_response_declares_its_length_type_and_generation_id() -> None:
         b"x-generation-id": b"gen_1",
     }
     assert sent[1]["body"] == b'{"id":"gen_1"}'
+
+
+def test_a_served_response_gives_the_gateways_server_its_head_as_lines() -> None:
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    response = JSONBodyResponse(b"{}", "gen_1", b"x-ratelimit-limit-requests: 60\r\n")
+    scope = {"type": "http", "extensions": {HEADER_LINES_EXTENSION: {}}}
+    asyncio.run(response(scope, receiver(), send))
+    assert sent[0]["headers"] == []
+    assert (
+        header_pairs(sent[0][HEADER_LINES_EXTENSION])
+        == response.raw_headers
+        == [
+            (b"content-type", b"application/json"),
+            (b"content-length", b"2"),
+            (b"x-generation-id", b"gen_1"),
+            (b"x-ratelimit-limit-requests", b"60"),
+        ]
+    )
