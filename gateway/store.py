@@ -25,6 +25,7 @@ import base64
 import contextlib
 import hashlib
 import itertools
+import operator
 import os
 import secrets
 from collections.abc import Iterator, Sequence
@@ -221,6 +222,8 @@ _AUDIT_STRING_LIMITS = tuple(
     for column in audit_events.columns
     if isinstance(column.type, String) and column.type.length and column.name in AUDIT_COLUMNS
 )
+_STRINGS_OF = operator.itemgetter(*(index for index, _ in _AUDIT_STRING_LIMITS))
+_STRING_LIMITS = tuple(limit for _, limit in _AUDIT_STRING_LIMITS)
 
 
 def _audit_values(row: dict[str, Any]) -> list[Any]:
@@ -229,10 +232,13 @@ def _audit_values(row: dict[str, Any]) -> list[Any]:
     unwritable; ``created_at`` checked to be a UTC-aware datetime."""
     # .get: rows spooled by an older version lack the columns added since (the pool).
     values = list(map(row.get, AUDIT_COLUMNS))
-    for index, limit in _AUDIT_STRING_LIMITS:
-        value = values[index]
-        if isinstance(value, str) and len(value) > limit:
-            values[index] = value[: limit - 1] + "…"
+    # Whether any string is too long, by C calls alone (None reads as "None", shorter than
+    # every limit): the loop, a dozen steps of the interpreter per row, only for one that is.
+    if any(map(operator.gt, map(len, map(str, _STRINGS_OF(values))), _STRING_LIMITS)):
+        for index, limit in _AUDIT_STRING_LIMITS:
+            value = values[index]
+            if isinstance(value, str) and len(value) > limit:
+                values[index] = value[: limit - 1] + "…"
     moment = values[_CREATED_AT]
     if not isinstance(moment, datetime) or moment.tzinfo is None:
         raise ValueError("created_at must be a UTC-aware datetime")
