@@ -164,9 +164,7 @@ async def handle_generation(
                 streams = await core.open_stream(admitted, trace)
                 events = _sse_events(trace, streams, kind, parsed.include_usage)
                 # From here the stream listens for the disconnect itself.
-                return GuardedStream(
-                    core, trace, events, streams, held.pop_all(), header_pairs(limit_lines)
-                )
+                return GuardedStream(core, trace, events, streams, held.pop_all(), limit_lines)
             generated = completions = await core.complete(admitted, trace)
         if isinstance(parsed, CompletionRequest) and candidates > parsed.choices:
             completions = best_of(generated, candidates, parsed.choices)
@@ -448,6 +446,9 @@ class JSONBodyResponse(Response):
         await send({"type": "http.response.body", "body": self.body})
 
 
+# A stream's own header lines (its type is Starlette's): no caching or proxy buffering, and
+# its generation ID.
+_STREAM_HEAD = b"cache-control: no-cache\r\nx-accel-buffering: no\r\nx-generation-id: %s\r\n"
 # The served answer's own header lines: its type, length and generation ID.
 _SERVED_HEAD = b"content-type: application/json\r\ncontent-length: %d\r\nx-generation-id: %s\r\n"
 
@@ -679,19 +680,13 @@ class GuardedStream(StreamingResponse):
         events: AsyncGenerator[bytes],
         streams: ChoiceStreams,
         held: Held,
-        extra_headers: list[tuple[bytes, bytes]] | None = None,
+        extra_lines: bytes = b"",
     ) -> None:
         self._guarded_events = self._guarded(events)
-        super().__init__(
-            self._guarded_events,
-            media_type="text/event-stream",
-            headers={
-                "cache-control": "no-cache",
-                "x-accel-buffering": "no",
-                GENERATION_ID_HEADER: trace.generation_id,
-            },
-        )
-        self.raw_headers.extend(extra_headers or ())
+        super().__init__(self._guarded_events, media_type="text/event-stream")
+        # The rest of the head as header lines (as ``JSONBodyResponse`` makes them).
+        self._lines = _STREAM_HEAD % trace.generation_id.encode() + extra_lines
+        self._lines_offered = False
         self._core = core
         self._trace = trace
         self._events = events
@@ -701,6 +696,7 @@ class GuardedStream(StreamingResponse):
         self._outcome = CLIENT_CANCELLED
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self._lines_offered = header_lines_offered(scope)
         try:
             await self._pump_until_disconnected(receive, send)
         finally:
@@ -728,6 +724,18 @@ class GuardedStream(StreamingResponse):
             await asyncio.gather(pump, watcher, return_exceptions=True)
         if not pump.cancelled() and (failure := pump.exception()) is not None:
             raise failure
+
+    async def stream_response(self, send: Send) -> None:
+        """Starlette's pump, with the head's lines where the server takes them."""
+        start: dict[str, Any] = {"type": "http.response.start", "status": self.status_code}
+        if self._lines_offered:
+            start |= {"headers": self.raw_headers, HEADER_LINES_EXTENSION: self._lines}
+        else:
+            start["headers"] = [*self.raw_headers, *header_pairs(self._lines)]
+        await send(start)
+        async for event in self._guarded_events:
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _guarded(self, events: AsyncGenerator[bytes]) -> AsyncGenerator[bytes]:
         try:

@@ -63,6 +63,13 @@ async def _app(scope: Scope, receive: Receive, send: Send) -> None:
         headers = [(b"Content-Length", b"2"), (b"X-Note", b"caf\xc3\xa9\tok")]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": b"ok"})
+    elif path.startswith("/stream-lines"):  # a stream's head as lines, then chunks (or none)
+        assert header_lines_offered(scope)
+        start = {"type": "http.response.start", "status": 200, "headers": []}
+        await send({**start, HEADER_LINES_EXTENSION: b"x-generation-id: gen_1\r\n"})
+        if path == "/stream-lines":
+            await send({"type": "http.response.body", "body": b"ab", "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
     elif path.startswith("/lines"):  # header lines the app made itself, if the server takes them
         assert header_lines_offered(scope)
         lines = b"content-length: 2\r\nx-ratelimit-remaining-requests: 59\r\n"
@@ -239,3 +246,19 @@ async def test_header_lines_reach_uvicorns_path_as_headers(server_port: int) -> 
     assert body == b"ok"
     assert b"\r\nx-note: a\r\n" in head and b"\r\ncontent-length: 2\r\n" in head
     assert b"\r\nx-ratelimit-remaining-requests: 59\r\n" in head + b"\r\n"
+
+
+async def test_a_stream_whose_head_is_lines_is_chunked_as_uvicorn_chunks_it(
+    server_port: int,
+) -> None:
+    data = await _exchange(server_port, "/stream-lines", "/stream-lines/empty", close=True)
+    first, second = data.split(b"HTTP/1.1 200 OK\r\n")[1:]
+    assert first == (
+        b"x-generation-id: gen_1\r\ntransfer-encoding: chunked\r\n\r\n2\r\nab\r\n0\r\n\r\n"
+    )
+    # A stream without a byte still ends as a chunked body must, and the connection then
+    # closes as asked.
+    assert second == (
+        b"x-generation-id: gen_1\r\ntransfer-encoding: chunked\r\nconnection: close\r\n"
+        b"\r\n0\r\n\r\n"
+    )
