@@ -14,7 +14,7 @@ Variants: no_tokenizer (prompt ids served from a cache), no_audit, no_metrics, n
 served_line (a served request's log line written, as it was at INFO before),
 audit_from_thread (the SQLite insert from a worker thread, as before), unbatched_tokenizer
 (one encode per request, as before), starlette_task_group (streams pumped by Starlette's
-StreamingResponse task group, as the gateway's do not), async_exit_stack (a request's claims
+StreamingResponse task group, as the gateway's are not), async_exit_stack (a request's claims
 held in contextlib.AsyncExitStack instead of gateway.held.Held).
 """
 
@@ -130,14 +130,15 @@ def no_limits(components: Any) -> Callable[[], None]:
 
 def starlette_task_group(components: Any) -> Callable[[], None]:
     """Streams pumped by Starlette's own ``StreamingResponse.__call__`` (an anyio task group)
-    instead of the gateway's two plain tasks (``GuardedStream._pump_until_disconnected``)."""
+    instead of in the request's own task under ``ClientWatch``
+    (``GuardedStream._pump_until_disconnected``)."""
     from starlette.responses import StreamingResponse
 
     from gateway.pipeline import GuardedStream
 
     original = GuardedStream._pump_until_disconnected
 
-    async def task_group(self: GuardedStream, receive: Any, send: Any) -> None:
+    async def task_group(self: GuardedStream, scope: Any, receive: Any, send: Any) -> None:
         await StreamingResponse.__call__(self, {"type": "http"}, receive, send)
 
     GuardedStream._pump_until_disconnected = task_group  # type: ignore[method-assign]

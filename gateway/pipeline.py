@@ -12,6 +12,7 @@ cancelled.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import re
@@ -698,7 +699,7 @@ class GuardedStream(StreamingResponse):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self._lines_offered = header_lines_offered(scope)
         try:
-            await self._pump_until_disconnected(receive, send)
+            await self._pump_until_disconnected(scope, receive, send)
         finally:
             try:
                 await self._guarded_events.aclose()
@@ -708,22 +709,16 @@ class GuardedStream(StreamingResponse):
                 await self._held.aclose()
                 self._core.record(self._trace, self._outcome)
 
-    async def _pump_until_disconnected(self, receive: Receive, send: Send) -> None:
-        """Starlette's own pump (``stream_response``) raced against its own disconnect
-        listener, as ``StreamingResponse.__call__`` does, on two plain tasks instead of an
-        anyio task group: the task group's cancel scopes, task names and library sniffing
-        cost more CPU per stream than the rest of the stream's own work
-        (``bench/pipeline_costs.py starlette_task_group``)."""
-        pump = asyncio.ensure_future(self.stream_response(send))
-        watcher = asyncio.ensure_future(self.listen_for_disconnect(receive))
-        try:
-            await asyncio.wait((pump, watcher), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (pump, watcher):
-                task.cancel()
-            await asyncio.gather(pump, watcher, return_exceptions=True)
-        if not pump.cancelled() and (failure := pump.exception()) is not None:
-            raise failure
+    async def _pump_until_disconnected(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Starlette's own pump (``stream_response``), ended when the client goes, as
+        ``StreamingResponse.__call__`` ends it; the wait for the disconnect is ``ClientWatch``'s
+        (under the gateway's own server a callback, no task of its own), not an anyio task
+        group, whose cancel scopes, task names and library sniffing cost more CPU per stream
+        than the rest of the stream's own work (``bench/pipeline_costs.py
+        starlette_task_group``)."""
+        with contextlib.suppress(ClientDisconnect):  # the outcome stays CLIENT_CANCELLED
+            async with ClientWatch(scope, receive):
+                await self.stream_response(send)
 
     async def stream_response(self, send: Send) -> None:
         """Starlette's pump, with the head's lines where the server takes them."""
