@@ -44,7 +44,7 @@ import itertools
 import operator
 import urllib.parse
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -333,6 +333,25 @@ _LENGTH_FIELD = b"\r\ncontent-length: "
 _NAME, _VALUE = operator.itemgetter(0), operator.itemgetter(1)
 
 
+def _checked_lines(headers: Iterable[tuple[bytes, bytes]]) -> bytes | None:
+    """``headers`` as header lines (``name: value\\r\\n`` each), or None if one breaks the rules:
+    every name in lower-case token characters, every value without a control character but
+    tab (narrower than uvicorn's patterns, which judge whatever falls outside). Each check is
+    per character, so all names (or values) joined pass exactly when each does; by C calls
+    (map over C callables, translate), not a loop of the interpreter per header."""
+    pairs = list(headers)  # ASGI's headers are any iterable: read once
+    names = b"".join(map(_NAME, pairs))
+    values = b"".join(map(_VALUE, pairs))
+    if 0 in names.translate(_NAME_TABLE) or 0 in values.translate(_VALUE_TABLE):
+        return None
+    return b"\r\n".join(map(b": ".join, pairs)) + b"\r\n" if pairs else b""
+
+
+# The server's own headers (its date, its configured ones) change once a second: checked and
+# joined then, not for every answer.
+_server_lines = functools.lru_cache(maxsize=8)(_checked_lines)
+
+
 class GatewayCycle(RequestResponseCycle):
     """uvicorn's request-response cycle with a fast path for a whole answer (the module doc).
 
@@ -385,20 +404,17 @@ class GatewayCycle(RequestResponseCycle):
             return None
         if self.scope["method"] == "HEAD":
             return None
-        headers = [*self.default_headers, *message.get("headers", ())]
-        # Every name in lower-case token characters, every value without a control character
-        # but tab: narrower than uvicorn's patterns, which judge whatever falls outside. Each
-        # check is per character, so all names (or values) joined pass exactly when each does.
-        # (map over C callables, not comprehensions: a comprehension is one more frame each.)
-        names = b"".join(map(_NAME, headers))
-        values = b"".join(map(_VALUE, headers))
-        if 0 in names.translate(_NAME_TABLE) or 0 in values.translate(_VALUE_TABLE):
+        # The app's pairs checked here, its lines not at all (the module doc).
+        head = _server_lines(tuple(self.default_headers))
+        own = message.get("headers")
+        if own:
+            own_lines = _checked_lines(own)
+            if head is None or own_lines is None:
+                return None
+            head += own_lines
+        if head is None:
             return None
-        # Lines by bytes.join, not a format per line, then the lines the app made itself; with
-        # no header at all the content-length check below refuses the head anyway.
-        head = STATUS_LINE[message["status"]]
-        if headers:
-            head += b"\r\n".join(map(b": ".join, headers)) + b"\r\n"
+        head = STATUS_LINE[message["status"]] + head
         vouched = message.get(HEADER_LINES_EXTENSION)
         if vouched:
             head += cast(bytes, vouched)
