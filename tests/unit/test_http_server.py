@@ -114,35 +114,38 @@ async def server_port() -> AsyncIterator[int]:
         listening.close()
 
 
+@contextlib.asynccontextmanager
+async def _connection(
+    port: int,
+) -> AsyncIterator[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        yield reader, writer
+    finally:
+        writer.close()
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()
+
+
 async def _exchange(port: int, *paths: str, close: bool = False) -> bytes:
     """Each path's request on one connection (the last asks to close), then all that was read
     until the server closed it."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
+    async with _connection(port) as (reader, writer):
         for index, path in enumerate(paths):
             last = index == len(paths) - 1
             connection = b"connection: close\r\n" if close and last else b""
             writer.write(b"GET %s HTTP/1.1\r\nhost: t\r\n%s\r\n" % (path.encode(), connection))
         await writer.drain()
         return await asyncio.wait_for(reader.read(), timeout=10) if close else b""
-    finally:
-        writer.close()
-        with contextlib.suppress(ConnectionError):
-            await writer.wait_closed()
 
 
 async def _read_exactly(port: int, path: str) -> tuple[bytes, bool]:
     """One request's answer, and whether the server then closed without another byte."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
+    async with _connection(port) as (reader, writer):
         writer.write(b"GET %s HTTP/1.1\r\nhost: t\r\n\r\n" % path.encode())
         await writer.drain()
         data = await asyncio.wait_for(reader.read(), timeout=10)
         return data, reader.at_eof()
-    finally:
-        writer.close()
-        with contextlib.suppress(ConnectionError):
-            await writer.wait_closed()
 
 
 async def test_a_whole_answer_is_written_as_uvicorn_writes_it_and_keeps_the_connection(
@@ -190,23 +193,19 @@ async def test_an_answer_shorter_than_its_length_closes_the_connection(server_po
 async def test_header_names_reach_the_app_in_lower_case_and_values_without_trailing_space(
     server_port: int,
 ) -> None:
-    reader, writer = await asyncio.open_connection("127.0.0.1", server_port)
-    try:
+    async with _connection(server_port) as (reader, writer):
         writer.write(b"GET /headers HTTP/1.1\r\nHost: t\r\nX-Note: a b \t\r\n\r\n")
         await writer.drain()
         head = await reader.readuntil(b"\r\n\r\n")
         length = int(head.split(b"content-length: ")[1].split(b"\r\n")[0])
         assert await reader.readexactly(length) == b"host=t\nx-note=a b"
-    finally:
-        writer.close()
 
 
 @pytest.mark.parametrize("expect", [b"100-continue", b"100-Continue"])
 async def test_a_client_that_expects_100_continue_is_told_to_send_its_body(
     server_port: int, expect: bytes
 ) -> None:
-    reader, writer = await asyncio.open_connection("127.0.0.1", server_port)
-    try:
+    async with _connection(server_port) as (reader, writer):
         writer.write(
             b"POST /whole HTTP/1.1\r\nhost: t\r\ncontent-length: 2\r\nExpect: %s\r\n\r\n" % expect
         )
@@ -217,19 +216,14 @@ async def test_a_client_that_expects_100_continue_is_told_to_send_its_body(
         await writer.drain()
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=10)
         assert head.startswith(b"HTTP/1.1 200 OK\r\n")
-    finally:
-        writer.close()
 
 
 async def test_a_client_that_expects_nothing_gets_no_interim_answer(server_port: int) -> None:
-    reader, writer = await asyncio.open_connection("127.0.0.1", server_port)
-    try:
+    async with _connection(server_port) as (reader, writer):
         writer.write(b"POST /whole HTTP/1.1\r\nhost: t\r\ncontent-length: 2\r\n\r\n{}")
         await writer.drain()
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=10)
         assert head.startswith(b"HTTP/1.1 200 OK\r\n")
-    finally:
-        writer.close()
 
 
 async def test_header_lines_the_app_made_are_written_after_its_headers(server_port: int) -> None:
