@@ -431,7 +431,8 @@ class JSONBodyResponse(Response):
 
     @property
     def raw_headers(self) -> list[tuple[bytes, bytes]]:
-        """As Starlette's responses hold them: made from the lines when asked for."""
+        """As Starlette's responses hold them, made from the lines when asked for: a copy, so
+        a change goes through the setter (``headers[...] = ...`` would be lost)."""
         return header_pairs(self._lines)
 
     @raw_headers.setter
