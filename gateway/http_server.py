@@ -99,6 +99,22 @@ def header_lines_offered(scope: Mapping[str, Any]) -> bool:
     return HEADER_LINES_EXTENSION in (scope.get("extensions") or ())
 
 
+def response_start(
+    status: int, headers: list[tuple[bytes, bytes]], lines: bytes, *, lines_taken: bool
+) -> dict[str, Any]:
+    """An ``http.response.start`` message: ``headers``, then ``lines`` as header lines where the
+    server takes them (``header_lines_offered``), else as the pairs they stand for."""
+    if lines_taken:
+        return {
+            "type": "http.response.start",
+            "status": status,
+            "headers": headers,
+            HEADER_LINES_EXTENSION: lines,
+        }
+    pairs = [*headers, *header_pairs(lines)]
+    return {"type": "http.response.start", "status": status, "headers": pairs}
+
+
 def header_pairs(lines: bytes) -> list[tuple[bytes, bytes]]:
     """Header lines as ASGI's (name, value) pairs, for a server that takes only those."""
     return [
@@ -405,19 +421,13 @@ class GatewayCycle(RequestResponseCycle):
         if self.scope["method"] == "HEAD":
             return None
         # The app's pairs checked here, its lines not at all (the module doc).
-        head = _server_lines(tuple(self.default_headers))
+        server = _server_lines(tuple(self.default_headers))
         own = message.get("headers")
-        if own:
-            own_lines = _checked_lines(own)
-            if head is None or own_lines is None:
-                return None
-            head += own_lines
-        if head is None:
+        app = _checked_lines(own) if own else b""
+        if server is None or app is None:
             return None
-        head = STATUS_LINE[message["status"]] + head
-        vouched = message.get(HEADER_LINES_EXTENSION)
-        if vouched:
-            head += cast(bytes, vouched)
+        vouched = cast(bytes, message.get(HEADER_LINES_EXTENSION, b""))
+        head = STATUS_LINE[message["status"]] + server + app + vouched
         # find, not ``in``: ``bytes in bytes`` first tries the operand as an integer and
         # raises and clears a TypeError inside on every call.
         if head.find(b"\r\ntransfer-encoding:") >= 0 or head.find(b"\r\nconnection:") >= 0:

@@ -50,12 +50,12 @@ from .generation import (
 )
 from .held import Held
 from .http_server import (
-    HEADER_LINES_EXTENSION,
     DisconnectHook,
     body_timeout_error,
     disconnect_hook,
     header_lines_offered,
     header_pairs,
+    response_start,
 )
 from .ids import new_generation_id
 from .intake import BodyParser, SpooledBody
@@ -440,11 +440,7 @@ class JSONBodyResponse(Response):
         self._lines = b"".join(b"%s: %s\r\n" % pair for pair in pairs)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if header_lines_offered(scope):
-            start: dict[str, Any] = {"headers": [], HEADER_LINES_EXTENSION: self._lines}
-        else:
-            start = {"headers": header_pairs(self._lines)}
-        await send({"type": "http.response.start", "status": 200, **start})
+        await send(response_start(200, [], self._lines, lines_taken=header_lines_offered(scope)))
         await send({"type": "http.response.body", "body": self.body})
 
 
@@ -723,12 +719,11 @@ class GuardedStream(StreamingResponse):
 
     async def stream_response(self, send: Send) -> None:
         """Starlette's pump, with the head's lines where the server takes them."""
-        start: dict[str, Any] = {"type": "http.response.start", "status": self.status_code}
-        if self._lines_offered:
-            start |= {"headers": self.raw_headers, HEADER_LINES_EXTENSION: self._lines}
-        else:
-            start["headers"] = [*self.raw_headers, *header_pairs(self._lines)]
-        await send(start)
+        await send(
+            response_start(
+                self.status_code, self.raw_headers, self._lines, lines_taken=self._lines_offered
+            )
+        )
         async for event in self._guarded_events:
             await send({"type": "http.response.body", "body": event, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
