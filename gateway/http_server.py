@@ -7,7 +7,7 @@ connections than the process can serve. This protocol adds, each from ``ClientBo
 - a header timeout, from the connection's first byte (or its opening, for a socket that sends
   nothing) and from each later request's first byte, to the end of that request's headers;
 - a body timeout, from the end of the headers to the end of the body, armed only when a read
-  ends with the body incomplete (most bodies arrive with their headers and need no timer);
+  ends with the body incomplete (most bodies arrive with their headers and need none);
 - a limit on the bytes of a request line and its headers (431);
 - a limit on open connections (503 once the headers are in, as uvicorn's own limit does);
 - a ``DisconnectHook`` in each request's scope (``scope["extensions"][DISCONNECT_EXTENSION]
@@ -15,6 +15,10 @@ connections than the process can serve. This protocol adds, each from ``ClientBo
   the request can have a callback run when the connection is lost, instead of a task of its
   own waiting on ``receive()`` for ``http.disconnect``; a request this protocol refused while
   it was being served (its body timed out) finds the refusal there.
+
+These timeouts and uvicorn's keep-alive are one deadline per connection, checked by the
+server's ``DeadlineSweep`` (``gateway.deadlines``), not a loop timer armed and cancelled for
+each request.
 
 Each refusal is an OpenAI error object with ``connection: close``, written before the
 connection is closed, where the client can still read one. Under another server the body's
@@ -46,7 +50,7 @@ import urllib.parse
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import httptools
 import orjson
@@ -58,6 +62,7 @@ from uvicorn.protocols.http.httptools_impl import (
     RequestResponseCycle,
 )
 
+from .deadlines import NEVER, DeadlineSweep
 from .errors import APIError
 
 _REASONS = {
@@ -75,6 +80,10 @@ class ClientBounds:
     max_header_bytes: int
     max_connections: int
 
+
+# What a connection waits for, and so which deadline holds (``nothing``: none, while a request
+# is served).
+_Phase = Literal["headers", "body", "next request", "nothing"]
 
 DISCONNECT_EXTENSION = "isogate.disconnect"
 HEADER_LINES_EXTENSION = "isogate.header_lines"
@@ -135,13 +144,16 @@ class _Refused(Exception):
 
 
 def bounded_protocol(bounds: ClientBounds) -> Any:
-    """uvicorn's ``http=``: its httptools protocol, bounded by ``bounds`` (a partial, not a
-    class made here, so that it pickles for ``--workers`` > 1)."""
-    return functools.partial(BoundedHttpToolsProtocol, bounds=bounds)
+    """uvicorn's ``http=``: its httptools protocol, bounded by ``bounds``, every connection's
+    deadlines on one sweep (a partial, not a class made here, so that it pickles for
+    ``--workers`` > 1, each worker with a sweep of its own)."""
+    return functools.partial(BoundedHttpToolsProtocol, bounds=bounds, sweep=DeadlineSweep())
 
 
 class BoundedHttpToolsProtocol(HttpToolsProtocol):
-    def __init__(self, *args: Any, bounds: ClientBounds, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, bounds: ClientBounds, sweep: DeadlineSweep, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
         self._bounds = bounds
         # Bytes received while a request's headers are not complete: a request line or headers
@@ -149,8 +161,11 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._awaiting_headers = True
         self._received_in_headers = 0
         self._in_body = False  # headers complete, body not yet
-        # The header timer or the body timer: the two phases never overlap.
-        self._timer: asyncio.TimerHandle | None = None
+        # The one deadline that holds now (``_waiting_for`` says for what), on the loop's
+        # clock, checked by the server's sweep; the phases never overlap.
+        self._sweep = sweep
+        self.deadline = NEVER
+        self._waiting_for: _Phase = "nothing"
         # Hooks of the requests whose responses are not complete, oldest first (pipelined
         # requests complete in order).
         self._hooks: deque[DisconnectHook] = deque()
@@ -162,10 +177,12 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # A stream connection's transport (uvloop's is not an ``asyncio.Transport`` subclass).
         super().connection_made(cast(asyncio.Transport, transport))
-        self._arm_header_timer()
+        self._sweep.watch(self, self.loop)
+        self._wait_for("headers", self._bounds.header_timeout_s)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm_timer()
+        self._sweep.unwatch(self)
+        self._wait_for("nothing")
         super().connection_lost(exc)
         hooks, self._hooks = self._hooks, deque()
         for hook in hooks:
@@ -176,9 +193,8 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         if self.transport.is_closing():
             return
-        self._unset_keepalive_if_required()
-        if self._timer is None and (self.cycle is None or self.cycle.response_complete):
-            self._arm_header_timer()  # the first byte of the next request
+        if self._waiting_for == "next request":  # its first byte: now its headers
+            self._wait_for("headers", self._bounds.header_timeout_s)
         if self._awaiting_headers:
             self._received_in_headers += len(data)
         try:
@@ -198,10 +214,8 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         except httptools.HttpParserError:
             self._refuse(_bad_request())
         else:
-            if self._in_body and self._timer is None:
-                self._timer = self.loop.call_later(
-                    self._bounds.body_timeout_s, self._body_timed_out
-                )
+            if self._in_body and self._waiting_for == "nothing":
+                self._wait_for("body", self._bounds.body_timeout_s)
 
     def on_header(self, name: bytes, value: bytes) -> None:
         # uvicorn's, but the Expect header is looked for once the headers are complete, not
@@ -209,7 +223,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self.headers.append((name.lower(), value.rstrip(b" \t")))
 
     def on_headers_complete(self) -> None:
-        self._disarm_timer()
+        self._wait_for("nothing")
         self._awaiting_headers, self._received_in_headers = False, 0
         # Measured once here, not per header as the parser hands them over: a callback of ours
         # on every header cost more than the rest of this protocol together (and in C: a
@@ -287,28 +301,42 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             self.pipeline.appendleft((self.cycle, app))
 
     def on_response_complete(self) -> None:
+        """uvicorn's, but keep-alive is a deadline of the sweep's, not a timer of its own."""
         if self._hooks:
             self._hooks.popleft()
-        super().on_response_complete()
+        self.server_state.total_requests += 1
+        if self.transport.is_closing():
+            return
+        self.flow.resume_reading()
+        if self.pipeline:  # the next pipelined request, held back until this one's answer
+            cycle, app = self.pipeline.pop()
+            self._start_asgi_task(cycle, app)
+        elif self._waiting_for == "nothing":  # (its first byte may be in already)
+            self._wait_for("next request", self.timeout_keep_alive)
 
     def on_message_complete(self) -> None:
         if self._in_body:
             self._in_body = False
-            self._disarm_timer()
+            if self._waiting_for == "body":
+                self._wait_for("nothing")
         super().on_message_complete()
         self._awaiting_headers = True  # the next request's
 
-    def _arm_header_timer(self) -> None:
-        """Only with no timer armed (a new connection, or the first byte of the next request)."""
-        self._timer = self.loop.call_later(self._bounds.header_timeout_s, self._headers_timed_out)
+    def _wait_for(self, what: _Phase, within_s: float = NEVER) -> None:
+        self._waiting_for = what
+        self.deadline = NEVER if what == "nothing" else self.loop.time() + within_s
 
-    def _disarm_timer(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+    def deadline_passed(self) -> None:
+        """The sweep's call: what this connection waited for did not come in time."""
+        waited_for, self._waiting_for = self._waiting_for, "nothing"
+        if waited_for == "headers":
+            self._headers_timed_out()
+        elif waited_for == "body":
+            self._body_timed_out()
+        elif waited_for == "next request" and not self.transport.is_closing():
+            self.transport.close()  # keep-alive ran out, as uvicorn closes it
 
     def _body_timed_out(self) -> None:
-        self._timer = None
         if not self._in_body or self.transport.is_closing():
             return
         error = body_timeout_error(self._bounds.body_timeout_s)
@@ -317,7 +345,6 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._refuse(error)
 
     def _headers_timed_out(self) -> None:
-        self._timer = None
         if self.transport.is_closing():
             return
         if self.cycle is not None and not self.cycle.response_complete:
@@ -332,7 +359,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         )
 
     def _refuse(self, error: APIError) -> None:
-        self._disarm_timer()
+        self._wait_for("nothing")
         if not self.transport.is_closing():
             self.transport.write(_error_response(error))
             self.transport.close()

@@ -24,6 +24,8 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from .deadlines import NEVER, DeadlineSweep
+
 log = logging.getLogger(__name__)
 
 
@@ -50,14 +52,19 @@ class UpstreamConnection(asyncio.Protocol):
     own, and until the first one the futures are pending (no answer before a request).
     """
 
-    def __init__(self, origin: Origin) -> None:
+    def __init__(self, origin: Origin, sweep: DeadlineSweep) -> None:
         self.origin = origin
+        self._sweep = sweep
+        # While an answer (or the next streamed chunk) is awaited: when it is due (the loop's
+        # clock), checked by the client's sweep; what the timeout will say.
+        self.deadline = NEVER
+        self._overdue = ""
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.parser = httptools.HttpResponseParser(self)
         self.status = 0
         self.keep_alive = False
-        loop = asyncio.get_running_loop()
+        self._loop = loop = asyncio.get_running_loop()
         self.headers_done: asyncio.Future[None] = loop.create_future()
         self.done: asyncio.Future[None] = loop.create_future()
         # The whole response has arrived (so the connection may carry the next request): set
@@ -71,6 +78,7 @@ class UpstreamConnection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # A stream connection's transport (uvloop's is not an ``asyncio.Transport`` subclass).
         self.transport = cast(asyncio.Transport, transport)
+        self._sweep.watch(self, self._loop)
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -81,6 +89,7 @@ class UpstreamConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self._sweep.unwatch(self)
         self._fail(UpstreamError("upstream closed the connection"))
 
     # -- httptools --
@@ -94,6 +103,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._wake()
 
     def on_message_complete(self) -> None:
+        self.deadline = NEVER  # nothing more is awaited of this exchange
         self.keep_alive = self.parser.should_keep_alive()
         if not self.done.done():
             self.done.set_result(None)
@@ -102,7 +112,7 @@ class UpstreamConnection(asyncio.Protocol):
 
     # -- use --
     def begin(self, request: bytes) -> None:
-        loop = asyncio.get_running_loop()
+        loop = self._loop
         self.status, self.keep_alive, self.complete = 0, False, False
         self.headers_done, self.done = loop.create_future(), loop.create_future()
         self.chunks.clear()
@@ -110,9 +120,15 @@ class UpstreamConnection(asyncio.Protocol):
         assert self.transport is not None
         self.transport.write(request)
 
-    def time_out(self, message: str) -> None:
-        """Timer callback: fail whatever waits on this connection; it is not reused after."""
-        self._fail(UpstreamTimeout(message))
+    def due_within(self, timeout_s: float, message: str) -> None:
+        """What is awaited next must come within ``timeout_s``, or the exchange fails with
+        ``UpstreamTimeout(message)``; ``deadline = NEVER`` once it came."""
+        self.deadline = self._loop.time() + timeout_s
+        self._overdue = message
+
+    def deadline_passed(self) -> None:
+        """The sweep's call: fail whatever waits on this connection; it is not reused after."""
+        self._fail(UpstreamTimeout(self._overdue))
         self.close()
 
     def _fail(self, exc: Exception) -> None:
@@ -165,6 +181,8 @@ class UpstreamClient:
         # URL → (origin, request line and Host header): parsed once per URL, not per request.
         self._targets: dict[str, tuple[Origin, bytes]] = {}
         self._tls = ssl.create_default_context()
+        # Every connection's deadline (an answer, a chunk) on one timer (``gateway.deadlines``).
+        self._sweep = DeadlineSweep()
 
     def _pooled(self, origin: Origin) -> UpstreamConnection | None:
         idle = self._idle.get(origin)
@@ -180,7 +198,7 @@ class UpstreamClient:
         try:
             async with asyncio.timeout(self._connect_timeout_s):
                 _, connection = await loop.create_connection(
-                    lambda: UpstreamConnection(origin),
+                    lambda: UpstreamConnection(origin, self._sweep),
                     origin.host,
                     origin.port,
                     ssl=self._tls if origin.tls else None,
@@ -231,8 +249,8 @@ class UpstreamClient:
 
         Why stop at the first bad answer: prefill and decode of one request wait on each other
         (decode waits for prefill's KV transfer), so once one has failed the other may never
-        answer. One timer covers them all: when it fires, whatever has not answered fails
-        with ``UpstreamTimeout``.
+        answer. They are all due by one deadline: once it passed, whatever has not answered
+        fails with ``UpstreamTimeout``.
         """
         joined: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
@@ -252,13 +270,14 @@ class UpstreamClient:
                 joined.set_result(None)
 
         for connection in connections:
+            connection.due_within(self._timeout_s, "upstream did not answer in time")
             connection.done.add_done_callback(on_answer)
         on_answer()
-        deadline = asyncio.get_running_loop().call_later(self._timeout_s, _time_out, connections)
         try:
             await joined
         finally:
-            deadline.cancel()
+            for connection in connections:
+                connection.deadline = NEVER
 
     async def stream(
         self, url: str, body: bytes, headers: dict[str, str]
@@ -300,24 +319,16 @@ class UpstreamClient:
     async def _wait(
         self, connection: UpstreamConnection, future: asyncio.Future[None], message: str
     ) -> None:
-        # A timer that fails the connection's futures: one handle per wait (once per streamed
-        # chunk), where ``asyncio.timeout`` costs a context manager and task bookkeeping too.
-        deadline = asyncio.get_running_loop().call_later(
-            self._timeout_s, connection.time_out, message
-        )
+        # A deadline that fails the connection's futures, once per streamed chunk: a loop
+        # timer each, or ``asyncio.timeout``, cost many times what the chunk's own work does.
+        connection.due_within(self._timeout_s, message)
         try:
             await future
         finally:
-            deadline.cancel()
+            connection.deadline = NEVER
 
     async def aclose(self) -> None:
         for idle in self._idle.values():
             for connection in idle:
                 connection.close()
         self._idle.clear()
-
-
-def _time_out(connections: Sequence[UpstreamConnection]) -> None:
-    for connection in connections:
-        if not connection.answered:
-            connection.time_out("upstream did not answer in time")
