@@ -47,13 +47,15 @@ from gateway.dev.harness import GatewayProcess
 # a handful of requests each (one audit commit per row or two, where at full speed a batch holds
 # many), and how many fall in the window moves with how fast the host is at that moment. Polled
 # once at start and then rarely (observations kept routable meanwhile), flushed twice a second:
-# one side's rounds then agree within 3 % (often 1 %), where they moved by 8 %. A side's own
+# one side's rounds then agree within 3 % (often 1 %), where they moved by 8 %. The sweeps of
+# deadlines (``gateway.deadlines``) run once a second instead of ten times. A side's own
 # ``--a-env``/``--b-env`` values win.
 CLOCK_WORK_OFF = {
     "ISOGATE_CAPACITY_POLL_INTERVAL_S": "300",
     "ISOGATE_CAPACITY_STALE_AFTER_S": "3600",
     "ISOGATE_CAPACITY_MAX_AGE_IF_ALIVE_S": "3600",
     "ISOGATE_AUDIT_FLUSH_INTERVAL_S": "0.5",
+    "ISOGATE_DEADLINE_RESOLUTION_S": "1",
 }
 
 # The ``totals:`` line; a dump's ``summary:`` line is wrong after the first toggle.

@@ -82,6 +82,7 @@ def _serve(args: argparse.Namespace) -> int:
                 body_timeout_s=settings.body_timeout_s,
                 max_header_bytes=settings.max_header_bytes,
                 max_connections=settings.max_connections,
+                deadline_resolution_s=settings.deadline_resolution_s,
             )
         ),
         timeout_keep_alive=settings.keep_alive_timeout_s,

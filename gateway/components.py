@@ -152,6 +152,7 @@ async def build_components(settings: Settings) -> Components:
             UpstreamClient(
                 connect_timeout_s=settings.upstream_connect_timeout_s,
                 timeout_s=settings.upstream_timeout_s,
+                deadline_resolution_s=settings.deadline_resolution_s,
             ),
             seen_serving=capacity.seen_serving,
         ),

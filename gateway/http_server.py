@@ -79,6 +79,7 @@ class ClientBounds:
     body_timeout_s: float
     max_header_bytes: int
     max_connections: int
+    deadline_resolution_s: float = 0.1
 
 
 # What a connection waits for, and so which deadline holds (``nothing``: none, while a request
@@ -147,7 +148,9 @@ def bounded_protocol(bounds: ClientBounds) -> Any:
     """uvicorn's ``http=``: its httptools protocol, bounded by ``bounds``, every connection's
     deadlines on one sweep (a partial, not a class made here, so that it pickles for
     ``--workers`` > 1, each worker with a sweep of its own)."""
-    return functools.partial(BoundedHttpToolsProtocol, bounds=bounds, sweep=DeadlineSweep())
+    return functools.partial(
+        BoundedHttpToolsProtocol, bounds=bounds, sweep=DeadlineSweep(bounds.deadline_resolution_s)
+    )
 
 
 class BoundedHttpToolsProtocol(HttpToolsProtocol):

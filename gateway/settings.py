@@ -32,6 +32,9 @@ class Settings(BaseSettings):
     max_header_bytes: int = Field(default=32 * 1024, gt=0)
     max_connections: int = Field(default=4096, gt=0)
     keep_alive_timeout_s: int = Field(default=5, gt=0)
+    # How late one of these timeouts, or an upstream one, may fire: how often each sweep of
+    # deadlines runs (gateway.deadlines) while connections are open.
+    deadline_resolution_s: float = Field(default=0.1, gt=0, le=1.0)
 
     # Request bounds. The body limit sits above the largest prompt we want to refuse
     # *cheaply* (by byte length, without tokenizing) rather than with a bare 413.

@@ -172,7 +172,12 @@ def _target(url: str) -> tuple[Origin, bytes]:
 
 class UpstreamClient:
     def __init__(
-        self, *, connect_timeout_s: float, timeout_s: float, max_idle_per_origin: int = 512
+        self,
+        *,
+        connect_timeout_s: float,
+        timeout_s: float,
+        max_idle_per_origin: int = 512,
+        deadline_resolution_s: float = 0.1,
     ) -> None:
         self._connect_timeout_s = connect_timeout_s
         self._timeout_s = timeout_s
@@ -182,7 +187,7 @@ class UpstreamClient:
         self._targets: dict[str, tuple[Origin, bytes]] = {}
         self._tls = ssl.create_default_context()
         # Every connection's deadline (an answer, a chunk) on one timer (``gateway.deadlines``).
-        self._sweep = DeadlineSweep()
+        self._sweep = DeadlineSweep(deadline_resolution_s)
 
     def _pooled(self, origin: Origin) -> UpstreamConnection | None:
         idle = self._idle.get(origin)
