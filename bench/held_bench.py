@@ -11,14 +11,13 @@ median µs per request of each and their ratio. The whole-gateway figure is
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import statistics
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 
+from bench import side_by_side
 from gateway.held import Held
 
 
@@ -72,12 +71,9 @@ async def measure(rounds: int, requests: int) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--requests", type=int, default=50_000)
-    args = parser.parse_args(argv)
-    print(json.dumps(asyncio.run(measure(args.rounds, args.requests))))
-    return 0
+    return side_by_side.run(
+        argv, __doc__, "--requests", 50_000, lambda r, n: asyncio.run(measure(r, n))
+    )
 
 
 if __name__ == "__main__":

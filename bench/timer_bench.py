@@ -13,14 +13,13 @@ is ``bench.instructions`` with the two checkouts (bench/RESULTS.md).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import statistics
 import time
 
 import uvloop
 
+from bench import side_by_side
 from gateway.deadlines import NEVER, DeadlineSweep
 
 
@@ -72,12 +71,9 @@ async def measure(rounds: int, deadlines: int) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--deadlines", type=int, default=200_000)
-    args = parser.parse_args(argv)
-    print(json.dumps(uvloop.run(measure(args.rounds, args.deadlines))))
-    return 0
+    return side_by_side.run(
+        argv, __doc__, "--deadlines", 200_000, lambda r, n: uvloop.run(measure(r, n))
+    )
 
 
 if __name__ == "__main__":
