@@ -18,6 +18,8 @@ import math
 from typing import Protocol
 
 NEVER = math.inf
+# How late a deadline may be acted on, unless the caller says otherwise (the settings do).
+DEFAULT_RESOLUTION_S = 0.1
 
 
 class Expiring(Protocol):
@@ -29,7 +31,7 @@ class Expiring(Protocol):
 class DeadlineSweep:
     """The watched objects of one event loop and the timer that checks their deadlines."""
 
-    def __init__(self, resolution_s: float = 0.1) -> None:
+    def __init__(self, resolution_s: float = DEFAULT_RESOLUTION_S) -> None:
         self.resolution_s = resolution_s
         self._watched: set[Expiring] = set()
         self._timer: asyncio.TimerHandle | None = None

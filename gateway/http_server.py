@@ -62,7 +62,7 @@ from uvicorn.protocols.http.httptools_impl import (
     RequestResponseCycle,
 )
 
-from .deadlines import NEVER, DeadlineSweep
+from .deadlines import DEFAULT_RESOLUTION_S, NEVER, DeadlineSweep
 from .errors import APIError
 
 _REASONS = {
@@ -79,7 +79,7 @@ class ClientBounds:
     body_timeout_s: float
     max_header_bytes: int
     max_connections: int
-    deadline_resolution_s: float = 0.1
+    deadline_resolution_s: float = DEFAULT_RESOLUTION_S
 
 
 # What a connection waits for, and so which deadline holds (``nothing``: none, while a request

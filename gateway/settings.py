@@ -11,6 +11,8 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from .deadlines import DEFAULT_RESOLUTION_S
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -34,7 +36,7 @@ class Settings(BaseSettings):
     keep_alive_timeout_s: int = Field(default=5, gt=0)
     # How late one of these timeouts, or an upstream one, may fire: how often each sweep of
     # deadlines runs (gateway.deadlines) while connections are open.
-    deadline_resolution_s: float = Field(default=0.1, gt=0, le=1.0)
+    deadline_resolution_s: float = Field(default=DEFAULT_RESOLUTION_S, gt=0, le=1.0)
 
     # Request bounds. The body limit sits above the largest prompt we want to refuse
     # *cheaply* (by byte length, without tokenizing) rather than with a bare 413.

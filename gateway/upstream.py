@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 
 import httptools
 
-from .deadlines import NEVER, DeadlineSweep
+from .deadlines import DEFAULT_RESOLUTION_S, NEVER, DeadlineSweep
 
 log = logging.getLogger(__name__)
 
@@ -177,7 +177,7 @@ class UpstreamClient:
         connect_timeout_s: float,
         timeout_s: float,
         max_idle_per_origin: int = 512,
-        deadline_resolution_s: float = 0.1,
+        deadline_resolution_s: float = DEFAULT_RESOLUTION_S,
     ) -> None:
         self._connect_timeout_s = connect_timeout_s
         self._timeout_s = timeout_s
