@@ -627,11 +627,12 @@ class CompletionRequest(_Request):
     def candidates(self) -> int:
         """How many completions are generated per prompt: ``best_of``, of which ``n`` are
         returned (the most likely per token)."""
-        return max(self.best_of or 1, self.choices)
+        return self.best_of or self.choices  # ``_refused_fields`` refused a best_of under n
 
     @property
     def top_logprobs_num(self) -> int | None:
-        if self.candidates > self.choices:
+        best_of = self.best_of
+        if best_of is not None and best_of > (self.n or 1):
             return self.logprobs or 0  # the ranking needs every token's log probability
         return self.logprobs
 
@@ -769,6 +770,7 @@ class PromptLogprobs:
 
 
 @functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=256)  # a few models, asked on every answer: hashed once each
 def system_fingerprint(model: str, tokenizer: str) -> str:
     """What OpenAI calls the backend configuration: here, the model and its tokenizer."""
     return "fp_" + hashlib.sha256(f"{model}\0{tokenizer}".encode()).hexdigest()[:12]
