@@ -79,9 +79,8 @@ class QueueObserver(Protocol):
 
     def queued(self, tenant_id: str, change: int) -> None: ...
 
-    def waited(self, tenant_id: str, seconds: float) -> None: ...
-
-    def served(self, tenant_id: str) -> None: ...
+    def started(self, tenant_id: str, waited_s: float) -> None:
+        """One request of the tenant got its slot, after waiting ``waited_s`` in the queue."""
 
     def refused(self, tenant_id: str, reason: str) -> None: ...
 
@@ -90,10 +89,7 @@ class _Silent:
     def queued(self, tenant_id: str, change: int) -> None:
         pass
 
-    def waited(self, tenant_id: str, seconds: float) -> None:
-        pass
-
-    def served(self, tenant_id: str) -> None:
+    def started(self, tenant_id: str, waited_s: float) -> None:
         pass
 
     def refused(self, tenant_id: str, reason: str) -> None:
@@ -218,8 +214,7 @@ class FairQueue:
         if self._queued or self._in_flight + cost > self.room():
             self._forget_if_idle(tenant)  # ``wait_turn`` takes it up again to queue it
             return None
-        self._start(tenant, cost)
-        self._observer.waited(share.tenant_id, 0.0)
+        self._start(tenant, cost, 0.0)
         return Slot(self, tenant, cost)
 
     async def acquire(self, share: Share, max_wait_s: float, cost: int = 1) -> Slot:
@@ -261,7 +256,6 @@ class FairQueue:
         finally:
             if timer is not None:
                 timer.cancel()
-        self._observer.waited(share.tenant_id, self.clock() - waiter.enqueued_at)
         return Slot(self, tenant, cost)
 
     # -- the schedule -------------------------------------------------------------------------
@@ -303,7 +297,7 @@ class FairQueue:
             # taken.
             self._dispatch()
 
-    def _start(self, tenant: _Tenant, cost: int) -> None:
+    def _start(self, tenant: _Tenant, cost: int, waited_s: float) -> None:
         """Charge ``tenant`` for one request now going to the pair."""
         priority = tenant.share.priority
         start = max(tenant.next_start, self._virtual[priority])
@@ -311,7 +305,7 @@ class FairQueue:
         tenant.next_start = start + cost / tenant.share.weight
         tenant.holding += cost
         self._in_flight += cost
-        self._observer.served(tenant.share.tenant_id)
+        self._observer.started(tenant.share.tenant_id, waited_s)
 
     def _release(self, tenant: _Tenant, cost: int, held_s: float) -> None:
         self._in_flight -= cost
@@ -356,7 +350,7 @@ class FairQueue:
             self._observer.queued(tenant.share.tenant_id, -1)
             if leaving:
                 continue
-            self._start(tenant, waiter.cost)
+            self._start(tenant, waiter.cost, self.clock() - waiter.enqueued_at)
             waiter.granted = True
             waiter.future.set_result(None)
 

@@ -276,11 +276,10 @@ class PoolQueueMetrics:
     def queued(self, tenant_id: str, change: int) -> None:
         self._of(tenant_id).waiting += change
 
-    def waited(self, tenant_id: str, seconds: float) -> None:
-        self._of(tenant_id).wait.observe(seconds)
-
-    def served(self, tenant_id: str) -> None:
-        self._of(tenant_id).served += 1
+    def started(self, tenant_id: str, waited_s: float) -> None:
+        series = self._of(tenant_id)
+        series.served += 1
+        series.wait.observe(waited_s)
 
     def refused(self, tenant_id: str, reason: str) -> None:
         self._metrics.queue_refused.labels(self._pool, tenant_id, reason).inc()

@@ -74,9 +74,8 @@ def test_queue_series_expose_as_the_library_would() -> None:
         if index % 3:
             observer.queued(tenant, -1)
             length.labels("pool-a", tenant).inc(-1)
-            observer.waited(tenant, seconds)
+            observer.started(tenant, seconds)
             wait.labels("pool-a", tenant).observe(seconds)
-            observer.served(tenant)
             served.labels("pool-a", tenant).inc()
 
     ours = _samples(generate_latest(metrics.registry).decode(), "isogate_queue")
