@@ -67,11 +67,7 @@ def fits_now(
 ) -> bool:
     """Whether a request fits ``pair`` at this moment: under its prompt limit, and ``need``
     tokens free in both pools once what is claimed in flight is counted."""
-    return (
-        prompt_tokens <= limit.tokens
-        and ledger.free_now(pair.prefill_state) >= need
-        and ledger.free_now(pair.decode_state) >= need
-    )
+    return prompt_tokens <= limit.tokens and ledger.has_room(pair, need)
 
 
 def context_length_exceeded(
@@ -97,6 +93,15 @@ class ClaimLedger:
         # that may not have yet. The larger of the two is a safe estimate of what is taken.
         taken = max(worker.used_tokens, self.claimed.get(worker.url, 0))
         return worker.max_total_num_tokens - taken
+
+    def has_room(self, pair: WorkerPair, need: int) -> bool:
+        """Whether ``need`` tokens are free now in both of the pair's pools (``free_now``)."""
+        claimed = self.claimed
+        for worker in (pair.prefill_state, pair.decode_state):
+            taken = max(worker.used_tokens, claimed.get(worker.url, 0))
+            if worker.max_total_num_tokens - taken < need:
+                return False
+        return True
 
     def claim(self, urls: tuple[str, ...], tokens: int) -> Claim:
         for url in urls:

@@ -339,10 +339,7 @@ class GenerationCore:
                 lease = await self._limiter.acquire(ask.tenant_id, ask.limits, reserved)
                 held.push(lease.release)
         need = prompt_total + (max_tokens + margin) * len(prompt_lengths)
-        if not (
-            self._ledger.free_now(pair.prefill_state) >= need
-            and self._ledger.free_now(pair.decode_state) >= need
-        ):
+        if not self._ledger.has_room(pair, need):
             raise _capacity_busy()  # taken by others while this one waited
         held.push(self._ledger.claim(pair.urls, need).release)
 
