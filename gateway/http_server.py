@@ -456,7 +456,8 @@ class GatewayCycle(RequestResponseCycle):
         app = _checked_lines(own) if own else b""
         if server is None or app is None:
             return None
-        vouched = cast(bytes, message.get(HEADER_LINES_EXTENSION, b""))
+        vouched = message.get(HEADER_LINES_EXTENSION, b"")
+        assert isinstance(vouched, bytes)  # the gateway's own lines (``response_start``)
         head = STATUS_LINE[message["status"]] + server + app + vouched
         # find, not ``in``: ``bytes in bytes`` first tries the operand as an integer and
         # raises and clears a TypeError inside on every call.
