@@ -279,12 +279,15 @@ class CapacityRegistry:
     def liveness_error(self, url: str) -> str | None:
         return self._liveness_errors.get(url)
 
-    def seen_serving(self, url: str) -> None:
-        """The worker answered (a poll, a probe, or a generation through dispatch)."""
-        self._alive_at[url] = time.time()
-        if self._liveness_errors and self._liveness_errors.pop(url, None) is not None:
-            log.info("capacity: worker %s serves again", url)
-            self.version += 1
+    def seen_serving(self, urls: Iterable[str]) -> None:
+        """The workers answered (a poll, a probe, or a generation through dispatch: its pair
+        at once)."""
+        now = time.time()
+        for url in urls:
+            self._alive_at[url] = now
+            if self._liveness_errors and self._liveness_errors.pop(url, None) is not None:
+                log.info("capacity: worker %s serves again", url)
+                self.version += 1
 
     async def probe_liveness(self) -> None:
         """Ask ``/health`` of every worker whose capacity poll failed, together (the others'
@@ -301,7 +304,7 @@ class CapacityRegistry:
                 self.version += 1  # taken out now: what was derived from it is invalid
             self._liveness_errors[url] = f"{type(exc).__name__}: {exc}"
             return
-        self.seen_serving(url)
+        self.seen_serving((url,))
 
     async def run_liveness(self) -> None:
         while True:
@@ -346,7 +349,7 @@ class CapacityRegistry:
             return
         if self._errors.pop(url, None) is not None:
             log.info("capacity: %s worker %s answers polls again", role, url)
-        self.seen_serving(url)
+        self.seen_serving((url,))
         self._configs[url] = config
         self.adopt(state)
         if self._redis is not None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,7 +87,7 @@ def isolation_headers(request: EngineRequest) -> dict[str, str]:
 _JSON_HEADERS = {"Content-Type": "application/json"}
 
 
-def _ignore(url: str) -> None:
+def _ignore(urls: Iterable[str]) -> None:
     pass
 
 
@@ -97,7 +97,7 @@ class UpstreamStreamError(Exception):
 
 class PDDispatcher:
     def __init__(
-        self, client: UpstreamClient, seen_serving: Callable[[str], None] | None = None
+        self, client: UpstreamClient, seen_serving: Callable[[Iterable[str]], None] | None = None
     ) -> None:
         self._client = client
         # Told of every worker that answered a generation in full (its liveness signal).
@@ -146,8 +146,7 @@ class PDDispatcher:
                 answer[PREFILL_META] = (
                     prefill_answer.get("meta_info") if isinstance(prefill_answer, dict) else None
                 )
-            self._seen_serving(pair.urls[0])
-            self._seen_serving(pair.urls[1])
+            self._seen_serving(pair.urls)
             return answer
         finally:
             # Written out, not all() over a generator: this runs for every request.
@@ -193,8 +192,7 @@ class PDDispatcher:
                 await client.wait_for_answers((prefill,))
             ended = True
             _raise_unless_ok("prefill", prefill)
-            self._seen_serving(pair.urls[0])
-            self._seen_serving(pair.urls[1])
+            self._seen_serving(pair.urls)
         finally:
             if not (ended and prefill.complete):
                 self._abort(pair, request)
