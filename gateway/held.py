@@ -24,23 +24,25 @@ Release = Callable[[], Awaitable[object] | None]
 
 
 class Held:
-    __slots__ = ("_releases",)
+    __slots__ = ("_releases", "push")
 
     def __init__(self) -> None:
         self._releases: list[Release] = []
-
-    def push(self, release: Release) -> None:
-        """Release with ``release()`` (awaiting what it returns, if anything) at close."""
-        self._releases.append(release)
+        # ``push(release)``: released with ``release()`` (awaiting what it returns, if anything)
+        # at close. The list's own append, a call without a Python frame; so the list is only
+        # ever emptied in place, never replaced.
+        self.push: Callable[[Release], None] = self._releases.append
 
     def pop_all(self) -> Held:
         """Everything held so far, in a new ``Held``; this one is left empty."""
         taken = Held()
-        taken._releases, self._releases = self._releases, []
+        taken._releases.extend(self._releases)
+        self._releases.clear()
         return taken
 
     async def aclose(self) -> None:
-        releases, self._releases = self._releases, []
+        releases = self._releases.copy()
+        self._releases.clear()
         failure: BaseException | None = None
         while releases:
             try:
