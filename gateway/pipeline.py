@@ -158,7 +158,7 @@ async def handle_generation(
 
         # admit → claim → dispatch → verify (the core), then the response; a client that
         # leaves meanwhile (queued, or waiting on the workers) cancels it
-        async with ClientWatch(scope, receive):
+        with ClientWatch(scope, receive):
             admitted = await core.admit(ask, trace, held)
             limit_lines = admitted.lease.header_lines() if admitted.lease is not None else b""
             if streaming:
@@ -214,7 +214,8 @@ async def _client_left(receive: Receive) -> None:
 
 class ClientWatch:
     """While inside: the client hanging up cancels the task serving it, and the cancellation
-    comes out of the ``async with`` as ``ClientDisconnect``.
+    comes out of the ``with`` as ``ClientDisconnect``. (A plain ``with``: neither end awaits
+    anything, so neither needs a coroutine made and run per request.)
 
     Cancelling is how a request is given up everywhere below: a queued one leaves its queue,
     one on the workers is aborted on both (``gateway.dispatch``), and the claims are
@@ -231,7 +232,7 @@ class ClientWatch:
         self._watcher: asyncio.Future[None] | None = None
         self.left = False
 
-    async def __aenter__(self) -> ClientWatch:
+    def __enter__(self) -> ClientWatch:
         served = asyncio.current_task()
         assert served is not None  # a request is always served by a task
         self._served = served
@@ -253,7 +254,7 @@ class ClientWatch:
         if not watcher.cancelled() and isinstance(watcher.exception(), ClientDisconnect):
             self._on_client_left()
 
-    async def __aexit__(
+    def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object
     ) -> None:
         watcher = self._watcher
@@ -713,9 +714,9 @@ class GuardedStream(StreamingResponse):
         group, whose cancel scopes, task names and library sniffing cost more CPU per stream
         than the rest of the stream's own work (``bench/pipeline_costs.py
         starlette_task_group``)."""
-        with contextlib.suppress(ClientDisconnect):  # the outcome stays CLIENT_CANCELLED
-            async with ClientWatch(scope, receive):
-                await self.stream_response(send)
+        # A client gone: the outcome stays CLIENT_CANCELLED.
+        with contextlib.suppress(ClientDisconnect), ClientWatch(scope, receive):
+            await self.stream_response(send)
 
     async def stream_response(self, send: Send) -> None:
         """Starlette's pump, with the head's lines where the server takes them."""

@@ -31,7 +31,7 @@ def test_the_hook_calling_back_cancels_the_work_and_comes_out_as_client_disconne
         loop = asyncio.get_running_loop()
 
         async def serve() -> None:
-            async with ClientWatch(_scope(hook), _never_receive):
+            with ClientWatch(_scope(hook), _never_receive):
                 assert hook.callback is not None
                 loop.call_later(0.01, hook.callback)
                 await asyncio.sleep(10)
@@ -48,9 +48,8 @@ def test_a_client_already_gone_is_refused_before_any_work() -> None:
         hook = DisconnectHook()
         hook.gone = True
         worked = False
-        with pytest.raises(ClientDisconnect):
-            async with ClientWatch(_scope(hook), _never_receive):
-                worked = True
+        with pytest.raises(ClientDisconnect), ClientWatch(_scope(hook), _never_receive):
+            worked = True
         assert not worked
 
     asyncio.run(main())
@@ -59,7 +58,7 @@ def test_a_client_already_gone_is_refused_before_any_work() -> None:
 def test_work_that_ends_before_the_client_leaves_is_not_touched_afterwards() -> None:
     async def main() -> None:
         hook = DisconnectHook()
-        async with ClientWatch(_scope(hook), _never_receive):
+        with ClientWatch(_scope(hook), _never_receive):
             pass
         assert hook.callback is None
         await asyncio.sleep(0.01)  # nothing left behind to cancel this task later
@@ -76,7 +75,7 @@ def test_without_the_hook_a_watcher_task_notices_the_disconnect() -> None:
             return {"type": "http.disconnect"}
 
         async def serve() -> None:
-            async with ClientWatch(_scope(None), receive):
+            with ClientWatch(_scope(None), receive):
                 asyncio.get_running_loop().call_later(0.01, gone.set)
                 await asyncio.sleep(10)
 
