@@ -398,12 +398,13 @@ class GenerationCore:
         if len(admitted.choices) == 1:  # without a coroutine of its own, one frame less to resume
             choice = admitted.choices[0]
             output = await self._dispatcher.generate(admitted.pair, choice.request)
-            completions = [self._checked(admitted, choice, output)]
+            only = self._checked(admitted, choice, output)
+            completions, completion_tokens = [only], only.completion_tokens
         else:
             completions = await _all_or_nothing(
                 [self._complete_one(admitted, choice) for choice in admitted.choices]
             )
-        completion_tokens = sum([c.completion_tokens for c in completions])
+            completion_tokens = sum([c.completion_tokens for c in completions])
         trace.completion_tokens = completion_tokens
         if admitted.lease is not None:
             await admitted.lease.settle((trace.prompt_tokens or 0) + completion_tokens)
