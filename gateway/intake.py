@@ -26,7 +26,7 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from types import TracebackType
-from typing import Annotated, Any
+from typing import Annotated, Any, Final
 
 import msgspec
 
@@ -124,17 +124,14 @@ class BodyParser:
 
     def __init__(self, *, off_loop_min_bytes: int, processes: int) -> None:
         self._min_bytes = off_loop_min_bytes
+        # Bodies of at least this many bytes are spooled (``spool``) and parsed in a child.
+        self.spill_at: Final = off_loop_min_bytes
         self._processes = processes
         self._context = multiprocessing.get_context("forkserver")
         self._context.set_forkserver_preload(["gateway.intake"])
         self._pool: ProcessPoolExecutor | None = None
         self._slots = asyncio.Semaphore(processes)
         self._spool_directory = _spool_directory()
-
-    @property
-    def spill_at(self) -> int:
-        """Bodies of at least this many bytes are spooled (``spool``) and parsed in a child."""
-        return self._min_bytes
 
     def spool(self) -> SpooledBody:
         return SpooledBody(self._spool_directory)
