@@ -123,7 +123,6 @@ class BodyParser:
     """Parses request bodies: small ones on the loop, large ones in a bounded process pool."""
 
     def __init__(self, *, off_loop_min_bytes: int, processes: int) -> None:
-        self._min_bytes = off_loop_min_bytes
         # Bodies of at least this many bytes are spooled (``spool``) and parsed in a child.
         self.spill_at: Final = off_loop_min_bytes
         self._processes = processes
@@ -147,7 +146,7 @@ class BodyParser:
                 return await self._in_child(parse_file_in_child, body.path, schema)
             finally:
                 body.discard()
-        if len(body) < self._min_bytes or self._pool is None:
+        if len(body) < self.spill_at or self._pool is None:
             return protocol.parse_request(body, schema)
         return await self._in_child(parse_in_child, body, schema)
 
