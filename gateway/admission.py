@@ -95,13 +95,16 @@ class ClaimLedger:
         return worker.max_total_num_tokens - taken
 
     def has_room(self, pair: WorkerPair, need: int) -> bool:
-        """Whether ``need`` tokens are free now in both of the pair's pools (``free_now``)."""
+        """Whether ``need`` tokens are free now in both of the pair's pools, each counted as
+        ``free_now`` counts it (written out: this runs twice per request)."""
         claimed = self.claimed
-        for worker in (pair.prefill_state, pair.decode_state):
-            taken = max(worker.used_tokens, claimed.get(worker.url, 0))
-            if worker.max_total_num_tokens - taken < need:
-                return False
-        return True
+        prefill, decode = pair.prefill_state, pair.decode_state
+        return (
+            prefill.max_total_num_tokens - max(prefill.used_tokens, claimed.get(prefill.url, 0))
+            >= need
+            and decode.max_total_num_tokens - max(decode.used_tokens, claimed.get(decode.url, 0))
+            >= need
+        )
 
     def claim(self, urls: tuple[str, ...], tokens: int) -> Claim:
         for url in urls:
