@@ -6,7 +6,7 @@ SQLite file, or a fresh PostgreSQL schema that is dropped afterwards), migrated 
 real migrations, so the indexes measured are the ones deployed.
 
 Measured:
-- ``store_insert_events_per_s``: ``Store.insert_audit_rows`` in batches of
+- ``store_insert_events_per_s``: ``Store.insert_audit_values`` in batches of
   ``Settings.audit_batch_size`` (what the audit writer does), one transaction per batch.
 - ``audit_log_events_per_s``: the whole writer: ``AuditLog.record`` for every event, then
   ``close`` (all events committed).
@@ -90,11 +90,11 @@ def _measure(
     }
 
     # 1. Batched inserts through the store, as the writer does them.
-    rows = [_event(i, tenants).row() for i in range(insert_events)]
+    rows = [_event(i, tenants).values() for i in range(insert_events)]
     backend = _backend_cpu_probe(store)
     started, cpu_started = time.perf_counter(), time.process_time()
     for start in range(0, len(rows), batch_size):
-        store.insert_audit_rows(rows[start : start + batch_size])
+        store.insert_audit_values(rows[start : start + batch_size])
     result["store_insert_events_per_s"] = round(insert_events / (time.perf_counter() - started))
     # CPU per event, which a busy shared machine does not inflate the way it does wall time:
     # the gateway's side, and (PostgreSQL on this host) the database backend's side.

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from gateway.settings import Settings
-from gateway.store import AUDIT_COLUMNS, AuditRowsRefused
+from gateway.store import AUDIT_COLUMNS, AuditRowsRefused, AuditValues, audit_row, audit_values
 
 if TYPE_CHECKING:
     from gateway.store import Store
@@ -84,8 +84,13 @@ class AuditEvent:
     detail: str | None = None  # short reason for failures; never prompt or completion text
     pool: str | None = None  # the worker pool that served it (what its tenant is shown)
 
+    def values(self) -> AuditValues:
+        """The event's values in ``AUDIT_COLUMNS`` order: the row as the log writes it."""
+        return _AUDIT_VALUES(self)
+
     def row(self) -> dict[str, Any]:
-        return dict(zip(AUDIT_COLUMNS, _AUDIT_VALUES(self), strict=True))
+        """The event by column name."""
+        return audit_row(_AUDIT_VALUES(self))
 
 
 # Every column's value in one call (a getattr per column cost a call each, on every request).
@@ -134,7 +139,7 @@ class AuditSpool:
     def files(self) -> list[Path]:
         return sorted(self.directory.glob("[0-9]*.jsonl"))
 
-    def append(self, rows: list[dict[str, Any]]) -> None:
+    def append(self, rows: list[AuditValues]) -> None:
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         path = self.directory / f"{self._next_number:016d}.jsonl"
         self._next_number += 1
@@ -144,7 +149,9 @@ class AuditSpool:
         with open(descriptor, "wb") as handle:
             # default=str: whatever a buggy caller put in an event, the spool can hold it (the
             # database may still refuse it at replay; then it is set aside, see _insert_each).
-            handle.write(b"".join(orjson.dumps(row, default=str) + b"\n" for row in rows))
+            handle.write(
+                b"".join(orjson.dumps(audit_row(row), default=str) + b"\n" for row in rows)
+            )
             handle.flush()
             os.fsync(handle.fileno())
         os.rename(temporary, path)
@@ -169,13 +176,13 @@ class AuditSpool:
         _fsync_directory(self.directory)
 
     @staticmethod
-    def read(path: Path) -> list[dict[str, Any]]:
-        rows = []
+    def read(path: Path) -> list[AuditValues]:
+        rows: list[AuditValues] = []
         for line in path.read_bytes().splitlines():
             if line:
                 row = orjson.loads(line)
                 row["created_at"] = datetime.fromisoformat(row["created_at"])
-                rows.append(row)
+                rows.append(audit_values(row))
         return rows
 
     def _try_lock(self, directory: Path) -> bool:
@@ -236,7 +243,7 @@ class AuditLog:
             if self._closed:
                 # Nothing will write the queue any more; keep the event on disk instead
                 # (replayed at the next start). Rare: only a request outliving shutdown.
-                self._spool.append([event.row()])
+                self._spool.append([event.values()])
                 return
             self._queue.append(event)
             if len(self._queue) >= self._batch_size:
@@ -293,7 +300,7 @@ class AuditLog:
         while self._queue:
             count = min(self._batch_size, len(self._queue))
             batch = [self._queue.popleft() for _ in range(count)]
-            rows = [event.row() for event in batch]
+            rows = [event.values() for event in batch]
             if self._spool.pending or not await self._insert(rows):
                 await asyncio.to_thread(self._spool.append, rows)
 
@@ -301,7 +308,7 @@ class AuditLog:
         files = self._spool.files()
         while files:
             chunk: list[Path] = []
-            rows: list[dict[str, Any]] = []
+            rows: list[AuditValues] = []
             while files and (not rows or len(rows) < self._batch_size):
                 path = files.pop(0)
                 chunk.append(path)
@@ -312,10 +319,10 @@ class AuditLog:
                 self._spool.remove(path)
         log.warning("audit: spool replayed; database writes resumed")
 
-    async def _insert_rows(self, rows: list[dict[str, Any]]) -> None:
+    async def _insert_rows(self, rows: list[AuditValues]) -> None:
         """The one place rows reach the database; raises what the store raises."""
         if self._sqlite is None:
-            await asyncio.to_thread(self._store.insert_audit_rows, rows)
+            await asyncio.to_thread(self._store.insert_audit_values, rows)
             return
         for start in range(0, len(rows), _SQLITE_SLICE_ROWS):
             if start:
@@ -328,7 +335,7 @@ class AuditLog:
                 # Most often another process's write lock (several workers on one file): wait
                 # for it from a thread, with the store's full busy timeout, not on the loop. If
                 # that fails too, it is an outage (the caller spools; replay skips what is in).
-                await asyncio.to_thread(self._store.insert_audit_rows, rows[start:])
+                await asyncio.to_thread(self._store.insert_audit_values, rows[start:])
                 break
         self._rows_since_checkpoint += len(rows)
 
@@ -347,7 +354,7 @@ class AuditLog:
         except Exception as exc:  # the rows are committed (in the WAL); the next one retries
             log.warning("audit: WAL checkpoint failed (%s)", exc)
 
-    async def _insert(self, rows: list[dict[str, Any]]) -> bool:
+    async def _insert(self, rows: list[AuditValues]) -> bool:
         try:
             await self._insert_rows(rows)
         except AuditRowsRefused as exc:
@@ -372,19 +379,20 @@ class AuditLog:
         self._retry_at = time.monotonic() + self._retry_delay_s
         self._retry_delay_s = min(self._retry_delay_s * 2, _RETRY_MAX_S)
 
-    async def _insert_each(self, rows: list[dict[str, Any]]) -> bool:
+    async def _insert_each(self, rows: list[AuditValues]) -> bool:
         for row in rows:
             try:
                 await self._insert_rows([row])
             except AuditRowsRefused as exc:
                 self.refused += 1
+                named = audit_row(row)
                 log.error(
                     "audit: event %r refused by the database (%s); kept in %s",
-                    row.get("generation_id"),
+                    named["generation_id"],
                     exc,
                     self.quarantine_dir,
                 )
-                await asyncio.to_thread(_quarantine, self.quarantine_dir, row, str(exc))
+                await asyncio.to_thread(_quarantine, self.quarantine_dir, named, str(exc))
             except Exception as exc:
                 # An outage in the middle: the caller spools the whole batch; the rows
                 # already written are skipped on replay (generation_id is unique).

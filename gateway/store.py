@@ -28,7 +28,7 @@ import itertools
 import operator
 import os
 import secrets
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -226,34 +226,49 @@ _STRINGS_OF = operator.itemgetter(*(index for index, _ in _AUDIT_STRING_LIMITS))
 _STRING_LIMITS = tuple(limit for _, limit in _AUDIT_STRING_LIMITS)
 
 
-def _audit_values(row: dict[str, Any]) -> list[Any]:
-    """A row's values in ``AUDIT_COLUMNS`` order; strings longer than their column (a client's
-    10 kB model name) cut to fit, so a value the request path did not bound cannot make a batch
-    unwritable; ``created_at`` checked to be a UTC-aware datetime."""
-    # .get: rows spooled by an older version lack the columns added since (the pool).
-    values = list(map(row.get, AUDIT_COLUMNS))
+AuditValues = Sequence[Any]
+"""One audit row as the log writes it: its values in ``AUDIT_COLUMNS`` order (a dict per row,
+built and read back by name on every request, cost more than the insert's own Python)."""
+
+
+def audit_values(row: Mapping[str, Any]) -> list[Any]:
+    """A row given by column name (a spooled batch, a caller's) in ``AUDIT_COLUMNS`` order.
+    ``.get``: rows spooled by an older version lack the columns added since (the pool)."""
+    return list(map(row.get, AUDIT_COLUMNS))
+
+
+def audit_row(values: AuditValues) -> dict[str, Any]:
+    """A row's values by column name (what the spool and the quarantine write)."""
+    return dict(zip(AUDIT_COLUMNS, values, strict=True))
+
+
+def _fitted(values: AuditValues) -> list[Any]:
+    """A copy of a row's values, strings longer than their column (a client's 10 kB model name)
+    cut to fit, so a value the request path did not bound cannot make a batch unwritable;
+    ``created_at`` checked to be a UTC-aware datetime."""
+    fitted = list(values)
     # Whether any string is too long, by C calls alone (None reads as "None", shorter than
     # every limit): the loop, a dozen steps of the interpreter per row, only for one that is.
-    if any(map(operator.gt, map(len, map(str, _STRINGS_OF(values))), _STRING_LIMITS)):
+    if any(map(operator.gt, map(len, map(str, _STRINGS_OF(fitted))), _STRING_LIMITS)):
         for index, limit in _AUDIT_STRING_LIMITS:
-            value = values[index]
+            value = fitted[index]
             if isinstance(value, str) and len(value) > limit:
-                values[index] = value[: limit - 1] + "…"
-    moment = values[_CREATED_AT]
+                fitted[index] = value[: limit - 1] + "…"
+    moment = fitted[_CREATED_AT]
     if not isinstance(moment, datetime) or moment.tzinfo is None:
         raise ValueError("created_at must be a UTC-aware datetime")
-    return values
+    return fitted
 
 
-def _sqlite_audit_params(row: dict[str, Any]) -> list[Any]:
+def _sqlite_audit_params(values: AuditValues) -> list[Any]:
     """One row as the driver binds it, stored exactly as ``UTCDateTime`` and ``Boolean`` store it
     (naive UTC text, microseconds always written so text order is time order; 0/1)."""
-    values = _audit_values(row)
-    values[_CREATED_AT] = (
-        values[_CREATED_AT].astimezone(UTC).replace(tzinfo=None).isoformat(" ", "microseconds")
+    params = _fitted(values)
+    params[_CREATED_AT] = (
+        params[_CREATED_AT].astimezone(UTC).replace(tzinfo=None).isoformat(" ", "microseconds")
     )
-    values[_STREAM] = 1 if values[_STREAM] else 0
-    return values
+    params[_STREAM] = 1 if params[_STREAM] else 0
+    return params
 
 
 def _psycopg_connection(conn: Connection) -> psycopg.Connection[Any]:
@@ -261,7 +276,7 @@ def _psycopg_connection(conn: Connection) -> psycopg.Connection[Any]:
     return cast("psycopg.Connection[Any]", conn.connection.driver_connection)
 
 
-def _insert_sqlite_audit_rows(conn: Connection, rows: Sequence[dict[str, Any]]) -> None:
+def _insert_sqlite_audit_rows(conn: Connection, rows: Sequence[AuditValues]) -> None:
     params = [_sqlite_audit_params(row) for row in rows]
     whole = len(params) - len(params) % _SQLITE_ROWS_PER_INSERT
     for start in range(0, whole, _SQLITE_ROWS_PER_INSERT):
@@ -296,7 +311,7 @@ class SQLiteAuditWriter:
     statement; it was the largest single cost of a request. What keeps the loop responsive:
     callers insert at most ``_SQLITE_ROWS_PER_INSERT`` rows per call (~0.5 ms); this connection
     waits at most 20 ms for another process's write lock (the audit log then waits for the lock
-    from a thread, through ``Store.insert_audit_rows``); and it never checkpoints the WAL (a
+    from a thread, through ``Store.insert_audit_values``); and it never checkpoints the WAL (a
     checkpoint copies and fsyncs megabytes): ``checkpoint`` does that, from a thread, on a
     pooled connection.
     """
@@ -305,8 +320,8 @@ class SQLiteAuditWriter:
         self._engine = engine
         self._connection: Connection | None = None
 
-    def insert(self, rows: Sequence[dict[str, Any]]) -> None:
-        """As ``Store.insert_audit_rows``; raises ``AuditRowsRefused`` or the outage."""
+    def insert(self, rows: Sequence[AuditValues]) -> None:
+        """As ``Store.insert_audit_values``; raises ``AuditRowsRefused`` or the outage."""
         if not rows:
             return
         with _audit_refusals():
@@ -574,11 +589,15 @@ class Store:
 
     # -- audit ------------------------------------------------------------------------
 
-    def insert_audit_rows(self, rows: Sequence[dict[str, Any]]) -> None:
+    def insert_audit_rows(self, rows: Sequence[Mapping[str, Any]]) -> None:
+        """``insert_audit_values`` for rows given by column name."""
+        self.insert_audit_values([audit_values(row) for row in rows])
+
+    def insert_audit_values(self, rows: Sequence[AuditValues]) -> None:
         """Insert in the given order, in one transaction; rows whose generation_id is already
         stored are skipped, so replaying a batch is harmless.
 
-        Strings longer than their column are cut to fit (``_audit_values``). Raises
+        Strings longer than their column are cut to fit (``_fitted``). Raises
         ``AuditRowsRefused`` when the database answered and refused the rows themselves
         (e.g. a missing tenant id); any other exception means it could not be written to.
         """
@@ -595,15 +614,13 @@ class Store:
         """The audit log's own connection for inserts from the event loop (SQLite only)."""
         return SQLiteAuditWriter(self.engine) if self.dialect == "sqlite" else None
 
-    def _insert_audit_rows_postgres(self, rows: Sequence[dict[str, Any]]) -> None:
+    def _insert_audit_rows_postgres(self, rows: Sequence[AuditValues]) -> None:
         # One statement per batch: every column travels as one array parameter and unnest
         # turns them back into rows. One round trip and one plan, where executemany costs a
         # statement per row (about twice the client CPU per event).
         import psycopg
 
-        columns = [
-            list(column) for column in zip(*(_audit_values(row) for row in rows), strict=True)
-        ]
+        columns = [list(column) for column in zip(*(_fitted(row) for row in rows), strict=True)]
         try:
             with self.engine.begin() as conn, _psycopg_connection(conn).cursor() as cursor:
                 cursor.execute(_PG_UNNEST_INSERT, columns)

@@ -15,6 +15,7 @@ import pytest
 
 from gateway.audit import AuditSpool
 from gateway.dev.harness import GatewayProcess
+from gateway.store import audit_values
 from tests.harness import PoolSpec, write_policies
 from tests.standin_worker import Behaviour, StandInWorker
 
@@ -114,7 +115,7 @@ def test_the_audit_spool_is_readable_by_its_owner_only(tmp_path: Path) -> None:
     spool = AuditSpool(tmp_path / "spool")
     spool.open()
     try:
-        spool.append([{"generation_id": "gen_1", "created_at": datetime.now(UTC)}])
+        spool.append([audit_values({"generation_id": "gen_1", "created_at": datetime.now(UTC)})])
         assert stat.S_IMODE(spool.directory.stat().st_mode) == 0o700
         (written,) = spool.files()
         assert stat.S_IMODE(written.stat().st_mode) == 0o600

@@ -234,7 +234,7 @@ async def test_replaying_a_batch_that_was_already_stored_duplicates_nothing(
     # file behind: it holds events already stored (40..79) and new ones (80..119).
     spool = AuditSpool(Path(settings.audit_spool_dir))
     spool.open()
-    spool.append([e.row() for e in events[40:]])
+    spool.append([e.values() for e in events[40:]])
     spool.close()
 
     second = AuditLog(store, settings)
@@ -250,8 +250,8 @@ async def test_spool_of_a_dead_process_is_adopted_and_replayed(
     orphan = Path(settings.audit_spool_dir) / "pid-999999"
     orphan.mkdir(parents=True)
     dead = AuditSpool(orphan)
-    dead.append([e.row() for e in events[:30]])
-    dead.append([e.row() for e in events[30:]])
+    dead.append([e.values() for e in events[:30]])
+    dead.append([e.values() for e in events[30:]])
 
     audit = AuditLog(store, settings)
     await audit.start()
@@ -426,7 +426,7 @@ async def test_sqlite_writer_leaves_wal_checkpoints_to_a_thread(
     assert writer is not None
     size_before = database.stat().st_size  # noqa: ASYNC240  # a local stat, in a test
     for start in range(0, 12_000, 500):
-        writer.insert([make_event(i).row() for i in range(start, start + 500)])
+        writer.insert([make_event(i).values() for i in range(start, start + 500)])
     # SQLite's default would have checkpointed (copied into the database file, fsynced) at
     # 1,000 pages of WAL, inside one of these inserts, that is on the event loop.
     assert wal.stat().st_size > 1_000 * 4096

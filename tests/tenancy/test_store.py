@@ -16,6 +16,7 @@ from gateway.store import (
     StoreNotFound,
     api_keys,
     audit_events,
+    audit_values,
     create_store,
     decode_cursor,
     hash_key,
@@ -174,7 +175,7 @@ def test_sqlite_audit_inserts_use_two_statement_texts_whatever_the_batch_lengths
         for length in range(1, 140, 3):
             batch = [audit_row(f"gen-{i}", "acme") for i in range(start, start + length)]
             store.insert_audit_rows(batch[: length // 2])
-            writer.insert(batch[length // 2 :])
+            writer.insert([audit_values(row) for row in batch[length // 2 :]])
             start += length
     finally:
         writer.close()
