@@ -15,7 +15,7 @@ import hashlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import jsonschema
 import orjson
@@ -141,6 +141,8 @@ _SAMPLING_FIELDS = (
     ("seed", "sampling_seed"),
 )
 _SAMPLING_FIELD_NAMES = frozenset(field for field, _ in _SAMPLING_FIELDS)
+# The fields ``check_against`` bounds by the model.
+_MODEL_BOUNDED_FIELDS = frozenset({"logit_bias", "stop_token_ids", "min_tokens"})
 
 
 class _Request(_Strict):
@@ -176,6 +178,9 @@ class _Request(_Strict):
     regex: str | None = Field(default=None, min_length=1, max_length=MAX_GRAMMAR_CHARS)
     ebnf: str | None = Field(default=None, min_length=1, max_length=MAX_GRAMMAR_CHARS)
     json_schema: str | None = Field(default=None, min_length=1, max_length=MAX_GRAMMAR_CHARS)
+
+    # The fields ``grammar`` reads: without any of them sent, there is no constraint.
+    GRAMMAR_FIELDS: ClassVar[frozenset[str]] = frozenset({"regex", "ebnf", "json_schema"})
 
     @field_validator("stop")
     @classmethod
@@ -240,15 +245,18 @@ class _Request(_Strict):
         params: dict[str, Any] = {"max_new_tokens": max_tokens}
         # Every sampling field defaults to None, so only one the client sent can hold a value;
         # most requests send none, and the set test is one C call where the loop is fourteen
-        # steps of the interpreter.
-        if not _SAMPLING_FIELD_NAMES.isdisjoint(self.model_fields_set):
+        # steps of the interpreter (and ``grammar`` a call and its reads).
+        sent = self.model_fields_set
+        if not _SAMPLING_FIELD_NAMES.isdisjoint(sent):
             values = self.__dict__
             for field, name in _SAMPLING_FIELDS:
                 value = values[field]
                 if value is not None:
                     params[name] = value
-        if self.logit_bias:
+        if "logit_bias" in sent and self.logit_bias:
             params["logit_bias"] = self.logit_bias
+        if self.GRAMMAR_FIELDS.isdisjoint(sent):
+            return params
         grammar = self.grammar()
         if len(grammar) > 1:
             raise bad_request(
@@ -262,6 +270,8 @@ class _Request(_Strict):
     def check_against(self, vocab_size: int, max_tokens: int) -> None:
         """What only the model can bound: token ids in the vocabulary, min_tokens under the
         completion's length (checked here, so the engine never refuses what was accepted)."""
+        if _MODEL_BOUNDED_FIELDS.isdisjoint(self.model_fields_set):
+            return  # none of them sent (most requests)
         for param, ids in (
             ("logit_bias", list(map(int, self.logit_bias or ()))),
             ("stop_token_ids", self.stop_token_ids or []),
@@ -463,12 +473,18 @@ class ChatCompletionRequest(_Request):
     )
     tools: list[ToolDefinition] | None = Field(default=None, min_length=1, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+
     functions: Annotated[
         list[dict[str, Any]] | None, _refused("use tools (functions is deprecated)")
     ] = None
     function_call: Annotated[
         str | dict[str, Any] | None, _refused("use tool_choice (function_call is deprecated)")
     ] = None
+
+    GRAMMAR_FIELDS: ClassVar[frozenset[str]] = _Request.GRAMMAR_FIELDS | {
+        "response_format",  # JSON output
+        "tool_choice",  # a forced call
+    }
 
     @model_validator(mode="after")
     def _tool_choice_of_tools(self) -> ChatCompletionRequest:
