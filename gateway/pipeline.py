@@ -125,17 +125,17 @@ async def handle_generation(
             body, ChatCompletionRequest if kind == "chat" else CompletionRequest
         )
         trace.stream = streaming = parsed.streaming
-        trace.model = parsed.model
+        trace.model = name = parsed.model
         policies = components.policies
-        model = policies.models.get(parsed.model)
+        model = policies.models.get(name)
         if model is None:
             raise not_found(
-                f"The model '{parsed.model}' does not exist.", code="model_not_found", param="model"
+                f"The model '{name}' does not exist.", code="model_not_found", param="model"
             )
         # max_tokens 0 (an echoed prompt only scored): one token is generated, since a PD
         # pair always decodes one, and dropped.
         max_tokens = max(_max_tokens(parsed, model), 1)
-        tokenizer = components.tokenizers[model.name]
+        tokenizer = components.tokenizers[name]
         parsed.check_against(tokenizer.vocab_size, max_tokens)
         # Completions per prompt: ``best_of`` of them where a completion request asks for more
         # than it returns.
@@ -175,8 +175,8 @@ async def handle_generation(
             completions = await _echoed(parsed, completions, tokenizer)
             if parsed.max_tokens == 0:  # the tokens generated anyway are not the client's
                 generated = [dataclasses.replace(c, completion_tokens=0) for c in generated]
-        fingerprint = protocol.system_fingerprint(model.name, str(model.tokenizer))
-        result = _answer(kind, trace, model.name, fingerprint, completions, generated)
+        fingerprint = protocol.system_fingerprint(name, str(model.tokenizer))
+        result = _answer(kind, trace, name, fingerprint, completions, generated)
         core.record(trace, SERVED)
         return JSONBodyResponse(orjson.dumps(result), trace.generation_id, limit_lines)
     except IsolationFailure as failure:

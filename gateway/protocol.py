@@ -785,7 +785,6 @@ class PromptLogprobs:
     rest: list[TokenLogprob]
 
 
-@functools.lru_cache(maxsize=256)
 @functools.lru_cache(maxsize=256)  # a few models, asked on every answer: hashed once each
 def system_fingerprint(model: str, tokenizer: str) -> str:
     """What OpenAI calls the backend configuration: here, the model and its tokenizer."""
