@@ -10,8 +10,9 @@ step and measuring is what says what it costs.
 
     .venv/bin/python -m bench.pipeline_costs [--rounds 8] [--stream] [VARIANT ...]
 
-Variants: no_tokenizer (prompt ids served from a cache), no_audit, no_metrics, no_limits,
-served_line (a served request's log line written, as it was at INFO before),
+Variants: no_tokenizer (prompt ids served from a cache), no_audit, no_metrics, no_limits
+(both stages of the tenant's limits), no_fair_queue (every request finds its slot at once, as
+with no queue), served_line (a served request's log line written, as it was at INFO before),
 audit_from_thread (the SQLite insert from a worker thread, as before), unbatched_tokenizer
 (one encode per request, as before), starlette_task_group (streams pumped by Starlette's
 StreamingResponse task group, as the gateway's are not), async_exit_stack (a request's claims
@@ -35,7 +36,7 @@ from typing import Any
 
 from bench.config import BenchConfig
 from bench.processes import BenchModel, BenchPool, instant_backend, write_bench_policies
-from bench.rig import MODEL, POOL_TOKENS
+from bench.rig import INSTANT_GATEWAY_ENV, MODEL, POOL_TOKENS
 from bench.routing_bench import request_body
 from gateway.dev.model import ensure_tiny_model
 
@@ -101,8 +102,15 @@ def no_metrics(components: Any) -> Callable[[], None]:
 
 
 def no_limits(components: Any) -> Callable[[], None]:
+    """The tenant's limits taken out: both stages (``enter`` as the request's key is known,
+    ``reserve`` once its tokens are) and the one-stage ``acquire`` hand out a lease that counts
+    nothing and sends no rate-limit headers."""
+
     class Lease:
         left = None
+
+        async def reserve(self, tokens: int) -> None:
+            pass
 
         async def settle(self, tokens: int) -> None:
             pass
@@ -110,22 +118,35 @@ def no_limits(components: Any) -> Callable[[], None]:
         async def release(self) -> None:
             pass
 
-        async def __aenter__(self) -> Lease:
-            return self
+        def header_lines(self) -> bytes:
+            return b""
 
-        async def __aexit__(self, *exc_info: object) -> None:
-            pass
-
-        def headers(self) -> list[tuple[bytes, bytes]]:
-            return []
-
-    acquire = components.limiter.acquire
+    limiter = components.limiter
+    enter, acquire = limiter.enter, limiter.acquire
 
     async def free(*args: object) -> Lease:
         return Lease()
 
-    components.limiter.acquire = free
-    return lambda: setattr(components.limiter, "acquire", acquire)
+    limiter.enter = limiter.acquire = free
+
+    def undo() -> None:
+        limiter.enter, limiter.acquire = enter, acquire
+
+    return undo
+
+
+def no_fair_queue(components: Any) -> Callable[[], None]:
+    """The pair's fair queue taken out: every request finds a slot at once, and its release
+    does nothing (what the queue costs a request that does not wait)."""
+
+    class Slot:
+        def release(self) -> None:
+            pass
+
+    queues = components.queues
+    take_free = queues.take_free
+    queues.take_free = lambda *args: Slot()
+    return lambda: setattr(queues, "take_free", take_free)
 
 
 def starlette_task_group(components: Any) -> Callable[[], None]:
@@ -174,6 +195,7 @@ VARIANTS: dict[str, Callable[[Any], Callable[[], None]]] = {
         served_line,
         no_metrics,
         no_limits,
+        no_fair_queue,
         audit_from_thread,
         unbatched_tokenizer,
         starlette_task_group,
@@ -364,6 +386,9 @@ def main(argv: list[str] | None = None) -> int:
             ISOGATE_DATABASE_URL=f"sqlite:///{work}/isogate.db",
             ISOGATE_AUDIT_SPOOL_DIR=str(work / "audit-spool"),
             ISOGATE_ADMIN_KEY="bench-admin-key-0123",
+            # As the other benches run the gateway: the queue's cap above the load (see
+            # ``bench.rig``), so no variant measures requests waiting their turn.
+            **INSTANT_GATEWAY_ENV,
         )
         import uvloop
 
