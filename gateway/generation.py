@@ -113,20 +113,20 @@ class GenerationAsk:
     sampling_params: dict[str, Any]  # SGLang's, ``max_new_tokens`` included
     # The tenant's limits; None where a generation is not the tenant's traffic (the canary).
     limits: TenantLimits | None
+    # The tenant's request, counted already (``GenerationCore.enter``); its tokens are reserved
+    # at admission. None: ``limits`` (when set) are claimed whole at admission.
+    lease: LimitLease | None = None
     n: int = 1
     # Log probabilities of each completion token with this many alternatives; None: none.
     top_logprobs: int | None = None
     # The prompt's tokens scored too, with as many alternatives (``echo``; needs top_logprobs).
     prompt_logprobs: bool = False
+    # How outputs are read into reasoning, text and tool calls; None: they are text.
+    output: OutputSpec | None = None
     # A pair chosen by the caller (the canary probes every pair in turn); else routed.
     pair: WorkerPair | None = None
     # The content check, where it is not the gateway's scanner (the canary's own-marker check).
     scanner: ContentScanner | None = None
-    # How outputs are read into reasoning, text and tool calls; None: they are text.
-    output: OutputSpec | None = None
-    # The tenant's request, counted already (``GenerationCore.enter``); its tokens are reserved
-    # at admission. None: ``limits`` (when set) are claimed whole at admission.
-    lease: LimitLease | None = None
 
 
 class Catalog(Protocol):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import socket
 from collections.abc import AsyncIterator
 
@@ -256,3 +257,26 @@ async def test_a_stream_whose_head_is_lines_is_chunked_as_uvicorn_chunks_it(
         b"x-generation-id: gen_1\r\ntransfer-encoding: chunked\r\nconnection: close\r\n"
         b"\r\n0\r\n\r\n"
     )
+
+
+def test_the_gateway_cycle_is_made_with_uvicorns_parameters_in_their_order() -> None:
+    """``_start_cycle`` passes uvicorn's cycle its arguments by position (a class called with
+    keywords costs a dict per request): a uvicorn that reorders them must fail here, not mix up
+    two flags of one type at run time."""
+    from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
+
+    parameters = list(inspect.signature(RequestResponseCycle.__init__).parameters)
+    assert parameters == [
+        "self",
+        "scope",
+        "transport",
+        "flow",
+        "logger",
+        "access_logger",
+        "access_log",
+        "default_headers",
+        "message_event",
+        "expect_100_continue",
+        "keep_alive",
+        "on_response",
+    ]
