@@ -237,16 +237,16 @@ class LimitLease:
         reserved = max(0, tokens)
         _refuse_if_too_large(reserved, self._limits)
         limiter = self._limiter
-        left = (
+        requests, tokens = (
             await limiter._take_shared(self, reserved, "rest")
             if limiter._shared(self, "rest")
             else limiter._take_local(self, reserved, "rest")
         )
         # Requests left as counted when this one was (the bucket has refilled a little since).
         if self.left is None:
-            self.left = left
+            self.left = Allowance(requests, tokens)
         else:
-            self.left.tokens = left.tokens
+            self.left.tokens = tokens
         self.reserved_tokens = reserved
 
     async def settle(self, actual_tokens: int) -> None:
@@ -308,22 +308,24 @@ class TenantLimiter:
         reserved = max(0, reserved_tokens)
         _refuse_if_too_large(reserved, limits)
         lease = LimitLease(self, tenant_id, limits, reserved)
-        lease.left = (
+        requests, tokens = (
             await self._take_shared(lease, reserved, "all")
             if self._shared(lease, "all")
             else self._take_local(lease, reserved, "all")
         )
+        lease.left = Allowance(requests, tokens)
         return lease
 
     async def enter(self, tenant_id: str, limits: TenantLimits) -> LimitLease:
         """Count one request, before anything about it is known but its key; its concurrency
         slot and tokens are taken later (``LimitLease.reserve``)."""
         lease = LimitLease(self, tenant_id, limits, 0)
-        lease.left = (
+        requests, tokens = (
             await self._take_shared(lease, 0, "count")
             if self._shared(lease, "count")
             else self._take_local(lease, 0, "count")
         )
+        lease.left = Allowance(requests, tokens)
         return lease
 
     def _new_lease_id(self) -> str:
@@ -340,7 +342,9 @@ class TenantLimiter:
             and (mode != "rest" or lease._in_redis)
         )
 
-    async def _take_shared(self, lease: LimitLease, reserved: int, mode: _Mode) -> Allowance:
+    # A take returns what is left of the requests and the tokens: a pair, not an ``Allowance``,
+    # since a request's second take only updates the tokens of the one its first take made.
+    async def _take_shared(self, lease: LimitLease, reserved: int, mode: _Mode) -> tuple[int, int]:
         tenant_id, limits = lease.tenant_id, lease._limits
         assert self._acquire_script is not None  # ``_shared`` said so
         try:
@@ -368,10 +372,10 @@ class TenantLimiter:
                 log.warning("limits: Redis reachable again; limits are shared again")
             _raise_if_refused(int(verdict), int(retry_ms) / 1000, limits)
             lease._in_redis = True
-            return Allowance(int(left[0]), int(left[1]))
+            return int(left[0]), int(left[1])
         return self._take_local(lease, reserved, mode)  # Redis unreachable: in memory
 
-    def _take_local(self, lease: LimitLease, reserved: int, mode: _Mode) -> Allowance:
+    def _take_local(self, lease: LimitLease, reserved: int, mode: _Mode) -> tuple[int, int]:
         """The script's decisions in memory, in its order: the concurrency slot (not when only
         counting), the request (not for the rest of a counted one), the tokens (always: a
         bucket left in debt by ``settle`` refuses even a request that reserves none)."""
@@ -406,7 +410,7 @@ class TenantLimiter:
         bucket.tokens -= reserved
         if mode != "count":
             bucket.inflight[lease] = now + self._lease_ttl_ms
-        return Allowance(_floor(bucket.requests), _floor(bucket.tokens))
+        return _floor(bucket.requests), _floor(bucket.tokens)
 
     async def _settle_shared(self, lease: LimitLease, delta: int) -> None:
         limits = lease._limits
