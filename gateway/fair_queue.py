@@ -210,7 +210,11 @@ class FairQueue:
         # (a cost of one never is: both caps are at least one).
         if cost != 1:
             cost = min(max(1, cost), self.contended_capacity)
-        tenant = self._tenant(share)  # first: a tenant more may make the contended cap hold
+        # First: a tenant more may make the contended cap hold. (``_tenant`` only when the
+        # tenant is new or its share changed: this runs for every request.)
+        tenant = self._tenants.get(share.tenant_id)
+        if tenant is None or tenant.share is not share:
+            tenant = self._tenant(share)
         if self._queued or self._in_flight + cost > self.room():
             self._forget_if_idle(tenant)  # ``wait_turn`` takes it up again to queue it
             return None
@@ -299,19 +303,23 @@ class FairQueue:
 
     def _start(self, tenant: _Tenant, cost: int, waited_s: float) -> None:
         """Charge ``tenant`` for one request now going to the pair."""
-        priority = tenant.share.priority
-        start = max(tenant.next_start, self._virtual[priority])
-        self._virtual[priority] = start
-        tenant.next_start = start + cost / tenant.share.weight
+        share, virtual = tenant.share, self._virtual
+        # The later of its own next start and the class's virtual time (``max`` written out).
+        start, now = tenant.next_start, virtual[share.priority]
+        if start < now:
+            start = now
+        virtual[share.priority] = start
+        tenant.next_start = start + cost / share.weight
         tenant.holding += cost
         self._in_flight += cost
-        self._observer.started(tenant.share.tenant_id, waited_s)
+        self._observer.started(share.tenant_id, waited_s)
 
     def _release(self, tenant: _Tenant, cost: int, held_s: float) -> None:
         self._in_flight -= cost
         tenant.holding -= cost
         self._mean_hold_s += 0.2 * (held_s - self._mean_hold_s)
-        self._forget_if_idle(tenant)
+        if tenant.holding == 0:  # else it is not idle (``_forget_if_idle`` checks the rest)
+            self._forget_if_idle(tenant)
         if self._queued:  # most releases find nobody waiting
             self._dispatch()
 

@@ -180,7 +180,7 @@ class Completion:
 # ---- the audit record ----------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(slots=True)
 class Trace:
     """What the audit event of one request will say; filled in as the request advances."""
 

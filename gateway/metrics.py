@@ -277,7 +277,7 @@ class PoolQueueMetrics:
         self._of(tenant_id).waiting += change
 
     def started(self, tenant_id: str, waited_s: float) -> None:
-        series = self._of(tenant_id)
+        series = self._series.get(tenant_id) or self._of(tenant_id)  # every request comes here
         series.served += 1
         series.wait.observe(waited_s)
 
