@@ -237,16 +237,16 @@ class LimitLease:
         reserved = max(0, tokens)
         _refuse_if_too_large(reserved, self._limits)
         limiter = self._limiter
-        requests, tokens = (
+        requests_left, tokens_left = (
             await limiter._take_shared(self, reserved, "rest")
             if limiter._shared(self, "rest")
             else limiter._take_local(self, reserved, "rest")
         )
         # Requests left as counted when this one was (the bucket has refilled a little since).
         if self.left is None:
-            self.left = Allowance(requests, tokens)
+            self.left = Allowance(requests_left, tokens_left)
         else:
-            self.left.tokens = tokens
+            self.left.tokens = tokens_left
         self.reserved_tokens = reserved
 
     async def settle(self, actual_tokens: int) -> None:
@@ -308,24 +308,24 @@ class TenantLimiter:
         reserved = max(0, reserved_tokens)
         _refuse_if_too_large(reserved, limits)
         lease = LimitLease(self, tenant_id, limits, reserved)
-        requests, tokens = (
+        requests_left, tokens_left = (
             await self._take_shared(lease, reserved, "all")
             if self._shared(lease, "all")
             else self._take_local(lease, reserved, "all")
         )
-        lease.left = Allowance(requests, tokens)
+        lease.left = Allowance(requests_left, tokens_left)
         return lease
 
     async def enter(self, tenant_id: str, limits: TenantLimits) -> LimitLease:
         """Count one request, before anything about it is known but its key; its concurrency
         slot and tokens are taken later (``LimitLease.reserve``)."""
         lease = LimitLease(self, tenant_id, limits, 0)
-        requests, tokens = (
+        requests_left, tokens_left = (
             await self._take_shared(lease, 0, "count")
             if self._shared(lease, "count")
             else self._take_local(lease, 0, "count")
         )
-        lease.left = Allowance(requests, tokens)
+        lease.left = Allowance(requests_left, tokens_left)
         return lease
 
     def _new_lease_id(self) -> str:

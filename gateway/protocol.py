@@ -473,7 +473,6 @@ class ChatCompletionRequest(_Request):
     )
     tools: list[ToolDefinition] | None = Field(default=None, min_length=1, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-
     functions: Annotated[
         list[dict[str, Any]] | None, _refused("use tools (functions is deprecated)")
     ] = None

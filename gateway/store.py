@@ -227,8 +227,8 @@ _STRING_LIMITS = tuple(limit for _, limit in _AUDIT_STRING_LIMITS)
 
 
 AuditValues = Sequence[Any]
-"""One audit row as the log writes it: its values in ``AUDIT_COLUMNS`` order (a dict per row,
-built and read back by name on every request, cost more than the insert's own Python)."""
+"""One audit row as the log writes it: its values in ``AUDIT_COLUMNS`` order (not a dict, which
+every event would build and the insert read back by name)."""
 
 
 def audit_values(row: Mapping[str, Any]) -> list[Any]:
