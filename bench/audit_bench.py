@@ -36,9 +36,9 @@ from urllib.parse import quote
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
-from gateway.audit import AuditEvent, AuditLog
-from gateway.settings import Settings
-from gateway.store import (
+from gateway.config.settings import Settings
+from gateway.tenancy.audit import AuditEvent, AuditLog
+from gateway.tenancy.store import (
     AuditQuery,
     Store,
     audit_events,

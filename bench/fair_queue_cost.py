@@ -1,6 +1,6 @@
 """Instructions one free slot of the fair queue costs: a take and its release, with nobody waiting.
 
-Every request goes through ``FairQueue.take_free`` and ``Slot.release`` (``gateway.pair_queues``),
+Every request goes through ``FairQueue.take_free`` and ``Slot.release`` (``gateway.core.pair_queues``),
 and at the bench's load none waits, so this path is what the queue adds to a request. Counted
 by valgrind's callgrind (the same for the same code, whatever else the machine does): a process
 making ``--takes`` takes and releases, less one making none, divided by ``--takes``. Eight slots
@@ -19,8 +19,10 @@ import re
 import subprocess
 import sys
 
-from gateway.fair_queue import FairQueue, Share
-from gateway.metrics import Metrics
+from core.fair_queue import FairQueue
+
+from gateway.config.policies import Share
+from gateway.observability.metrics import Metrics
 
 _TOTAL = re.compile(rb"I\s+refs:\s+([\d,]+)")
 

@@ -43,9 +43,9 @@ from bench.config import BenchConfig
 from bench.processes import BenchModel, BenchPool, free_ports, start_gateway, write_bench_policies
 from bench.real_engine_bench import MIN_AVAILABLE_GIB, MODEL, available_gib
 from bench.stream_client import RunResult, Target, run_load, run_pd_direct
-from gateway.capacity import ENGINE_PATCH_MARKER
 from gateway.dev.cluster import PDCluster, default_cluster_spec
 from gateway.dev.harness import GatewayProcess
+from gateway.workers.capacity import ENGINE_PATCH_MARKER
 
 MAX_TOKENS = 16
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 4
@@ -139,7 +139,7 @@ def gateway_with_cap(
     tenants["tenants"] = TENANTS
     (policies / "tenants.yaml").write_text(yaml.safe_dump(tenants))
     # Long enough that no queued request of the floods is refused: the bench measures
-    # shares and throughput, not the bound on waiting (tests/verify/test_fair_share.py).
+    # shares and throughput, not the bound on waiting (tests/verification/test_fair_share.py).
     env = {"ISOGATE_QUEUE_IN_FLIGHT_PER_PAIR": str(cap), "ISOGATE_QUEUE_MAX_WAIT_S": "120"}
     if contended is not None:
         env["ISOGATE_QUEUE_IN_FLIGHT_PER_PAIR_CONTENDED"] = str(contended)

@@ -1,6 +1,6 @@
-"""What holding a request's claims costs: ``contextlib.AsyncExitStack`` against ``gateway.held``.
+"""What holding a request's claims costs: ``contextlib.AsyncExitStack`` against ``core.held``.
 
-Why ``gateway.held.Held`` exists instead of the library: a request pushes three releases (the
+Why ``gateway.core.held.Held`` exists instead of the library: a request pushes three releases (the
 limits lease, async; the queue slot and the KV claim, plain) and closes them once. This times
 exactly that, the two holders interleaved in every round, in one process, and prints the
 median µs per request of each and their ratio. The whole-gateway figure is
@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 
 from bench import side_by_side
-from gateway.held import Held
+from gateway.core.held import Held
 
 
 def _plain_release() -> None:

@@ -48,7 +48,7 @@ from gateway.dev.harness import GatewayProcess
 # many), and how many fall in the window moves with how fast the host is at that moment. Polled
 # once at start and then rarely (observations kept routable meanwhile), flushed twice a second:
 # one side's rounds then agree within 3 % (often 1 %), where they moved by 8 %. The sweeps of
-# deadlines (``gateway.deadlines``) run once a second instead of ten times. A side's own
+# deadlines (``gateway.common.deadlines``) run once a second instead of ten times. A side's own
 # ``--a-env``/``--b-env`` values win.
 CLOCK_WORK_OFF = {
     "ISOGATE_CAPACITY_POLL_INTERVAL_S": "300",

@@ -16,7 +16,7 @@ with no queue), served_line (a served request's log line written, as it was at I
 audit_from_thread (the SQLite insert from a worker thread, as before), unbatched_tokenizer
 (one encode per request, as before), starlette_task_group (streams pumped by Starlette's
 StreamingResponse task group, as the gateway's are not), async_exit_stack (a request's claims
-held in contextlib.AsyncExitStack instead of gateway.held.Held).
+held in contextlib.AsyncExitStack instead of gateway.core.held.Held).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ SLICE = 1600  # requests per A or B slice
 
 
 def no_tokenizer(components: Any) -> Callable[[], None]:
-    import gateway.tokenize as tokenize
+    import gateway.openai.tokenize as tokenize
 
     original = tokenize.ModelTokenizer._encode
     cache: dict[tuple[str, bool], list[int]] = {}
@@ -64,7 +64,7 @@ def no_tokenizer(components: Any) -> Callable[[], None]:
 
 
 def unbatched_tokenizer(components: Any) -> Callable[[], None]:
-    import gateway.tokenize as tokenize
+    import gateway.openai.tokenize as tokenize
 
     original = tokenize.ModelTokenizer._encode
 
@@ -155,7 +155,7 @@ def starlette_task_group(components: Any) -> Callable[[], None]:
     (``GuardedStream._pump_until_disconnected``)."""
     from starlette.responses import StreamingResponse
 
-    from gateway.pipeline import GuardedStream
+    from gateway.api.pipeline import GuardedStream
 
     original = GuardedStream._pump_until_disconnected
 
@@ -168,12 +168,12 @@ def starlette_task_group(components: Any) -> Callable[[], None]:
 
 def async_exit_stack(components: Any) -> Callable[[], None]:
     """What a request holds kept in ``contextlib.AsyncExitStack``, as the generation core first
-    did, instead of ``gateway.held.Held`` (the lease's release pushed as an async callback, the
+    did, instead of ``gateway.core.held.Held`` (the lease's release pushed as an async callback, the
     others as callbacks; telling them apart is one ``isinstance``)."""
     import contextlib
 
-    import gateway.pipeline as pipeline
-    from gateway.limits import LimitLease
+    import gateway.api.pipeline as pipeline
+    from gateway.tenancy.limits import LimitLease
 
     class StackHeld(contextlib.AsyncExitStack):
         def push(self, release: Any) -> None:  # type: ignore[override]
@@ -299,9 +299,9 @@ class InProcessGateway:
 
 
 async def measure(variants: list[str], rounds: int, stream: bool) -> list[dict[str, float | str]]:
-    from gateway.app import create_app
-    from gateway.logs import configure_logging
-    from gateway.settings import Settings
+    from gateway.api.app import create_app
+    from gateway.config.settings import Settings
+    from gateway.observability.logs import configure_logging
 
     settings = Settings()
     configure_logging(settings)
@@ -314,7 +314,7 @@ async def measure(variants: list[str], rounds: int, stream: bool) -> list[dict[s
     rows: list[dict[str, float | str]] = []
     try:
         await gateway.cpu_per_request(SLICE)  # warm-up
-        components = gateway.app.state.components
+        components = gateway.api.app.state.components
         for name in variants:
             shipped, variant = [], []
             for _ in range(rounds):

@@ -21,9 +21,9 @@ from pathlib import Path
 import httpx
 import yaml
 
-from gateway.capacity import ENGINE_PATCH_MARKER
 from gateway.dev.cluster import PDCluster, group_members
 from gateway.dev.harness import GatewayProcess, port_is_free
+from gateway.workers.capacity import ENGINE_PATCH_MARKER
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ENGINE_PYTHON = Path(os.environ.get("ENGINE_VENV") or REPO_ROOT / ".venv-engine") / "bin" / "python"

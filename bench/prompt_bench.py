@@ -35,7 +35,7 @@ from bench.routing_bench import request_body
 from bench.stream_client import Target, percentile, run_load
 from gateway.dev.deepseek_model import ensure_deepseek_model
 from gateway.dev.model import ensure_tiny_model
-from gateway.tokenize import ModelTokenizer
+from gateway.openai.tokenize import ModelTokenizer
 
 PARAGRAPH = (
     "The quick brown fox jumps over the lazy dog while the gateway counts every token exactly; "

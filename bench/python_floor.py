@@ -3,8 +3,8 @@
 Why: the CPU-per-request target (≤ 2× ``sglang_router``) asks whether the gateway's own work
 is what costs. This measures a proxy that does none of it: a bare ASGI app on the same uvicorn
 (uvloop + httptools) that reads the body and sends it to prefill and decode with the
-gateway's own upstream client (``gateway.upstream``), both in flight together as
-``gateway.dispatch`` does, and returns decode's answer. No Starlette, no auth, tokenizer,
+gateway's own upstream client (``gateway.workers.upstream``), both in flight together as
+``gateway.workers.dispatch`` does, and returns decode's answer. No Starlette, no auth, tokenizer,
 admission, limits, verification, audit, metrics or logs. Whatever it costs per request, no
 Python gateway on this stack can cost less, and the gateway's cost above it is its own work.
 
@@ -35,7 +35,7 @@ HELPER_CPUS = set(_CPUS[:-1]) if len(_CPUS) >= 2 else None
 
 
 async def _app_factory(prefill: str, decode: str):  # type: ignore[no-untyped-def]
-    from gateway.upstream import UpstreamClient
+    from gateway.workers.upstream import UpstreamClient
 
     client = UpstreamClient(connect_timeout_s=2.0, timeout_s=30.0)
     headers = {"Content-Type": "application/json"}
@@ -50,7 +50,7 @@ async def _app_factory(prefill: str, decode: str):  # type: ignore[no-untyped-de
             if not message.get("more_body"):
                 break
         body = b"".join(chunks)
-        # As gateway.dispatch sends a request to its pair: both in flight, awaited together.
+        # As gateway.workers.dispatch sends a request to its pair: both in flight, awaited together.
         exchanges = [
             await client.send(f"{prefill}/generate", body, headers),
             await client.send(f"{decode}/generate", body, headers),

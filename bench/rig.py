@@ -37,7 +37,7 @@ SLOW_STREAM_INTERVAL_S = 2.0
 SLOW_STREAM_CHUNKS = 600
 # For every gateway in front of the instant backends but the hostile bench's (which keeps the
 # product's defaults). The backends never saturate; the gateway's default cap on requests in
-# flight per pair (a CPU pair's knee, gateway.pair_queues) would hold the bench's load in the
+# flight per pair (a CPU pair's knee, gateway.core.pair_queues) would hold the bench's load in the
 # fair queue (1,000 held streams: 12 flowing, the rest refused after their wait) instead of
 # measuring the gateway passing it on. Lifted, the cap is what the backends report
 # (max_running_requests 2048), as for a pool whose workers scale. A setting, not the pool's

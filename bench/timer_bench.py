@@ -1,5 +1,5 @@
 """What a deadline costs a request: an event-loop timer armed and cancelled, against a deadline
-stored for ``gateway.deadlines.DeadlineSweep`` to check.
+stored for ``gateway.common.deadlines.DeadlineSweep`` to check.
 
 Why the sweep exists instead of the loop's own timers: a request arms and disarms several
 deadlines (its headers, keep-alive until the next request, each worker's answer, each streamed
@@ -20,7 +20,7 @@ import time
 import uvloop
 
 from bench import side_by_side
-from gateway.deadlines import NEVER, DeadlineSweep
+from gateway.common.deadlines import NEVER, DeadlineSweep
 
 
 class _Connection:

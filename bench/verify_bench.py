@@ -36,8 +36,8 @@ from typing import Any
 
 import orjson
 
-from gateway.scanner import MARKER_PREFIX, CanaryScanner, new_marker
-from gateway.verify import Expectation, StreamGuard, check_meta, check_text
+from gateway.verification.scanner import MARKER_PREFIX, CanaryScanner, new_marker
+from gateway.verification.verify import Expectation, StreamGuard, check_meta, check_text
 
 DATA = Path(__file__).resolve().parent.parent / "tests" / "data"
 RESULTS = Path(__file__).resolve().parent / "results" / "verify.json"

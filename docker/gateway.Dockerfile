@@ -1,7 +1,7 @@
 # syntax=docker/dockerfile:1
 # The gateway: Python, the gateway's own dependencies (pyproject.toml) and its code. No torch,
 # no SGLang, no engine_patch: those belong to the engine image (docker/engine.Dockerfile).
-# The code runs from /app (python -m gateway), so gateway/settings.py's REPO_ROOT is /app and
+# The code runs from /app (python -m gateway), so gateway/config/settings.py's REPO_ROOT is /app and
 # migrations/ and the default policies/ sit where the code expects them.
 FROM python:3.11.14-slim-bookworm
 

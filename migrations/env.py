@@ -1,6 +1,6 @@
 """Alembic environment for isogate's schema (tenants, API keys, audit log).
 
-Run through ``isogate migrate`` (``gateway.store.Store.migrate``), which hands over a ready
+Run through ``isogate migrate`` (``gateway.tenancy.store.Store.migrate``), which hands over a ready
 engine in ``config.attributes["engine"]``. Plain ``alembic -c ...`` also works with
 ``sqlalchemy.url`` set in the config.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy import create_engine
 
-from gateway.store import metadata, normalize_url
+from gateway.tenancy.store import metadata, normalize_url
 
 config = context.config
 

@@ -1,6 +1,6 @@
 """One check for every test that holds an answer to its model: ``assert_conforms``.
 
-The gateway builds its answers as plain dicts (``gateway.protocol``'s builders, the admin and
+The gateway builds its answers as plain dicts (``gateway.openai.protocol``'s builders, the admin and
 audit handlers) and describes them with pydantic models, from which ``/openapi.json`` is
 generated. An answer conforms when, as sent (JSON), it validates with its model strictly
 (no field missing, none extra, no type coerced) and with the served document's schema of the
@@ -16,7 +16,7 @@ import jsonschema  # type: ignore[import-untyped]  # no stubs in the test extras
 import orjson
 from pydantic import BaseModel
 
-from gateway.openapi import openapi_document
+from gateway.api.openapi import openapi_document
 
 
 def validate_with_model(model: type[BaseModel], body: object) -> None:

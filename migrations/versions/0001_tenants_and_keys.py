@@ -10,7 +10,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-from gateway.store import UTCDateTime
+from gateway.tenancy.store import UTCDateTime
 
 revision = "0001"
 down_revision = None

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from engine_patch.settings import CLAMP_CONTEXT_ENV, DISABLE_CHECKS_ENV, REQUIRE_TAGS_ENV
-from gateway.policies import load_policies
-from gateway.settings import Settings
+from gateway.config.policies import load_policies
+from gateway.config.settings import Settings
 from tests.deploy.compose_spec import (
     COMPOSE_FILE,
     ENV_EXAMPLE,

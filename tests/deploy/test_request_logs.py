@@ -36,7 +36,7 @@ def test_every_log_line_of_a_served_request_carries_its_generation_id(start_gate
     assert response.status_code == 200
     generation_id = response.json()["id"]
     assert lines, "debug logging of a served request produced no line: the check would be vacuous"
-    assert {"isogate.request", "gateway.dispatch", "gateway.upstream"} <= {
+    assert {"isogate.request", "gateway.workers.dispatch", "gateway.workers.upstream"} <= {
         line["logger"] for line in lines
     }, (
         "expected lines from the request path, dispatch, and the HTTP client "

@@ -23,10 +23,10 @@ import openai
 import pytest
 from tokenizers import Tokenizer
 
+from gateway.api.tokenize_routes import DetokenizeResponse, TokenizeResponse
 from gateway.dev.harness import GatewayProcess
 from gateway.dev.model import DEFAULT_MODEL_DIR, ensure_tiny_model
-from gateway.protocol import ErrorResponse, ModelCard
-from gateway.tokenize_api import DetokenizeResponse, TokenizeResponse
+from gateway.openai.protocol import ErrorResponse, ModelCard
 from tests.harness import PoolSpec, write_policies
 from tests.reliability.stack import range_port
 from tests.schemas import assert_conforms

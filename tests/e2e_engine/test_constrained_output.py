@@ -4,7 +4,8 @@ With SGLang's dummy weights (every logit about 0) a grammar's pick among the tok
 is arbitrary: a small JSON schema at temperature 0 and max_tokens 64 gave 64 tokens of
 whitespace and no JSON. gateway/dev/model.py now writes weights that favour closing a string,
 a number and a bracket, and the dev cluster passes `--constrained-json-disable-any-whitespace`.
-Each request goes to prefill and decode as the gateway sends it (gateway/dispatch.py): the same
+Each request goes to prefill and decode as the gateway sends it
+(gateway/workers/dispatch.py): the same
 /generate body to both, with the bootstrap triple and the isolation headers.
 """
 

@@ -12,9 +12,9 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 from gateway.dev.model import ensure_tiny_model  # noqa: E402
-from gateway.protocol import ChatCompletionRequest  # noqa: E402
-from gateway.tokenize import ChatTurn, ModelTokenizer  # noqa: E402
-from gateway.tool_use import template_tools  # noqa: E402
+from gateway.openai.protocol import ChatCompletionRequest  # noqa: E402
+from gateway.openai.tokenize import ChatTurn, ModelTokenizer  # noqa: E402
+from gateway.openai.tool_use import template_tools  # noqa: E402
 
 TOOLS: list[dict[str, Any]] = [
     {

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from gateway.common.errors import APIError
 from gateway.dev.deepseek_model import ensure_deepseek_model
 from gateway.dev.model import ensure_tiny_model
-from gateway.errors import APIError
-from gateway.tokenize import ChatTurn, ControlText, ModelTokenizer
+from gateway.openai.tokenize import ChatTurn, ControlText, ModelTokenizer
 from tests.reliability.stack import MODEL, StandInStack
 
 # Each tokenizer every special and added token of which is tried (add a directory to try more).

@@ -9,7 +9,7 @@ schema), never accept invalid data, and, when an error, be one clean OpenAI erro
 
 Tenant routes are called with a tenant key, ``/admin`` routes with the admin key: the point
 here is input handling behind authentication (the authorization matrix is its own test).
-The operations are listed at collection time from ``gateway.openapi`` and the served
+The operations are listed at collection time from ``gateway.api.openapi`` and the served
 document is checked to be that same document, so no route escapes.
 """
 
@@ -29,7 +29,7 @@ from schemathesis.checks import (
 )
 from schemathesis.core.parameters import ParameterLocation
 
-from gateway.openapi import openapi_document
+from gateway.api.openapi import openapi_document
 from tests.reliability.stack import MODEL, StandInStack
 from tests.security.checks import assert_no_server_error
 from tests.security.conftest import FUZZ_CASES

@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 import orjson
 import pytest
 
-from gateway.settings import Settings
+from gateway.config.settings import Settings
 from tests.reliability.stack import MODEL, StandInStack, standin_stack
 
 TIMEOUT_S = 1

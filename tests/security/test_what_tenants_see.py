@@ -13,9 +13,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.audit import AuditSpool
 from gateway.dev.harness import GatewayProcess
-from gateway.store import audit_values
+from gateway.tenancy.audit import AuditSpool
+from gateway.tenancy.store import audit_values
 from tests.harness import PoolSpec, write_policies
 from tests.standin_worker import Behaviour, StandInWorker
 

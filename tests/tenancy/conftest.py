@@ -24,14 +24,14 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.admin_api import admin_routes
-from gateway.audit_api import audit_routes
-from gateway.auth import Authenticator
-from gateway.errors import APIError
-from gateway.metrics import Metrics
-from gateway.revocations import Revocations
-from gateway.settings import Settings
-from gateway.store import Store, create_store, normalize_url
+from gateway.api.admin_routes import admin_routes
+from gateway.api.audit_routes import audit_routes
+from gateway.common.errors import APIError
+from gateway.config.settings import Settings
+from gateway.observability.metrics import Metrics
+from gateway.tenancy.auth import Authenticator
+from gateway.tenancy.revocations import Revocations
+from gateway.tenancy.store import Store, create_store, normalize_url
 
 if TYPE_CHECKING:  # imported where used: only the Redis tests need it
     from redis.asyncio import Redis

@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta
 import httpx
 import pytest
 
-from gateway.store import Store, hash_key
+from gateway.tenancy.store import Store, hash_key
 
 from .conftest import admin_headers, key_headers
 
@@ -348,7 +348,7 @@ async def test_event_json_carries_every_field_and_no_text(
 async def test_a_responses_id_finds_its_event_at_once(
     api: httpx.AsyncClient, store: Store, settings
 ) -> None:
-    from gateway.audit import AuditEvent, AuditLog
+    from gateway.tenancy.audit import AuditEvent, AuditLog
 
     key = await make_tenant_with_key(api, "acme")
     # A flush interval far longer than the test: only the read-your-writes flush can help.

@@ -1,7 +1,7 @@
 """The admin and audit routes' answers conform to the models /openapi.json is generated from.
 
-The handlers build their answers as plain dicts (``gateway.store``'s ``to_json`` and
-``audit_row_json``, ``admin_api``); ``gateway.openapi`` describes them with models. Every
+The handlers build their answers as plain dicts (``gateway.tenancy.store``'s ``to_json`` and
+``audit_row_json``, ``admin_routes``); ``gateway.api.openapi`` describes them with models. Every
 kind of answer each route gives, read over HTTP (ASGI) from a real database (PostgreSQL and
 SQLite), must validate with its model strictly and with the served document
 (``tests.schemas.assert_conforms``), so the description cannot drift from the routes.
@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 import httpx
 import pytest
 
-from gateway.openapi import (
+from gateway.api.openapi import (
     ApiKey,
     ApiKeyCreated,
     ApiKeyList,
@@ -23,8 +23,8 @@ from gateway.openapi import (
     Tenant,
     TenantList,
 )
-from gateway.protocol import ErrorResponse
-from gateway.store import OUTCOMES, Store
+from gateway.openai.protocol import ErrorResponse
+from gateway.tenancy.store import OUTCOMES, Store
 from tests.schemas import assert_conforms
 
 from .conftest import admin_headers

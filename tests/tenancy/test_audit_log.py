@@ -18,9 +18,9 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.engine import make_url
 
-from gateway.audit import AuditEvent, AuditLog, AuditSpool
-from gateway.settings import Settings
-from gateway.store import AUDIT_COLUMNS, Store, audit_events, create_store
+from gateway.config.settings import Settings
+from gateway.tenancy.audit import AuditEvent, AuditLog, AuditSpool
+from gateway.tenancy.store import AUDIT_COLUMNS, Store, audit_events, create_store
 
 from .severable_proxy import SeverableProxy
 

@@ -24,7 +24,7 @@ from sqlalchemy.engine import make_url
 
 from gateway.dev.harness import GatewayProcess, free_port
 from gateway.dev.model import DEFAULT_MODEL_DIR, ensure_tiny_model
-from gateway.store import audit_events, create_store
+from gateway.tenancy.store import audit_events, create_store
 from tests.harness import PoolSpec, write_policies
 
 from .conftest import PostgresSchema

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from sqlalchemy import delete
 
-from gateway.auth import Authenticator
-from gateway.errors import APIError
-from gateway.settings import Settings
-from gateway.store import ADMIN_TENANT_ID, Store, api_keys, create_store
+from gateway.common.errors import APIError
+from gateway.config.settings import Settings
+from gateway.tenancy.auth import Authenticator
+from gateway.tenancy.store import ADMIN_TENANT_ID, Store, api_keys, create_store
 
 from .conftest import ADMIN_KEY
 

@@ -10,8 +10,8 @@ import subprocess
 import sys
 from datetime import UTC, datetime
 
-from gateway import cli_admin
-from gateway.store import create_store, hash_key, head_revision
+from gateway.cli import admin as cli_admin
+from gateway.tenancy.store import create_store, hash_key, head_revision
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -112,7 +112,7 @@ def test_table_format_prints_a_header_and_one_line_per_record(tmp_path) -> None:
 def test_module_entry_point_runs_a_command(tmp_path) -> None:
     url = f"sqlite:///{tmp_path / 'y.db'}"
     result = subprocess.run(
-        [sys.executable, "-m", "gateway.cli_admin", "migrate", "--database-url", url],
+        [sys.executable, "-m", "gateway.cli.admin", "migrate", "--database-url", url],
         cwd=ROOT,
         capture_output=True,
         text=True,

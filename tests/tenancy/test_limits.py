@@ -17,10 +17,10 @@ from dataclasses import dataclass
 import pytest
 import redis.asyncio as redis_asyncio
 
-import gateway.limits
-from gateway.errors import APIError
-from gateway.limits import LimitLease, TenantLimiter, limiter_scripts
-from gateway.policies import TenantLimits
+import gateway.tenancy.limits
+from gateway.common.errors import APIError
+from gateway.config.policies import TenantLimits
+from gateway.tenancy.limits import LimitLease, TenantLimiter, limiter_scripts
 
 from .conftest import REDIS_URL
 
@@ -221,9 +221,9 @@ async def test_two_gateway_processes_sharing_redis_hold_the_limits_together(
         """
         import asyncio, json, sys, time
         import redis.asyncio as redis_asyncio
-        from gateway.errors import APIError
-        from gateway.limits import TenantLimiter
-        from gateway.policies import TenantLimits
+        from gateway.common.errors import APIError
+        from gateway.tenancy.limits import TenantLimiter
+        from gateway.config.policies import TenantLimits
 
         async def main(url, prefix):
             client = redis_asyncio.from_url(url)
@@ -334,7 +334,7 @@ async def test_a_redis_that_never_answers_does_not_hang_admission() -> None:
 
 
 class SharedClock:
-    """One clock for both paths: ``gateway.limits`` reads it as ``time.monotonic()``, the Redis
+    """One clock for both paths: ``tenancy.limits`` reads it as ``time.monotonic()``, the Redis
     scripts from a key holding the very float the in-memory path computes, so both see one
     ``now`` to the last bit."""
 
@@ -420,7 +420,9 @@ async def two_paths(
 ) -> tuple[TwoPaths, SharedClock]:
     clock = SharedClock(redis_client, f"{redis_prefix}:clock")
     await clock.advance(0)
-    monkeypatch.setattr(gateway.limits, "time", types.SimpleNamespace(monotonic=clock.monotonic))
+    monkeypatch.setattr(
+        gateway.tenancy.limits, "time", types.SimpleNamespace(monotonic=clock.monotonic)
+    )
     return TwoPaths(redis_client, redis_prefix, clock), clock
 
 

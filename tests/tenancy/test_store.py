@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import event, inspect, select, text
 
-from gateway.store import (
+from gateway.tenancy.store import (
     AuditQuery,
     AuditRowsRefused,
     Store,

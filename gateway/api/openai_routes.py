@@ -1,0 +1,233 @@
+"""The OpenAI-compatible routes and the health endpoints.
+
+Handlers are thin: generation routes hand over to ``gateway.api.pipeline``, tokenize and detokenize
+to ``gateway.api.tokenize_routes``; the rest read state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, TypeVar, cast
+
+import orjson
+from pydantic import BaseModel
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+from starlette.routing import BaseRoute, Route
+
+from gateway.api import tokenize_routes
+from gateway.api.openapi import openapi_json
+from gateway.api.pipeline import Kind, handle_generation, read_body
+from gateway.api.tokenize_routes import DetokenizeRequest, TokenizeRequest
+from gateway.common.errors import APIError
+from gateway.config.policies import ModelPolicy
+from gateway.openai import protocol
+from gateway.service.components import Components
+from gateway.tenancy.auth import Principal
+
+_Body = TypeVar("_Body", bound=BaseModel)
+
+
+def _components(request: Request) -> Components:
+    components: Components = request.app.state.components
+    return components
+
+
+def _json(payload: object, status: int = 200) -> Response:
+    return _json_bytes(orjson.dumps(payload), status)
+
+
+def _json_bytes(body: bytes, status: int = 200) -> Response:
+    return Response(body, status_code=status, media_type="application/json")
+
+
+# The generation routes (POST). ``gateway.api.app.Gateway`` sends these paths straight to the
+# pipeline; the Starlette routes below serve the same handlers for anything it passes on.
+GENERATION_PATHS: dict[str, Kind] = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completion",
+}
+
+
+async def chat_completions(request: Request) -> Response:
+    return await handle_generation(_components(request), request.scope, request.receive, "chat")
+
+
+async def completions(request: Request) -> Response:
+    return await handle_generation(
+        _components(request), request.scope, request.receive, "completion"
+    )
+
+
+async def models(request: Request) -> Response:
+    components = _components(request)
+    principal = await components.authenticator.authenticate(request.headers.get("authorization"))
+    cards = [_card(components, principal, m) for m in components.policies.models.values()]
+    return _json(protocol.model_list(cards))
+
+
+async def retrieve_model(request: Request) -> Response:
+    """One model's card, as ``/v1/models`` lists it; 404 ``model_not_found`` as OpenAI's."""
+    components = _components(request)
+    principal = await components.authenticator.authenticate(request.headers.get("authorization"))
+    found = tokenize_routes.model_named(components.policies, request.path_params["model"])
+    return _json(_card(components, principal, found))
+
+
+def _card(components: Components, principal: Principal, model: ModelPolicy) -> dict[str, Any]:
+    max_context: int | None = None
+    bound: str | None = None
+    try:
+        tenant = principal.tenant_id if not principal.is_admin else ""
+        candidates = components.routes.candidates(components.policies, model, tenant)
+        # The largest prompt admitted with a minimal completion, plus that completion.
+        limit = candidates.best_limit(1, components.settings.admission_safety_margin_tokens)
+        max_context, bound = limit.tokens + 1, limit.bound
+    except APIError:
+        pass  # no fresh pair now: the card says so with nulls rather than guessing
+    return protocol.model_card(model.name, 0, max_context, bound)
+
+
+async def tokenize(request: Request) -> Response:
+    """SGLang's ``/v1/tokenize``, plus this tenant's admission limit now (``tokenize_routes``)."""
+    components = _components(request)
+    tenant_id = await _tenant(components, request)
+    ask = _parse(await _body(components, request), TokenizeRequest)
+    answer = await tokenize_routes.tokenize(components, tenant_id, ask)
+    count = answer["count"]
+    # A prompt near the body limit has millions of tokens: their JSON is written off the loop.
+    if (count if isinstance(count, int) else sum(count)) >= _JSON_IN_THREAD_MIN_TOKENS:
+        return _json_bytes(await asyncio.to_thread(orjson.dumps, answer))
+    return _json(answer)
+
+
+async def detokenize(request: Request) -> Response:
+    """SGLang's ``/v1/detokenize``: token ids back to text; 400 for an id outside the vocabulary."""
+    components = _components(request)
+    await _tenant(components, request)
+    ask = _parse(await _body(components, request), DetokenizeRequest)
+    return _json(await tokenize_routes.detokenize(components, ask))
+
+
+_JSON_IN_THREAD_MIN_TOKENS = 65_536
+
+
+async def _tenant(components: Components, request: Request) -> str:
+    """The tenant of a tenant key; the admin key is refused, as on the generation routes (the
+    limits these routes answer are a tenant's)."""
+    principal = await components.authenticator.authenticate(request.headers.get("authorization"))
+    if principal.is_admin:
+        raise APIError(
+            403,
+            "The admin key cannot use this endpoint; use a tenant key.",
+            "permission_error",
+            "admin_key_not_allowed",
+        )
+    return principal.tenant_id
+
+
+async def _body(components: Components, request: Request) -> bytes:
+    """The body, under the same ``max_body_bytes`` cap as a generation's (413 past it)."""
+    try:
+        return await read_body(
+            request.scope,
+            request.receive,
+            request.headers.get("content-length"),
+            components.settings.max_body_bytes,
+            components.settings.body_timeout_s,
+        )
+    except ClientDisconnect:
+        raise APIError(
+            499, "The client went away.", "invalid_request_error", "client_cancelled"
+        ) from None
+
+
+def _parse(body: bytes, schema: type[_Body]) -> _Body:
+    # ``protocol.parse_request`` is annotated for the generation requests; its parsing and its
+    # 400s (unknown, reserved, missing and invalid fields) hold for any strict model.
+    parsed: _Body = protocol.parse_request(body, cast(Any, schema))
+    return parsed
+
+
+async def workers(request: Request) -> Response:
+    """The capacity view this replica decides on (admin only): one record per worker, with its
+    two signals, capacity (``capacity_fresh``, ``error``) and liveness (``alive``,
+    ``liveness_error``), and whether it is routed to (``fresh``: a record to route on)."""
+    components = _components(request)
+    await components.authenticator.require_admin(request.headers.get("authorization"))
+    capacity = components.capacity
+    data = []
+    for url, role in components.workers():
+        state = capacity.get(url)
+        data.append(
+            {
+                "url": url,
+                "role": role,
+                "fresh": state is not None,
+                "capacity_fresh": capacity.fresh(url),
+                "alive": capacity.alive(url),
+                "capacity": state.as_dict() if state else None,
+                "claimed_tokens": components.ledger.claimed.get(url, 0),
+                "error": capacity.error(url),
+                "liveness_error": capacity.liveness_error(url),
+            }
+        )
+    return _json({"object": "list", "data": data})
+
+
+async def healthz(request: Request) -> Response:
+    return _json({"status": "ok"})
+
+
+async def readyz(request: Request) -> Response:
+    """Ready when every model has at least one prefill and one decode worker answering."""
+    return _readiness(_components(request))
+
+
+async def health(request: Request) -> Response:
+    """``/health`` as SGLang's workers and SMG name it: 200 when the gateway can serve, 503 when
+    not (SGLang's answers are bodiless; this one says why, as ``/readyz`` does). Callers that
+    probe ``/health`` (SMG, SGLang tooling, load balancers) get readiness, not mere liveness:
+    a gateway with no worker answering cannot serve a request."""
+    return _readiness(_components(request))
+
+
+def _readiness(components: Components) -> Response:
+    problems: dict[str, list[str]] = {}
+    for model in components.policies.models.values():
+        for role, urls in (
+            ("prefill", [w.url for p in model.pools for w in p.prefill]),
+            ("decode", [w.url for p in model.pools for w in p.decode]),
+        ):
+            if not any(components.capacity.get(url) for url in urls):
+                problems.setdefault(model.name, []).append(f"no {role} worker answering")
+    if problems:
+        return _json({"status": "unready", "problems": problems}, 503)
+    return _json({"status": "ready"})
+
+
+async def metrics(request: Request) -> Response:
+    """Prometheus metrics, admin key only: the series name tenants and their traffic."""
+    components = _components(request)
+    await components.authenticator.require_admin(request.headers.get("authorization"))
+    workers: list[tuple[str, str]] = list(components.workers())
+    body = await asyncio.to_thread(components.metrics.export, components.capacity, workers)
+    return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def openai_routes() -> list[BaseRoute]:
+    return [
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        # A model name may contain "/" (``org/name``), as Hugging Face ids do.
+        Route("/v1/models/{model:path}", retrieve_model, methods=["GET"]),
+        Route("/v1/tokenize", tokenize, methods=["POST"]),
+        Route("/v1/detokenize", detokenize, methods=["POST"]),
+        Route("/admin/workers", workers, methods=["GET"]),
+        Route("/healthz", healthz, methods=["GET"]),
+        Route("/readyz", readyz, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/openapi.json", openapi_json, methods=["GET"]),
+    ]

@@ -1,0 +1,118 @@
+"""Process settings, read from the environment (prefix ``ISOGATE_``) and ``.env``.
+
+Per-model and per-tenant rules live in ``policies/`` (see ``gateway.config.policies``); this module
+holds only what differs between deployments of the same policies.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from gateway.common.deadlines import DEFAULT_RESOLUTION_S
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="ISOGATE_", env_file=".env", extra="ignore")
+
+    # Serving
+    host: str = "127.0.0.1"
+    port: int = 8080
+    policies_dir: Path = REPO_ROOT / "policies"
+    log_level: str = "info"
+    log_json: bool = True
+
+    # Client bounds (server.http_server, api.pipeline.read_body): how long a client may
+    # take to send a request's headers and its body, how large its headers may be, how many
+    # connections may be open at once, and how long an idle keep-alive connection stays open.
+    header_timeout_s: float = Field(default=10.0, gt=0)
+    body_timeout_s: float = Field(default=30.0, gt=0)
+    max_header_bytes: int = Field(default=32 * 1024, gt=0)
+    max_connections: int = Field(default=4096, gt=0)
+    keep_alive_timeout_s: int = Field(default=5, gt=0)
+    # How late one of these timeouts, or an upstream one, may fire: how often each sweep of
+    # deadlines runs (gateway.common.deadlines) while connections are open.
+    deadline_resolution_s: float = Field(default=DEFAULT_RESOLUTION_S, gt=0, le=1.0)
+
+    # Request bounds. The body limit sits above the largest prompt we want to refuse
+    # *cheaply* (by byte length, without tokenizing) rather than with a bare 413.
+    max_body_bytes: int = 64 * 1024 * 1024
+    # Bodies at least this long are parsed and validated in a child process (gateway.server.intake),
+    # in at most this many at once.
+    parse_off_loop_min_bytes: int = Field(default=256 * 1024, ge=0)
+    parse_processes: int = Field(default=1, gt=0)
+    # Prompts whose text is at least this long are tokenized off the event loop.
+    tokenize_in_thread_min_chars: int = 16_384
+
+    # Upstream (SGLang workers)
+    upstream_connect_timeout_s: float = 2.0
+    upstream_timeout_s: float = 120.0
+    # A worker that has not answered a capacity poll for this long is not routed to.
+    capacity_poll_interval_s: float = 1.0
+    capacity_stale_after_s: float = 5.0
+    # Slow is not dead: while a worker passes its liveness probe (SGLang's /health), its last
+    # capacity record is routed on up to this old (claims still bound what is sent to it).
+    capacity_max_age_if_alive_s: float = Field(default=30.0, gt=0)
+    # A worker whose capacity polls fail and whose /health does not answer 200 within this
+    # long is taken out at once.
+    worker_liveness_timeout_s: float = Field(default=10.0, gt=0)
+    # Tokens kept free in every pool on top of prompt + max_tokens.
+    admission_safety_margin_tokens: int = 16
+
+    # Fair queueing per worker pair (gateway.core.pair_queues). Requests in flight per pair before
+    # the rest queue, where neither the pool's policy nor the engine's own
+    # max_running_requests sets a lower cap: where a CPU pair's throughput stopped growing
+    # with concurrency (docs/operations.md, bench/saturation_bench.py).
+    queue_in_flight_per_pair: int = Field(default=12, gt=0)
+    # The same while more than one tenant holds or wants slots of a pair, and for
+    # queue_contention_linger_s after: the most requests in flight at which a CPU pair's p50
+    # stayed within 2x of a lone request's (docs/operations.md). Unset: no lower cap.
+    queue_in_flight_per_pair_contended: int | None = Field(default=2, gt=0)
+    queue_contention_linger_s: float = Field(default=1.0, ge=0)
+    # The longest a request waits for its turn before 429 (its tenant is over its share) or
+    # 503 (the pair is full), with Retry-After.
+    queue_max_wait_s: float = Field(default=10.0, gt=0)
+    # Requests one tenant may have waiting per pair; past it, refused at once.
+    queue_max_per_tenant: int = Field(default=256, ge=0)
+    # Gateway replicas sharing the workers: each replica's cap is its share of the pair's
+    # (ceil(cap / replicas)), so all of them together stay within the cap.
+    queue_replicas: int = Field(default=1, gt=0)
+
+    # State
+    database_url: str = f"sqlite:///{REPO_ROOT / '.run' / 'isogate.db'}"
+    redis_url: str | None = None
+    # Prefix of every Redis key this deployment uses (capacity, limits, canaries).
+    redis_key_prefix: str = "isogate"
+    # The admin key (raw). Requests bearing it may administer tenants and read every audit event.
+    admin_key: str | None = None
+    # Secret from which per-tenant cache salts (SGLang ``extra_key``) are derived.
+    cache_salt_secret: str = Field(default="dev-insecure-cache-salt-secret", min_length=16)
+    audit_spool_dir: Path = REPO_ROOT / ".run" / "audit-spool"
+    audit_batch_size: int = 500
+    # Short on purpose: a batch is inserted on the event loop's core (SQLite: on the loop, 64
+    # rows per turn), so a long interval means a long burst (260 rows, ~4 ms at 1,300 req/s)
+    # that requests arriving meanwhile wait out. 20 ms keeps bursts under ~0.5 ms; a hard kill
+    # loses less.
+    audit_flush_interval_s: float = 0.02
+    # Failed authentications a client address may make per minute (per replica) before it is
+    # answered 429 without its key being looked at.
+    unauthenticated_per_address_per_minute: int = Field(default=600, gt=0)
+    auth_cache_ttl_s: float = 5.0
+    # While the key store cannot be reached, a key this process saw valid within this long
+    # keeps working (a database outage must not take the gateway down); 0 turns it off.
+    auth_stale_if_error_s: float = 600.0
+
+    # Canary prober (gateway.service.canary): 0 disables it.
+    canary_interval_s: float = 0.0
+    # Outputs are scanned for other tenants' live canary markers (also those of other replicas).
+    canary_scan: bool = True
+    # How long a marker stays live after its probe: as long as its KV pages may linger.
+    canary_marker_ttl_s: float = Field(default=900.0, gt=0)
+    # How often the scanner re-reads the markers shared through Redis.
+    canary_refresh_s: float = Field(default=1.0, gt=0)
+    canary_max_tokens: int = Field(default=8, gt=0)
+    canary_redis_key: str = "isogate:canary:markers"

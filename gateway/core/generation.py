@@ -1,0 +1,913 @@
+"""One generation, from a parsed ask to a checked answer: the core every caller goes through.
+
+The problem: the API routes, the canary prober, and every later caller (batch prompts, ``n``
+choices) must pass the same gates in the same order. A caller with a path of its own is a path
+around the checks, and a change to admission that must be made in several places is made in
+all but one of them.
+
+The invariant, for every ``GenerationAsk``:
+
+1. admit: the prompt is counted with the model's own tokenizer (or refused from its byte length
+   alone) and refused with 400 ``context_length_exceeded`` if it fits no candidate pair's live
+   limits, before any worker is contacted;
+2. queue and claim: a tenant's request waits its turn for a slot of the chosen pair in the
+   pair's fair queue (``gateway.core.pair_queues``), then the tenant's limits and the pair's KV
+   tokens are claimed; slot and claims are held in one ``Held`` (``gateway.core.held``) that
+   releases them on every exit path; a stream takes it over whole and closes it when it ends;
+3. dispatch and verify: nothing of decode's answer is handed out before its ``meta_info`` has
+   passed ``check_meta``, its text the content scan, and its finish reason the abort check;
+   where outputs are read into reasoning, text and tool calls (``GenerationAsk.output``),
+   every field handed out is scanned too, and output that broke its constraint fails;
+4. audit: a ``Trace`` collects what happened and ``GenerationCore.record`` files its one audit
+   event (built by ``Trace.event``, the only builder).
+
+The core knows nothing of HTTP: ``gateway.api.pipeline`` reads requests and writes responses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Protocol, TypeVar
+
+from gateway.common.errors import APIError, unavailable
+from gateway.common.ids import new_generation_id, tenant_cache_salt
+from gateway.config.policies import ModelPolicy, Policies, TenantLimits
+from gateway.core.admission import (
+    CONTEXT_LENGTH_EXCEEDED,
+    ClaimLedger,
+    PromptLimit,
+    context_length_exceeded,
+    refuse_if_over,
+)
+from gateway.core.held import Held
+from gateway.core.pair_queues import PairQueues
+from gateway.core.routing import Candidates, RoutingCache
+from gateway.observability.metrics import Metrics
+from gateway.openai.protocol import PromptLogprobs, TokenLogprob, utf8_length
+from gateway.openai.tokenize import ChatTurn, ModelTokenizer
+from gateway.tenancy.audit import AuditEvent, AuditLog
+from gateway.tenancy.auth import Principal
+from gateway.tenancy.limits import LimitLease, TenantLimiter
+from gateway.tool_parsers import InvalidToolOutput, OutputParser, OutputSpec, ParsedOutput, ToolCall
+from gateway.verification.verify import (
+    ContentScanner,
+    Expectation,
+    IsolationFailure,
+    StreamGuard,
+    check_meta,
+    check_prompt_logprobs,
+    check_text,
+)
+from gateway.workers.dispatch import PREFILL_META, EngineRequest, PDDispatcher
+from gateway.workers.pairs import WorkerPair
+
+log = logging.getLogger("isogate.request")
+
+
+# ---- what a caller asks for ----------------------------------------------------------------
+# The values made for every request are plain slotted dataclasses, not frozen ones: a frozen
+# dataclass sets each field through object.__setattr__, several times the cost per request.
+
+
+@dataclass(slots=True)
+class ChatPrompt:
+    turns: list[ChatTurn]
+    # The request's tool definitions, for the template (None: no tools offered).
+    tools: list[dict[str, Any]] | None = None
+
+    def utf8_bytes(self) -> int:
+        return sum(utf8_length(turn.content) for turn in self.turns)
+
+
+@dataclass(slots=True)
+class TextPrompt:
+    text: str
+
+    def utf8_bytes(self) -> int:
+        return utf8_length(self.text)
+
+
+@dataclass(slots=True)
+class TokenPrompt:
+    ids: list[int]
+
+
+Prompt = ChatPrompt | TextPrompt | TokenPrompt
+
+
+@dataclass(slots=True)
+class GenerationAsk:
+    """One request: ``n`` choices for each of its prompts, admitted and claimed as a whole."""
+
+    tenant_id: str
+    model: ModelPolicy
+    prompts: Sequence[Prompt]
+    max_tokens: int
+    sampling_params: dict[str, Any]  # SGLang's, ``max_new_tokens`` included
+    # The tenant's limits; None where a generation is not the tenant's traffic (the canary).
+    limits: TenantLimits | None
+    # The tenant's request, counted already (``GenerationCore.enter``); its tokens are reserved
+    # at admission. None: ``limits`` (when set) are claimed whole at admission.
+    lease: LimitLease | None = None
+    n: int = 1
+    # Log probabilities of each completion token with this many alternatives; None: none.
+    top_logprobs: int | None = None
+    # The prompt's tokens scored too, with as many alternatives (``echo``; needs top_logprobs).
+    prompt_logprobs: bool = False
+    # How outputs are read into reasoning, text and tool calls; None: they are text.
+    output: OutputSpec | None = None
+    # A pair chosen by the caller (the canary probes every pair in turn); else routed.
+    pair: WorkerPair | None = None
+    # The content check, where it is not the gateway's scanner (the canary's own-marker check).
+    scanner: ContentScanner | None = None
+
+
+class Catalog(Protocol):
+    """The policies and tokenizers in force; replaced together on reload."""
+
+    @property
+    def policies(self) -> Policies: ...
+
+    @property
+    def tokenizers(self) -> Mapping[str, ModelTokenizer]: ...
+
+
+@dataclass(slots=True)
+class Choice:
+    """One PD request of an admitted generation: its own generation ID, tags and checks."""
+
+    index: int
+    prompt_index: int
+    request: EngineRequest
+    expected: Expectation
+
+
+@dataclass(slots=True)
+class Admitted:
+    """A generation that passed gate 1 and holds its claims: ready to dispatch."""
+
+    pair: WorkerPair
+    choices: list[Choice]
+    scanner: ContentScanner
+    lease: LimitLease | None
+    tokenizer: ModelTokenizer
+    output: OutputSpec | None = None
+
+
+@dataclass(slots=True)
+class Completion:
+    index: int
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    logprobs: list[TokenLogprob] | None = None
+    # With an output parser: the thinking part (None: none was parsed) and the calls.
+    reasoning: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    prompt_index: int = 0  # which of the request's prompts it continues
+    prompt_logprobs: PromptLogprobs | None = None
+
+
+# ---- the audit record ----------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Trace:
+    """What the audit event of one request will say; filled in as the request advances."""
+
+    generation_id: str
+    created_at: datetime
+    started: float
+    stream: bool = False
+    principal: Principal | None = None
+    model: str | None = None
+    pair: WorkerPair | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+
+    def event(self, outcome: Outcome) -> AuditEvent:
+        principal, pair = self.principal, self.pair
+        tenant_id, key_id = (principal.tenant_id, principal.key_id) if principal else ("", None)
+        if pair is None:
+            prefill_worker = decode_worker = pool = None
+        else:
+            (prefill_worker, decode_worker), pool = pair.urls, pair.pool
+        # Positional, in the event's field order: a class called with keywords packs them into
+        # a dict first, and this runs for every request (tests/unit/tenancy/test_audit_event.py holds
+        # the order).
+        return AuditEvent(
+            self.generation_id,
+            tenant_id,
+            key_id,
+            self.model,
+            outcome.outcome,
+            outcome.status,
+            outcome.code,
+            prefill_worker,
+            decode_worker,
+            self.prompt_tokens,
+            self.completion_tokens,
+            self.stream,
+            (time.perf_counter() - self.started) * 1000.0,
+            self.created_at,
+            outcome.detail,
+            pool,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """How a request ended: the audit event's outcome and the status the client got."""
+
+    outcome: str
+    status: int
+    code: str | None = None
+    detail: str | None = None
+
+    @classmethod
+    def of_error(cls, error: APIError) -> Outcome:
+        if error.status == 429:
+            outcome = "rate_limited"
+        elif error.status in (502, 503, 504):
+            outcome = "upstream_error"
+        else:
+            outcome = "rejected"
+        return cls(outcome, error.status, error.code, error.message[:300])
+
+    @classmethod
+    def of_failure(cls, failure: IsolationFailure, status: int = 502) -> Outcome:
+        return cls("verification_failed", status, "isolation_check_failed", failure.reason[:300])
+
+
+SERVED = Outcome("served", 200)
+CLIENT_CANCELLED = Outcome("client_cancelled", 499, "client_cancelled")
+
+
+# ---- the core ------------------------------------------------------------------------------
+
+
+class GenerationCore:
+    """Admit, claim, dispatch, verify and audit one generation (see the module doc)."""
+
+    def __init__(
+        self,
+        *,
+        catalog: Catalog,
+        routes: RoutingCache,
+        ledger: ClaimLedger,
+        limiter: TenantLimiter,
+        dispatcher: PDDispatcher,
+        scanner: ContentScanner,
+        audit: AuditLog,
+        metrics: Metrics,
+        queues: PairQueues,
+        margin_tokens: int,
+        cache_salt_secret: str,
+    ) -> None:
+        self._catalog = catalog
+        self._queues = queues
+        self._routes = routes
+        self._ledger = ledger
+        self._limiter = limiter
+        self._dispatcher = dispatcher
+        self._scanner = scanner
+        self._audit = audit
+        self._metrics = metrics
+        self._margin = margin_tokens
+        self._cache_salt_secret = cache_salt_secret
+
+    # -- admit and claim --------------------------------------------------------------------
+
+    async def enter(self, tenant_id: str, limits: TenantLimits, held: Held) -> LimitLease:
+        """Count the tenant's request and take its concurrency slot (held on ``held``) as soon as
+        its key is known, before its body is read: what a request costs the gateway to refuse is
+        paid only while the tenant has requests left."""
+        lease = await self._limiter.enter(tenant_id, limits)
+        held.push(lease.release)
+        return lease
+
+    async def admit(self, ask: GenerationAsk, trace: Trace, held: Held) -> Admitted:
+        """Gate 1 for every prompt, then the claims for every choice (pushed onto ``held``),
+        on one pair; raises ``APIError`` on refusal."""
+        model, margin, max_tokens = ask.model, self._margin, ask.max_tokens
+        if ask.pair is None:
+            candidates = self._routes.candidates(self._catalog.policies, model, ask.tenant_id)
+        else:
+            candidates = Candidates([ask.pair], model.max_context_tokens)
+        limit = candidates.best_limit(max_tokens, margin)
+        tokenizer = self._catalog.tokenizers[model.name]
+        # Gate 1 on each prompt; a refusal for length is counted here, once, whichever check
+        # made it (the byte bound before tokenizing, or the count after).
+        counted: list[list[int]] = []
+        try:
+            for prompt in ask.prompts:
+                if isinstance(prompt, TokenPrompt):
+                    refuse_if_over(len(prompt.ids), limit, max_tokens)
+                    ids = tokenizer.check_token_ids(prompt.ids)
+                else:
+                    ids = await self._encoding(ask, tokenizer, prompt, limit)
+                    refuse_if_over(len(ids), limit, max_tokens)
+                counted.append(ids)
+        except APIError as error:
+            if error.code == CONTEXT_LENGTH_EXCEEDED:
+                self._metrics.admission_refusals.labels(model.name, limit.bound).inc()
+            raise
+        prompt_lengths = [len(ids) for ids in counted for _ in range(ask.n)]
+        trace.prompt_tokens = prompt_total = sum(prompt_lengths)
+
+        pair = candidates.choose_for_all(self._ledger, prompt_lengths, max_tokens, margin)
+        if pair is None:
+            raise _capacity_busy()
+        trace.pair = pair
+
+        # The pair's fair queue: a tenant's traffic waits its turn, not the others' (the
+        # canary, not a tenant's traffic, goes straight on). The claims are taken as the
+        # request leaves the queue holding its slot; all three are released with ``held``.
+        lease = None
+        if ask.limits is not None:
+            share = self._catalog.policies.share(ask.tenant_id)
+            queues, cost = self._queues, len(prompt_lengths)
+            slot = queues.take_free(model, pair, share, cost) or await queues.wait_turn(
+                model, pair, share, cost
+            )
+            held.push(slot.release)
+            reserved = prompt_total + max_tokens * len(prompt_lengths)
+            if ask.lease is not None:
+                lease = ask.lease
+                await lease.reserve(reserved)
+            else:
+                lease = await self._limiter.acquire(ask.tenant_id, ask.limits, reserved)
+                held.push(lease.release)
+        need = prompt_total + (max_tokens + margin) * len(prompt_lengths)
+        if not self._ledger.has_room(pair, need):
+            raise _capacity_busy()  # taken by others while this one waited
+        held.push(self._ledger.claim(pair.urls, need).release)
+
+        cache_salt = tenant_cache_salt(self._cache_salt_secret, ask.tenant_id)
+        choices: list[Choice] = []
+        for prompt_index, input_ids in enumerate(counted):
+            for _ in range(ask.n):
+                # The first choice's ID is the request's (the response id, the audit key).
+                generation_id = new_generation_id() if choices else trace.generation_id
+                request = EngineRequest(  # positional: see ``Trace.event``
+                    generation_id,
+                    ask.tenant_id,
+                    input_ids,
+                    ask.sampling_params,
+                    cache_salt,
+                    ask.top_logprobs,
+                    ask.prompt_logprobs and ask.top_logprobs is not None,
+                )
+                expected = Expectation(
+                    generation_id,
+                    ask.tenant_id,
+                    len(input_ids),
+                    max_tokens,
+                    model.require_engine_tags,
+                    ask.top_logprobs,
+                    tokenizer.vocab_size,
+                )
+                choices.append(Choice(len(choices), prompt_index, request, expected))
+        return Admitted(pair, choices, ask.scanner or self._scanner, lease, tokenizer, ask.output)
+
+    def _encoding(
+        self,
+        ask: GenerationAsk,
+        tokenizer: ModelTokenizer,
+        prompt: ChatPrompt | TextPrompt,
+        limit: PromptLimit,
+    ) -> Awaitable[list[int]]:
+        """The tokenizer's count of a text prompt, to await; refused first when its byte length
+        alone proves it too long (no token is longer than the longest entry). Not a coroutine
+        itself: every suspension of the tokenizer's would resume one frame more."""
+        at_least = tokenizer.min_tokens_for_bytes(prompt.utf8_bytes())
+        if at_least > limit.tokens:
+            self._metrics.refused_untokenized_inc(ask.model.name)
+            raise context_length_exceeded(f"at least {at_least}", limit, ask.max_tokens)
+        if isinstance(prompt, ChatPrompt):
+            return tokenizer.encode_chat(
+                prompt.turns, control_text=ask.model.chat_control_text, tools=prompt.tools
+            )
+        return tokenizer.encode_text(prompt.text, control_text=ask.model.prompt_control_text)
+
+    # -- dispatch and verify ----------------------------------------------------------------
+
+    async def complete(self, admitted: Admitted, trace: Trace) -> list[Completion]:
+        """Every choice's whole answer, checked; one failed choice fails them all (the others
+        are cancelled); the tenant's token count settled."""
+        if len(admitted.choices) == 1:  # without a coroutine of its own, one frame less to resume
+            choice = admitted.choices[0]
+            output = await self._dispatcher.generate(admitted.pair, choice.request)
+            only = self._checked(admitted, choice, output)
+            completions, completion_tokens = [only], only.completion_tokens
+        else:
+            completions = await _all_or_nothing(
+                [self._complete_one(admitted, choice) for choice in admitted.choices]
+            )
+            completion_tokens = sum([c.completion_tokens for c in completions])
+        trace.completion_tokens = completion_tokens
+        if admitted.lease is not None:
+            await admitted.lease.settle((trace.prompt_tokens or 0) + completion_tokens)
+        return completions
+
+    async def _complete_one(self, admitted: Admitted, choice: Choice) -> Completion:
+        output = await self._dispatcher.generate(admitted.pair, choice.request)
+        return self._checked(admitted, choice, output)
+
+    def _checked(self, admitted: Admitted, choice: Choice, output: dict[str, Any]) -> Completion:
+        """One choice's answer from decode, once it has passed every check."""
+        meta = output.get("meta_info")
+        expected = choice.expected
+        check_meta(meta, expected)
+        assert isinstance(meta, dict)  # check_meta refuses anything else
+        text = output.get("text", "")
+        check_text(admitted.scanner, text, expected.tenant_id)
+        logprobs = None
+        if expected.top_logprobs is not None:
+            logprobs = token_logprobs(meta, admitted.tokenizer)
+            check_text(admitted.scanner, "".join(t.token for t in logprobs), expected.tenant_id)
+        finish_reason = finish_reason_of(meta)
+        reasoning = calls = None
+        if admitted.output is not None:
+            parsed = read_output(admitted.output.parser(), text, final=True)
+            check_parsed(admitted.scanner, parsed, expected.tenant_id)
+            text, calls = parsed.text, parsed.calls
+            reasoning = parsed.reasoning if admitted.output.reasoning is not None else None
+            if calls and finish_reason == "stop":
+                finish_reason = "tool_calls"
+        scored_prompt = None
+        if choice.request.prompt_logprobs:
+            prefill_meta = output.get(PREFILL_META)
+            check_prompt_logprobs(prefill_meta, choice.request.input_ids, expected)
+            assert isinstance(prefill_meta, dict)  # check_prompt_logprobs refuses anything else
+            scored_prompt = prompt_logprobs(prefill_meta, admitted.tokenizer)
+        return Completion(
+            choice.index,
+            text,
+            finish_reason,
+            expected.prompt_tokens,
+            meta.get("completion_tokens", 0),
+            meta.get("cached_tokens", 0),
+            logprobs,
+            reasoning,
+            calls,
+            choice.prompt_index,
+            scored_prompt,
+        )
+
+    async def open_stream(self, admitted: Admitted, trace: Trace) -> ChoiceStreams:
+        """Decode's stream of every choice, once each one's first chunks have passed the
+        checks, so that an early failure still has its own status."""
+        if len(admitted.choices) == 1:
+            streams = [await self._open_one(admitted, admitted.choices[0])]
+        else:
+            streams = await _all_or_nothing(
+                [self._open_one(admitted, choice) for choice in admitted.choices],
+                on_abandon=CheckedStream.aclose,
+            )
+        return ChoiceStreams(streams, trace, admitted.lease)
+
+    async def _open_one(self, admitted: Admitted, choice: Choice) -> CheckedStream:
+        batches = self._dispatcher.stream(admitted.pair, choice.request)
+        guard = StreamGuard(admitted.scanner, choice.expected.tenant_id)
+        shaper = None
+        if admitted.output is not None:
+            shaper = OutputShaper(
+                admitted.output.parser(), admitted.scanner, choice.expected.tenant_id
+            )
+        stream = CheckedStream(choice, batches, guard, admitted.tokenizer, shaper)
+        try:
+            stream.take_first(await batches.__anext__())
+        except StopAsyncIteration:
+            raise APIError(
+                502,
+                "The decode worker ended the stream without output.",
+                "upstream_error",
+                "upstream_error",
+            ) from None
+        except BaseException:
+            await batches.aclose()
+            raise
+        return stream
+
+    async def run(self, ask: GenerationAsk, trace: Trace) -> list[Completion]:
+        """Admit, dispatch and verify whole answers, releasing every claim before returning."""
+        async with Held() as held:
+            return await self.complete(await self.admit(ask, trace, held), trace)
+
+    # -- audit ------------------------------------------------------------------------------
+
+    def record(self, trace: Trace, outcome: Outcome) -> None:
+        """The one place a request's outcome is recorded: audit event, counters, log line."""
+        event = trace.event(outcome)
+        self._audit.record(event)
+        if outcome.outcome == "verification_failed":
+            log.error(
+                "isolation check failed",
+                extra={
+                    "generation_id": trace.generation_id,
+                    "reason": outcome.detail,
+                    "tenant_id": trace.principal.tenant_id if trace.principal else None,
+                },
+            )
+            self._metrics.verification_failed(trace.model or "", outcome.detail or "")
+        # A served request's line is DEBUG: its audit event already records it, and at INFO
+        # the line cost as much CPU as the audit insert (bench/RESULTS.md).
+        level = logging.DEBUG if outcome.outcome == "served" else logging.INFO
+        if log.isEnabledFor(level):
+            log.log(
+                level,
+                "request finished",
+                extra={
+                    "outcome": outcome.outcome,
+                    "status": outcome.status,
+                    "code": outcome.code,
+                    "latency_ms": round(event.latency_ms, 3),
+                },
+            )
+        tenant = trace.principal.tenant_id if trace.principal else ""
+        # A model name the client made up is not a label value: clients could grow the series.
+        model = trace.model if trace.model in self._catalog.policies.models else ""
+        self._metrics.observe_request(
+            model or "", tenant, outcome.outcome, time.perf_counter() - trace.started
+        )
+
+
+@dataclass(slots=True)
+class StreamStep:
+    """What engine chunks of one choice that arrived together add for the client, all of them
+    checked: text, and the log probabilities of tokens whose text is out too (with an output
+    parser: the answer's text, the reasoning's, and the calls completed)."""
+
+    delta: str
+    meta: dict[str, Any]  # the last chunk's ``meta_info``
+    logprobs: list[TokenLogprob] | None = None
+    reasoning: str = ""
+    tool_calls: list[ToolCall] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.meta.get("finish_reason") is not None
+
+
+@dataclass(slots=True)
+class StreamEnd:
+    """What is left of one choice once its stream ended: held-back text and tokens."""
+
+    tail: str
+    finish_reason: str
+    completion_tokens: int
+    cached_tokens: int
+    logprobs: list[TokenLogprob] | None
+    reasoning: str = ""
+    tool_calls: list[ToolCall] | None = None
+
+
+class CheckedStream:
+    """Decode's stream of one choice, a checked step at a time.
+
+    ``steps`` yields the first step and then one per batch of chunks; ``finish`` (after the
+    last step) gives what was held back and the finish reason; ``aclose`` closes decode's
+    stream. A failed check raises ``IsolationFailure`` before any of its batch is handed out.
+    Log-probability entries are held back with the text their tokens spell (the scanner's
+    hold-back), so no token reaches the client before the text it is part of was scanned.
+    """
+
+    def __init__(
+        self,
+        choice: Choice,
+        batches: AsyncGenerator[list[dict[str, Any]]],
+        guard: StreamGuard,
+        tokenizer: ModelTokenizer | None,
+        shaper: OutputShaper | None = None,
+    ) -> None:
+        self.choice = choice
+        self._batches = batches
+        self._guard = guard
+        self._tokenizer = tokenizer
+        self._shaper = shaper
+        self._first: StreamStep | None = None
+        self._last_meta: dict[str, Any] = {}
+        self._logprobs: list[TokenLogprob] = []
+        self._logprobs_sent = 0
+        self._logprob_chars_sent = 0
+
+    @property
+    def index(self) -> int:
+        return self.choice.index
+
+    def take_first(self, batch: list[dict[str, Any]]) -> None:
+        self._first = self._step(batch)
+
+    async def steps(self) -> AsyncGenerator[StreamStep]:
+        if self._first is not None:
+            yield self._first
+        async for batch in self._batches:
+            yield self._step(batch)
+
+    def _step(self, batch: list[dict[str, Any]]) -> StreamStep:
+        expected = self.choice.expected
+        for chunk in batch:
+            check_meta(chunk.get("meta_info"), expected)
+        delta = self._guard.feed_all([chunk.get("text", "") for chunk in batch])
+        self._last_meta = meta = batch[-1]["meta_info"]
+        step = StreamStep(delta, meta) if self._shaper is None else self._shaper.step(delta, meta)
+        if expected.top_logprobs is None or self._tokenizer is None:
+            return step
+        # Cumulative in every chunk: the new entries are those past the ones already taken.
+        fresh = token_logprobs(meta, self._tokenizer, start=len(self._logprobs))
+        self._logprobs.extend(fresh)
+        self._guard.scan_extra("".join(t.token for t in self._logprobs))
+        step.logprobs = self._release_logprobs(self._guard.sent_chars)
+        return step
+
+    def _release_logprobs(self, chars: int | None) -> list[TokenLogprob]:
+        """The entries whose text is out (all of them with ``chars`` None)."""
+        released = self._logprobs_sent
+        while released < len(self._logprobs):
+            length = len(self._logprobs[released].token)
+            if chars is not None and self._logprob_chars_sent + length > chars:
+                break
+            self._logprob_chars_sent += length
+            released += 1
+        entries = self._logprobs[self._logprobs_sent : released]
+        self._logprobs_sent = released
+        return entries
+
+    def finish(self) -> StreamEnd:
+        """After the last step: the held-back tail and tokens, the finish reason and counts."""
+        meta = self._last_meta
+        finish_reason = finish_reason_of(meta)
+        tail = self._guard.finish()
+        logprobs = None
+        if self.choice.expected.top_logprobs is not None:
+            logprobs = self._release_logprobs(None)
+        end = StreamEnd(
+            tail,
+            finish_reason,
+            meta.get("completion_tokens", 0),
+            meta.get("cached_tokens", 0),
+            logprobs,
+        )
+        if self._shaper is not None:
+            self._shaper.end(end)
+        return end
+
+    async def aclose(self) -> None:
+        await self._batches.aclose()
+
+
+class ChoiceStreams:
+    """The streams of every choice of one generation, merged as their steps arrive.
+
+    ``events`` yields ``(stream, step)`` for each checked step and ``(stream, end)`` once a
+    choice's stream ended; after the last, the tenant's token count is settled. ``aclose``
+    closes every choice's stream, however far it got.
+    """
+
+    def __init__(
+        self, streams: list[CheckedStream], trace: Trace, lease: LimitLease | None
+    ) -> None:
+        self.streams = streams
+        self._trace = trace
+        self._lease = lease
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(stream.choice.expected.prompt_tokens for stream in self.streams)
+
+    async def events(self) -> AsyncGenerator[tuple[CheckedStream, StreamStep | StreamEnd]]:
+        completion_tokens = 0
+        if len(self.streams) == 1:  # no tasks: the common case stays as cheap as it was
+            stream = self.streams[0]
+            async for step in stream.steps():
+                yield stream, step
+            end = stream.finish()
+            completion_tokens = end.completion_tokens
+            yield stream, end
+        else:
+            async for stream, item in _merged(self.streams):
+                if isinstance(item, StreamEnd):
+                    completion_tokens += item.completion_tokens
+                yield stream, item
+        self._trace.completion_tokens = completion_tokens
+        if self._lease is not None:
+            await self._lease.settle(self.prompt_tokens + completion_tokens)
+
+    async def aclose(self) -> None:
+        for stream in self.streams:
+            await stream.aclose()
+
+
+async def _merged(
+    streams: list[CheckedStream],
+) -> AsyncGenerator[tuple[CheckedStream, StreamStep | StreamEnd]]:
+    """Every stream's steps, in the order they are ready; a failure in one ends them all."""
+    iterators = {stream: stream.steps() for stream in streams}
+    pending: dict[asyncio.Future[StreamStep], CheckedStream] = {}
+    try:
+        for stream, steps in iterators.items():
+            pending[asyncio.ensure_future(steps.__anext__())] = stream
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for future in sorted(done, key=lambda f: pending[f].index):
+                stream = pending.pop(future)
+                try:
+                    step = future.result()
+                except StopAsyncIteration:
+                    yield stream, stream.finish()
+                    continue
+                yield stream, step
+                pending[asyncio.ensure_future(iterators[stream].__anext__())] = stream
+    finally:
+        for future in pending:
+            future.cancel()
+        for future in pending:
+            with contextlib.suppress(BaseException):
+                await future
+        for steps in iterators.values():
+            await steps.aclose()
+
+
+_T = TypeVar("_T")
+
+
+async def _all_or_nothing(
+    calls: Sequence[Awaitable[_T]],
+    on_abandon: Callable[[_T], Awaitable[None]] | None = None,
+) -> list[_T]:
+    """Every call's result, in order; the first failure cancels the rest and is raised (what
+    already succeeded is handed to ``on_abandon``, e.g. streams to close)."""
+    tasks = [asyncio.ensure_future(call) for call in calls]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        failure = _first_failure(tasks)
+        if failure is not None:
+            raise failure
+        return [task.result() for task in tasks]
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        if on_abandon is not None:
+            for result in results:
+                if not isinstance(result, BaseException):
+                    await on_abandon(result)
+        raise
+
+
+def _first_failure(tasks: Sequence[asyncio.Future[Any]]) -> BaseException | None:
+    # The lowest-indexed failed choice: the same request fails the same way every time.
+    for task in tasks:
+        if task.done() and not task.cancelled() and (failure := task.exception()) is not None:
+            return failure
+    return None
+
+
+def _capacity_busy() -> APIError:
+    return unavailable(
+        "Every worker pair that could hold this request is busy; try again shortly.",
+        code="capacity_busy",
+    )
+
+
+def token_logprobs(
+    meta: dict[str, Any], tokenizer: ModelTokenizer, start: int = 0
+) -> list[TokenLogprob]:
+    """The completion tokens' log probabilities from ``start`` on, checked by ``check_meta``
+    already; token texts come from the gateway's own tokenizer, never from the engine."""
+    entries = meta.get("output_token_logprobs") or []
+    alternatives = meta.get("output_top_logprobs") or []
+    text = tokenizer.token_text
+    result = []
+    for position in range(start, len(entries)):
+        logprob, token = entries[position][0], entries[position][1]
+        top = alternatives[position] if position < len(alternatives) else []
+        result.append(
+            TokenLogprob(text(token), float(logprob), [(text(e[1]), float(e[0])) for e in top])
+        )
+    return result
+
+
+def prompt_logprobs(meta: dict[str, Any], tokenizer: ModelTokenizer) -> PromptLogprobs:
+    """The prompt's scores, checked by ``check_prompt_logprobs`` already; token texts from the
+    gateway's own tokenizer."""
+    entries = meta["input_token_logprobs"]
+    alternatives = meta.get("input_top_logprobs") or []
+    text = tokenizer.token_text
+    rest = []
+    for position in range(1, len(entries)):
+        logprob, token = entries[position][0], entries[position][1]
+        top = (alternatives[position] if position < len(alternatives) else None) or []
+        rest.append(
+            TokenLogprob(text(token), float(logprob), [(text(e[1]), float(e[0])) for e in top])
+        )
+    return PromptLogprobs(text(entries[0][1]), rest)
+
+
+def best_of(completions: list[Completion], candidates: int, keep: int) -> list[Completion]:
+    """Of each prompt's ``candidates`` completions (consecutive by index), the ``keep`` with the
+    highest log probability per token, re-indexed as the client's choices."""
+    best: list[Completion] = []
+    ordered = sorted(completions, key=lambda c: c.index)
+    for start in range(0, len(ordered), candidates):
+        group = ordered[start : start + candidates]
+        group.sort(key=_mean_logprob, reverse=True)
+        best.extend(group[:keep])
+    return [dataclasses.replace(c, index=i) for i, c in enumerate(best)]
+
+
+def _mean_logprob(completion: Completion) -> float:
+    entries = completion.logprobs or []
+    return sum(e.logprob for e in entries) / len(entries) if entries else float("-inf")
+
+
+def finish_reason_of(meta: dict[str, Any]) -> str:
+    """The OpenAI finish reason of an engine answer; an abort is a failure, never content."""
+    reason = meta.get("finish_reason")
+    kind = reason.get("type") if isinstance(reason, dict) else reason
+    if kind == "abort":
+        # An engine abort reported with 200 is a failure (see ARCHITECTURE: the 0.5.23 abort
+        # with status_code=None answers 200).
+        # The engine's reason is for operators (logged); clients see the gateway's own.
+        message = reason.get("message") if isinstance(reason, dict) else None
+        log.warning("engine aborted a request", extra={"engine_message": str(message)[:500]})
+        raise IsolationFailure("engine aborted the request")
+    return "length" if kind == "length" else "stop"
+
+
+# ---- reading outputs: reasoning, text, tool calls --------------------------------------------
+
+
+def read_output(parser: OutputParser, text: str, final: bool) -> ParsedOutput:
+    """``text`` through ``parser``; output that broke the constraint it was decoded under is a
+    failed check (fail closed: never an answer without the calls that were promised)."""
+    try:
+        return parser.parse(text) if final else parser.feed(text)
+    except InvalidToolOutput as exc:
+        raise IsolationFailure(f"tool-call output broke its constraint: {exc}") from None
+
+
+def check_parsed(scanner: ContentScanner, parsed: ParsedOutput, tenant_id: str) -> None:
+    """The canary scan of every field handed out: answer, reasoning and each call's name and
+    arguments (as serialised, so a marker the model wrote escaped is found too)."""
+    for text in (parsed.text, parsed.reasoning):
+        check_text(scanner, text, tenant_id)
+    for call in parsed.calls:
+        check_text(scanner, call.name, tenant_id)
+        check_text(scanner, call.arguments, tenant_id)
+
+
+class OutputShaper:
+    """One streamed choice read into reasoning, answer text and calls, each field checked as
+    the raw text is: answer and reasoning through their own hold-back guard, each call whole
+    before it is handed out."""
+
+    def __init__(self, parser: OutputParser, scanner: ContentScanner, tenant_id: str) -> None:
+        self._parser = parser
+        self._scanner = scanner
+        self._tenant_id = tenant_id
+        self._text = StreamGuard(scanner, tenant_id)
+        self._reasoning = StreamGuard(scanner, tenant_id)
+        self.calls_made = 0
+
+    def step(self, delta: str, meta: dict[str, Any]) -> StreamStep:
+        parsed = read_output(self._parser, delta, final=False)
+        text, reasoning = self._released(parsed)
+        return StreamStep(text, meta, None, reasoning, parsed.calls or None)
+
+    def end(self, end: StreamEnd) -> None:
+        """Completes ``end`` (whose ``tail`` is the raw text's last part) with what the fields
+        held back."""
+        parsed = read_output(self._parser, end.tail, final=False)
+        try:
+            last = self._parser.finish()
+        except InvalidToolOutput as exc:
+            raise IsolationFailure(f"tool-call output broke its constraint: {exc}") from None
+        merged = ParsedOutput(
+            parsed.reasoning + last.reasoning, parsed.text + last.text, parsed.calls + last.calls
+        )
+        text, reasoning = self._released(merged)
+        end.tail = text + self._text.finish()
+        end.reasoning = reasoning + self._reasoning.finish()
+        end.tool_calls = merged.calls or None
+        if self.calls_made and end.finish_reason == "stop":
+            end.finish_reason = "tool_calls"
+
+    def _released(self, parsed: ParsedOutput) -> tuple[str, str]:
+        for call in parsed.calls:
+            check_text(self._scanner, call.name, self._tenant_id)
+            check_text(self._scanner, call.arguments, self._tenant_id)
+        self.calls_made += len(parsed.calls)
+        text = self._text.feed(self._text.text + parsed.text)
+        reasoning = self._reasoning.feed(self._reasoning.text + parsed.reasoning)
+        return text, reasoning

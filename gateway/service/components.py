@@ -1,0 +1,231 @@
+"""Everything a request needs, built once per process and closed on shutdown.
+
+``Components`` is the one object the routes reach for (``request.app.state.components``);
+nothing in the gateway is a module-level global. Policies and tokenizers are swapped
+together on reload, so a request sees one consistent version of both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.config.policies import Policies, load_policies
+from gateway.config.settings import Settings
+from gateway.core.admission import ClaimLedger
+from gateway.core.generation import GenerationCore
+from gateway.core.pair_queues import PairQueues, QueueSettings
+from gateway.core.routing import RoutingCache
+from gateway.observability.metrics import Metrics
+from gateway.openai.tokenize import ModelTokenizer
+from gateway.server.intake import BodyParser
+from gateway.service.canary import CanaryMetrics, CanaryProber
+from gateway.tenancy.audit import AuditLog
+from gateway.tenancy.auth import Authenticator, UnauthenticatedClients
+from gateway.tenancy.limits import TenantLimiter
+from gateway.tenancy.revocations import Revocations
+from gateway.tenancy.store import Store, create_store
+from gateway.verification.scanner import CanaryScanner, alert_on_hit
+from gateway.verification.verify import ContentScanner, NoScanner
+from gateway.workers.capacity import CapacityRegistry, Role
+from gateway.workers.dispatch import PDDispatcher
+from gateway.workers.upstream import UpstreamClient
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Components:
+    settings: Settings
+    policies: Policies
+    tokenizers: dict[str, ModelTokenizer]
+    capacity: CapacityRegistry
+    routes: RoutingCache
+    ledger: ClaimLedger
+    dispatcher: PDDispatcher
+    store: Store
+    authenticator: Authenticator
+    audit: AuditLog
+    limiter: TenantLimiter
+    metrics: Metrics
+    queues: PairQueues
+    unauthenticated: UnauthenticatedClients
+    parser: BodyParser
+    scanner: ContentScanner = field(default_factory=NoScanner)
+    redis: Any | None = None
+    tasks: list[asyncio.Task[Any]] = field(default_factory=list)
+    core: GenerationCore = field(init=False)
+    revocations: Revocations = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.revocations = Revocations(
+            self.authenticator,
+            self.redis,
+            self.settings.redis_key_prefix,
+            self.metrics.auth_invalidations,
+        )
+        self.core = GenerationCore(
+            catalog=self,
+            routes=self.routes,
+            ledger=self.ledger,
+            limiter=self.limiter,
+            dispatcher=self.dispatcher,
+            scanner=self.scanner,
+            audit=self.audit,
+            metrics=self.metrics,
+            queues=self.queues,
+            margin_tokens=self.settings.admission_safety_margin_tokens,
+            cache_salt_secret=self.settings.cache_salt_secret,
+        )
+
+    def workers(self) -> list[tuple[str, Role]]:
+        return workers_of(self.policies)
+
+    def apply_policies(self, policies: Policies) -> None:
+        """Adopt new policies (already validated) together with their tokenizers."""
+        tokenizers = load_tokenizers(policies, self.settings, self.tokenizers, self.policies)
+        self.policies, self.tokenizers = policies, tokenizers
+        self.capacity.set_workers(self.workers())
+
+
+def workers_of(policies: Policies) -> list[tuple[str, Role]]:
+    seen: dict[str, Role] = {}
+    for model in policies.models.values():
+        for pool in model.pools:
+            for prefill in pool.prefill:
+                seen.setdefault(prefill.url, "prefill")
+            for decode in pool.decode:
+                seen.setdefault(decode.url, "decode")
+    return list(seen.items())
+
+
+def load_tokenizers(
+    policies: Policies,
+    settings: Settings,
+    previous: dict[str, ModelTokenizer] | None = None,
+    previous_policies: Policies | None = None,
+) -> dict[str, ModelTokenizer]:
+    tokenizers: dict[str, ModelTokenizer] = {}
+    for name, model in policies.models.items():
+        old = previous_policies.models.get(name) if previous_policies else None
+        if previous and old is not None and old.tokenizer == model.tokenizer and name in previous:
+            tokenizers[name] = previous[name]
+        else:
+            tokenizers[name] = ModelTokenizer(
+                model.tokenizer, thread_min_chars=settings.tokenize_in_thread_min_chars
+            )
+    return tokenizers
+
+
+async def build_components(settings: Settings) -> Components:
+    policies = load_policies(settings.policies_dir)
+    tokenizers = load_tokenizers(policies, settings)
+    redis_client = None
+    if settings.redis_url:
+        import redis.asyncio as redis_asyncio
+
+        redis_client = redis_asyncio.from_url(settings.redis_url)
+    capacity = CapacityRegistry(
+        poll_interval_s=settings.capacity_poll_interval_s,
+        stale_after_s=settings.capacity_stale_after_s,
+        max_age_if_alive_s=settings.capacity_max_age_if_alive_s,
+        liveness_timeout_s=settings.worker_liveness_timeout_s,
+        redis=redis_client,
+        key_prefix=settings.redis_key_prefix,
+    )
+    capacity.set_workers(workers_of(policies))
+    store = create_store(settings.database_url)
+    metrics = Metrics()
+    scanner: ContentScanner = NoScanner()
+    if settings.canary_scan:
+        scanner = CanaryScanner(redis_client, settings.canary_redis_key, alert_on_hit(metrics))
+    components = Components(
+        settings=settings,
+        policies=policies,
+        tokenizers=tokenizers,
+        capacity=capacity,
+        routes=RoutingCache(capacity),
+        ledger=ClaimLedger(),
+        dispatcher=PDDispatcher(
+            UpstreamClient(
+                connect_timeout_s=settings.upstream_connect_timeout_s,
+                timeout_s=settings.upstream_timeout_s,
+                deadline_resolution_s=settings.deadline_resolution_s,
+            ),
+            seen_serving=capacity.seen_serving,
+        ),
+        store=store,
+        authenticator=Authenticator(store, settings),
+        audit=AuditLog(store, settings),
+        limiter=TenantLimiter(redis_client, settings.redis_key_prefix),
+        metrics=metrics,
+        queues=PairQueues(
+            QueueSettings(
+                default_in_flight=settings.queue_in_flight_per_pair,
+                max_wait_s=settings.queue_max_wait_s,
+                max_queued_per_tenant=settings.queue_max_per_tenant,
+                replicas=settings.queue_replicas,
+                default_in_flight_contended=settings.queue_in_flight_per_pair_contended,
+                contention_linger_s=settings.queue_contention_linger_s,
+            ),
+            metrics,
+        ),
+        unauthenticated=UnauthenticatedClients(
+            metrics, per_minute=settings.unauthenticated_per_address_per_minute
+        ),
+        parser=BodyParser(
+            off_loop_min_bytes=settings.parse_off_loop_min_bytes,
+            processes=settings.parse_processes,
+        ),
+        scanner=scanner,
+        redis=redis_client,
+    )
+    components.parser.start()
+    await components.audit.start()
+    components.tasks.append(asyncio.create_task(capacity.run(), name="capacity-poller"))
+    components.tasks.append(asyncio.create_task(capacity.run_liveness(), name="liveness-prober"))
+    components.tasks.append(
+        asyncio.create_task(components.revocations.run(), name="auth-invalidations")
+    )
+    start_canaries(components)
+    return components
+
+
+def start_canaries(components: Components) -> None:
+    """The canary scanner's refresh and, when an interval is set, the prober."""
+    settings, scanner = components.settings, components.scanner
+    if not isinstance(scanner, CanaryScanner):
+        return  # canary scanning is off
+    canary_metrics = CanaryMetrics(components.metrics.registry, scanner)
+    # Drops expired markers and, with Redis, adopts the other replicas'.
+    components.tasks.append(
+        asyncio.create_task(scanner.run_refresh(settings.canary_refresh_s), name="canary-refresh")
+    )
+    if settings.canary_interval_s > 0:
+        prober = CanaryProber(
+            components.core,
+            components,
+            components.capacity,
+            scanner,
+            ttl_s=settings.canary_marker_ttl_s,
+            max_tokens=settings.canary_max_tokens,
+            metrics=canary_metrics,
+        )
+        components.tasks.append(
+            asyncio.create_task(prober.run(settings.canary_interval_s), name="canary-prober")
+        )
+
+
+async def close_components(components: Components) -> None:
+    for task in components.tasks:
+        task.cancel()
+    await asyncio.gather(*components.tasks, return_exceptions=True)
+    components.parser.close()
+    await components.audit.close()
+    await components.capacity.close()
+    await components.dispatcher.aclose()
+    if components.redis is not None:
+        await components.redis.aclose()
+    components.store.dispose()

@@ -1,0 +1,258 @@
+"""Gates 2-4 as seen from outside the engine: nothing reaches a client before it is checked.
+
+An HTTP 200 and "transfer complete" prove nothing about whose KV pages decode read. What the
+gateway can prove from outside is that the engine answered *this* request: it echoes the
+generation and tenant IDs that ``engine_patch`` carried through prefill and decode, it counted
+exactly the prompt the gateway tokenized, and it generated no more than was asked. Any
+mismatch fails the request closed (HTTP 502 ``isolation_check_failed``; for a stream, an error
+event and nothing more), never a 200.
+
+Canary scanning (``scanner``) adds the content check: no output carries a live marker
+of another tenant. Streamed text is held back by the longest marker's length minus one, so a
+marker split across chunks is caught before any byte of it is sent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from gateway.common.errors import APIError, isolation_check_failed
+
+# The reason of a canary hit; the pipeline can tell it from the other checks' reasons by it.
+FOREIGN_MARKER_REASON = "output carries another tenant's canary marker"
+
+
+class IsolationFailure(Exception):
+    """The engine's answer does not belong to the request; ``reason`` says which check failed."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+    def api_error(self) -> APIError:
+        return isolation_check_failed(
+            f"The response failed an isolation check and was withheld ({self.reason})."
+        )
+
+
+@dataclass(slots=True)
+class Expectation:
+    generation_id: str
+    tenant_id: str
+    prompt_tokens: int
+    max_tokens: int
+    require_tags: bool
+    # With log probabilities: this many alternatives per token, ids below ``vocab_size``.
+    top_logprobs: int | None = None
+    vocab_size: int = 0
+
+
+def check_meta(meta: Any, expected: Expectation) -> None:
+    """Check one engine response (or stream chunk) ``meta_info`` against the request."""
+    if not isinstance(meta, dict):
+        raise IsolationFailure("response carries no meta_info")
+    if meta.get("id") != expected.generation_id:
+        raise IsolationFailure("meta_info.id is not this request's generation ID")
+    if expected.require_tags:
+        if meta.get("isolation_generation") != expected.generation_id:
+            raise IsolationFailure(
+                "engine echoed another generation ID"
+                if "isolation_generation" in meta
+                else "engine did not echo the generation ID"
+            )
+        if meta.get("isolation_tenant") != expected.tenant_id:
+            raise IsolationFailure(
+                "engine echoed another tenant"
+                if "isolation_tenant" in meta
+                else "engine did not echo the tenant"
+            )
+        # engine_patch's decode says whether it verified that prefill's transfer covered every
+        # page it reserved (gate 3). An explicit "not verified" is a failure; an engine that
+        # does not report it at all is judged by the tags alone.
+        if "isolation_verified" in meta and meta["isolation_verified"] is not True:
+            raise IsolationFailure("decode did not verify the KV transfer's coverage")
+    prompt_tokens = meta.get("prompt_tokens")
+    if prompt_tokens != expected.prompt_tokens:
+        raise IsolationFailure(
+            f"engine counted {prompt_tokens} prompt tokens, "
+            f"the gateway sent {expected.prompt_tokens}"
+        )
+    completion_tokens = meta.get("completion_tokens", 0)
+    if not isinstance(completion_tokens, int) or not 0 <= completion_tokens <= expected.max_tokens:
+        raise IsolationFailure(
+            f"completion_tokens {completion_tokens} outside 0..{expected.max_tokens}"
+        )
+    cached_tokens = meta.get("cached_tokens", 0)
+    if not isinstance(cached_tokens, int) or not 0 <= cached_tokens <= expected.prompt_tokens:
+        raise IsolationFailure(f"cached_tokens {cached_tokens} outside 0..{expected.prompt_tokens}")
+    if expected.top_logprobs is not None:
+        check_logprobs(meta, completion_tokens, expected)
+
+
+def check_logprobs(meta: dict[str, Any], completion_tokens: int, expected: Expectation) -> None:
+    """One log-probability entry per completion token (SGLang sends them cumulatively, so in
+    every chunk too), each a token id inside the vocabulary, with exactly the alternatives
+    asked for; none for the prompt, which was not asked for."""
+    entries = meta.get("output_token_logprobs")
+    if not isinstance(entries, list) or len(entries) != completion_tokens:
+        count = len(entries) if isinstance(entries, list) else "no"
+        raise IsolationFailure(
+            f"{count} log-probability entries for {completion_tokens} completion tokens"
+        )
+    for entry in entries:
+        _check_logprob_entry(entry, expected.vocab_size)
+    if meta.get("input_token_logprobs"):
+        raise IsolationFailure("prompt log probabilities that were not asked for")
+    top = expected.top_logprobs or 0
+    if top:
+        alternatives = meta.get("output_top_logprobs")
+        if not isinstance(alternatives, list) or len(alternatives) != completion_tokens:
+            raise IsolationFailure("top log probabilities do not match the completion tokens")
+        for position in alternatives:
+            if not isinstance(position, list) or len(position) != min(top, expected.vocab_size):
+                raise IsolationFailure("a token's top log probabilities are not as asked for")
+            for entry in position:
+                _check_logprob_entry(entry, expected.vocab_size)
+
+
+def check_prompt_logprobs(meta: Any, input_ids: list[int], expected: Expectation) -> None:
+    """Prefill's scores of the prompt (``echo``), from prefill's answer to this generation:
+    one entry per prompt token, for exactly the prompt's tokens in order (the first,
+    conditioned on nothing, without a log probability), each with the alternatives asked for.
+    Anything else scored another sequence."""
+    if not isinstance(meta, dict) or meta.get("id") != expected.generation_id:
+        raise IsolationFailure("prefill's prompt scores are not this request's")
+    vocab_size, top_logprobs = expected.vocab_size, expected.top_logprobs or 0
+    entries = meta.get("input_token_logprobs")
+    if not isinstance(entries, list) or len(entries) != len(input_ids):
+        count = len(entries) if isinstance(entries, list) else "no"
+        raise IsolationFailure(
+            f"{count} prompt log-probability entries for {len(input_ids)} prompt tokens"
+        )
+    for position, (entry, token) in enumerate(zip(entries, input_ids, strict=True)):
+        if not isinstance(entry, list) or len(entry) < 2 or entry[1] != token:
+            raise IsolationFailure("prompt log probabilities of tokens that are not the prompt's")
+        if position:
+            _check_logprob_entry(entry, vocab_size)
+    if not top_logprobs:
+        return
+    alternatives = meta.get("input_top_logprobs")
+    if not isinstance(alternatives, list) or len(alternatives) != len(input_ids):
+        raise IsolationFailure("top log probabilities do not match the prompt tokens")
+    for position in alternatives[1:]:
+        if not isinstance(position, list) or len(position) != min(top_logprobs, vocab_size):
+            raise IsolationFailure("a prompt token's top log probabilities are not as asked for")
+        for entry in position:
+            _check_logprob_entry(entry, vocab_size)
+
+
+def _check_logprob_entry(entry: Any, vocab_size: int) -> None:
+    # SGLang's entry: [logprob, token id, text or None].
+    if not isinstance(entry, list) or len(entry) < 2:
+        raise IsolationFailure("a log-probability entry is malformed")
+    logprob, token = entry[0], entry[1]
+    if not isinstance(token, int) or not 0 <= token < vocab_size:
+        raise IsolationFailure(f"log-probability token id {token!r} outside the vocabulary")
+    if not isinstance(logprob, (int, float)) or logprob > 0:
+        raise IsolationFailure(f"log probability {logprob!r} is not a log probability")
+
+
+class ContentScanner(Protocol):
+    """Finds another tenant's live canary marker in output text (see ``scanner``)."""
+
+    @property
+    def holdback_chars(self) -> int: ...
+
+    @property
+    def marker_start(self) -> str: ...  # the character every marker begins with
+
+    def foreign_marker(self, text: str, tenant_id: str) -> str | None: ...
+
+
+class NoScanner:
+    holdback_chars = 0
+    marker_start = ""
+
+    def foreign_marker(self, text: str, tenant_id: str) -> str | None:
+        return None
+
+
+class StreamGuard:
+    """Turns the engine's cumulative stream text into checked deltas for the client.
+
+    SGLang streams the whole text so far in every chunk. ``feed`` returns the part that is
+    safe to send now: new text minus a tail that could still be the start of a marker;
+    ``finish`` releases the tail once the full text has been scanned.
+    """
+
+    def __init__(self, scanner: ContentScanner, tenant_id: str) -> None:
+        self._scanner = scanner
+        self._tenant_id = tenant_id
+        self._text = ""
+        self._sent = 0
+        self._extra_scanned = 0
+
+    @property
+    def text(self) -> str:
+        return self._text
+
+    @property
+    def sent_chars(self) -> int:
+        """How much of the text has been handed out."""
+        return self._sent
+
+    def scan_extra(self, text: str) -> None:
+        """Scan other text that grows with the stream (the log probabilities' tokens), from
+        where the last call left off less a marker's length."""
+        start = max(0, self._extra_scanned - self._scanner.holdback_chars)
+        self._extra_scanned = len(text)
+        if self._scanner.foreign_marker(text[start:], self._tenant_id) is not None:
+            raise IsolationFailure(FOREIGN_MARKER_REASON)
+
+    def feed(self, cumulative_text: str) -> str:
+        if not cumulative_text.startswith(self._text):
+            raise IsolationFailure("stream text was rewritten by the engine")
+        self._text = cumulative_text
+        self._scan()
+        safe_until = len(self._text)
+        if self._scanner.holdback_chars:
+            # Only a marker still incomplete at the end can hide in the text: it begins within the
+            # last holdback_chars, with the marker's first character. Hold back from there only,
+            # so ordinary text streams without delay.
+            window = max(self._sent, len(self._text) - self._scanner.holdback_chars)
+            start = self._text.find(self._scanner.marker_start, window)
+            if start != -1:
+                safe_until = start
+        safe_until = max(self._sent, safe_until)
+        delta = self._text[self._sent : safe_until]
+        self._sent = safe_until
+        return delta
+
+    def feed_all(self, cumulative_texts: list[str]) -> str:
+        """``feed`` for chunks that arrived together: each must extend the one before it, and
+        what they add is scanned once."""
+        previous = self._text
+        for text in cumulative_texts:
+            if not text.startswith(previous):
+                raise IsolationFailure("stream text was rewritten by the engine")
+            previous = text
+        return self.feed(previous)
+
+    def finish(self) -> str:
+        self._scan()
+        delta = self._text[self._sent :]
+        self._sent = len(self._text)
+        return delta
+
+    def _scan(self) -> None:
+        # Only the unsent region plus a marker-length overlap can hold a new marker.
+        start = max(0, self._sent - self._scanner.holdback_chars)
+        marker = self._scanner.foreign_marker(self._text[start:], self._tenant_id)
+        if marker is not None:
+            raise IsolationFailure(FOREIGN_MARKER_REASON)
+
+
+def check_text(scanner: ContentScanner, text: str, tenant_id: str) -> None:
+    if scanner.foreign_marker(text, tenant_id) is not None:
+        raise IsolationFailure(FOREIGN_MARKER_REASON)
