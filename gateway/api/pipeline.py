@@ -140,20 +140,20 @@ async def handle_generation(
         # Completions per prompt: ``best_of`` of them where a completion request asks for more
         # than it returns.
         candidates = parsed.candidates if isinstance(parsed, CompletionRequest) else parsed.choices
-        # Positional, in the ask's field order: a class called with keywords packs them into a
-        # dict first, and this runs for every request.
         ask = GenerationAsk(
-            principal.tenant_id,
-            model,
-            _prompts(parsed),  # prompts
-            max_tokens,
-            parsed.sampling_params(max_tokens),
-            limits,
-            lease,
-            candidates,  # n
-            parsed.top_logprobs_num,  # top_logprobs
-            isinstance(parsed, CompletionRequest) and parsed.prompt_logprobs,
-            output_spec(parsed, model) if isinstance(parsed, ChatCompletionRequest) else None,
+            tenant_id=principal.tenant_id,
+            model=model,
+            prompts=_prompts(parsed),
+            max_tokens=max_tokens,
+            sampling_params=parsed.sampling_params(max_tokens),
+            limits=limits,
+            lease=lease,
+            n=candidates,
+            top_logprobs=parsed.top_logprobs_num,
+            prompt_logprobs=isinstance(parsed, CompletionRequest) and parsed.prompt_logprobs,
+            output=output_spec(parsed, model)
+            if isinstance(parsed, ChatCompletionRequest)
+            else None,
         )
 
         # admit → claim → dispatch → verify (the core), then the response; a client that

@@ -102,7 +102,7 @@ class TokenPrompt:
 Prompt = ChatPrompt | TextPrompt | TokenPrompt
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class GenerationAsk:
     """One request: ``n`` choices for each of its prompts, admitted and claimed as a whole."""
 
@@ -201,26 +201,23 @@ class Trace:
             prefill_worker = decode_worker = pool = None
         else:
             (prefill_worker, decode_worker), pool = pair.urls, pair.pool
-        # Positional, in the event's field order: a class called with keywords packs them into
-        # a dict first, and this runs for every request (tests/unit/tenancy/test_audit_event.py holds
-        # the order).
         return AuditEvent(
-            self.generation_id,
-            tenant_id,
-            key_id,
-            self.model,
-            outcome.outcome,
-            outcome.status,
-            outcome.code,
-            prefill_worker,
-            decode_worker,
-            self.prompt_tokens,
-            self.completion_tokens,
-            self.stream,
-            (time.perf_counter() - self.started) * 1000.0,
-            self.created_at,
-            outcome.detail,
-            pool,
+            generation_id=self.generation_id,
+            tenant_id=tenant_id,
+            key_id=key_id,
+            model=self.model,
+            outcome=outcome.outcome,
+            status=outcome.status,
+            code=outcome.code,
+            prefill_worker=prefill_worker,
+            decode_worker=decode_worker,
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            stream=self.stream,
+            latency_ms=(time.perf_counter() - self.started) * 1000.0,
+            created_at=self.created_at,
+            detail=outcome.detail,
+            pool=pool,
         )
 
 
@@ -358,14 +355,14 @@ class GenerationCore:
             for _ in range(ask.n):
                 # The first choice's ID is the request's (the response id, the audit key).
                 generation_id = new_generation_id() if choices else trace.generation_id
-                request = EngineRequest(  # positional: see ``Trace.event``
-                    generation_id,
-                    ask.tenant_id,
-                    input_ids,
-                    ask.sampling_params,
-                    cache_salt,
-                    ask.top_logprobs,
-                    ask.prompt_logprobs and ask.top_logprobs is not None,
+                request = EngineRequest(
+                    generation_id=generation_id,
+                    tenant_id=ask.tenant_id,
+                    input_ids=input_ids,
+                    sampling_params=ask.sampling_params,
+                    cache_salt=cache_salt,
+                    top_logprobs=ask.top_logprobs,
+                    prompt_logprobs=ask.prompt_logprobs and ask.top_logprobs is not None,
                 )
                 expected = Expectation(
                     generation_id,

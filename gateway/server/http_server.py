@@ -284,21 +284,18 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             app = service_unavailable
             self.logger.warning("Exceeded concurrency limit.")
         existing = self.cycle
-        # Positional, in the order of uvicorn's parameters (held to it by a test in
-        # tests/unit/server/test_http_server.py): a class called with keywords packs them into a dict
-        # first, and this runs for every request.
         self.cycle = GatewayCycle(
-            self.scope,
-            self.transport,
-            self.flow,
-            self.logger,
-            self.access_logger,
-            self.access_log,
-            self.server_state.default_headers,
-            asyncio.Event(),  # message_event
-            self.expect_100_continue,
-            http_version != "1.0" and parser.should_keep_alive(),  # keep_alive
-            self.on_response_complete,
+            scope=self.scope,
+            transport=self.transport,
+            flow=self.flow,
+            logger=self.logger,
+            access_logger=self.access_logger,
+            access_log=self.access_log,
+            default_headers=self.server_state.default_headers,
+            message_event=asyncio.Event(),
+            expect_100_continue=self.expect_100_continue,
+            keep_alive=http_version != "1.0" and parser.should_keep_alive(),
+            on_response=self.on_response_complete,
         )
         if existing is None or existing.response_complete:
             self._start_asgi_task(self.cycle, app)

@@ -69,7 +69,7 @@ _CHECKPOINT_EVERY_ROWS = 5_000
 _CHECKPOINT_EVERY_S = 10.0
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class AuditEvent:
     generation_id: str
     tenant_id: str

@@ -45,7 +45,7 @@ GENERATION_HEADER = "X-Isolation-Generation"
 PREFILL_META = "isogate_prefill_meta_info"
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class EngineRequest:
     generation_id: str
     tenant_id: str

@@ -358,40 +358,40 @@ async def test_a_responses_id_finds_its_event_at_once(
     try:
         audit.record(
             AuditEvent(
-                "gen_just_served",
-                "acme",
-                "key_x",
-                "m",
-                "served",
-                200,
-                None,
-                "p",
-                "d",
-                5,
-                6,
-                False,
-                3.0,
-                datetime.now(UTC),
+                generation_id="gen_just_served",
+                tenant_id="acme",
+                key_id="key_x",
+                model="m",
+                outcome="served",
+                status=200,
+                code=None,
+                prefill_worker="p",
+                decode_worker="d",
+                prompt_tokens=5,
+                completion_tokens=6,
+                stream=False,
+                latency_ms=3.0,
+                created_at=datetime.now(UTC),
             )
         )
         found = await api.get("/v1/audit/events/gen_just_served", headers=key_headers(key))
         assert found.status_code == 200 and found.json()["completion_tokens"] == 6
         audit.record(
             AuditEvent(
-                "gen_next",
-                "acme",
-                "key_x",
-                "m",
-                "rejected",
-                400,
-                "context_length_exceeded",
-                None,
-                None,
-                9000,
-                None,
-                True,
-                1.0,
-                datetime.now(UTC),
+                generation_id="gen_next",
+                tenant_id="acme",
+                key_id="key_x",
+                model="m",
+                outcome="rejected",
+                status=400,
+                code="context_length_exceeded",
+                prefill_worker=None,
+                decode_worker=None,
+                prompt_tokens=9000,
+                completion_tokens=None,
+                stream=True,
+                latency_ms=1.0,
+                created_at=datetime.now(UTC),
             )
         )
         listed = await api.get(

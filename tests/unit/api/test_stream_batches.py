@@ -47,7 +47,13 @@ def writes_of(
     raised."""
     guard = StreamGuard(NoScanner(), "acme")
     trace = Trace(GID, datetime.now(UTC), time.perf_counter(), stream=True, model="m")
-    request = EngineRequest(GID, "acme", [1, 2, 3], {}, "salt")
+    request = EngineRequest(
+        generation_id=GID,
+        tenant_id="acme",
+        input_ids=[1, 2, 3],
+        sampling_params={},
+        cache_salt="salt",
+    )
 
     async def collect() -> tuple[list[bytes], BaseException | None]:
         writes: list[bytes] = []

@@ -1,8 +1,7 @@
 """What a request's trace says in its audit event: every column from its own source.
 
-``Trace.event`` builds the event positionally (it runs for every request), so a value in the
-wrong position would go to another column of the same type unnoticed by the type checker:
-here every source holds a value no other one holds.
+A value taken from the wrong source would go to a column of the same type unnoticed by the type
+checker: here every source holds a value no other one holds.
 """
 
 from __future__ import annotations
