@@ -16,8 +16,9 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from gateway.api import tokenize_routes
+from gateway.api.answers import Kind
 from gateway.api.openapi import openapi_json
-from gateway.api.pipeline import Kind, handle_generation, read_body
+from gateway.api.pipeline import handle_generation, read_body
 from gateway.api.tokenize_routes import DetokenizeRequest, TokenizeRequest
 from gateway.common.errors import APIError
 from gateway.config.policies import ModelPolicy

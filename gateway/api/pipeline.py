@@ -20,13 +20,14 @@ import time
 from collections.abc import AsyncGenerator, Awaitable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, Literal
 
 import orjson
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from gateway.api import answers
+from gateway.api.answers import Kind
 from gateway.common.errors import APIError, bad_request, not_found
 from gateway.common.ids import new_generation_id
 from gateway.config.policies import ModelPolicy
@@ -35,12 +36,10 @@ from gateway.core.generation import (
     SERVED,
     ChatPrompt,
     ChoiceStreams,
-    Completion,
     GenerationAsk,
     GenerationCore,
     Outcome,
     Prompt,
-    StreamEnd,
     TextPrompt,
     TokenPrompt,
     Trace,
@@ -48,15 +47,13 @@ from gateway.core.generation import (
 )
 from gateway.core.held import Held
 from gateway.observability.logs import current_generation_id
-from gateway.openai import protocol
 from gateway.openai.protocol import (
     RESERVED_HEADER_PREFIXES,
     ChatCompletionRequest,
     CompletionRequest,
-    TokenLogprob,
 )
-from gateway.openai.tokenize import ChatTurn, ModelTokenizer
-from gateway.openai.tool_use import new_tool_call_id, output_spec, template_tools
+from gateway.openai.tokenize import ChatTurn
+from gateway.openai.tool_use import output_spec, template_tools
 from gateway.server.http_server import (
     DisconnectHook,
     body_timeout_error,
@@ -68,13 +65,11 @@ from gateway.server.http_server import (
 from gateway.server.intake import BodyParser, SpooledBody
 from gateway.service.components import Components
 from gateway.tenancy.auth import Principal
-from gateway.tool_parsers import ToolCall
 from gateway.verification.verify import IsolationFailure
 from gateway.workers.dispatch import UpstreamStreamError
 
 log = logging.getLogger("isogate.request")
 
-Kind = Literal["chat", "completion"]
 # On every generation response, errors included: a client can find any request's audit event.
 GENERATION_ID_HEADER = "X-Generation-Id"
 
@@ -163,7 +158,7 @@ async def handle_generation(
             limit_lines = admitted.lease.header_lines() if admitted.lease is not None else b""
             if streaming:
                 streams = await core.open_stream(admitted, trace)
-                events = _sse_events(trace, streams, kind, parsed.include_usage)
+                events = answers.sse_events(trace, streams, kind, parsed.include_usage)
                 # From here the stream listens for the disconnect itself.
                 return GuardedStream(core, trace, events, streams, held.pop_all(), limit_lines)
             generated = completions = await core.complete(admitted, trace)
@@ -172,11 +167,11 @@ async def handle_generation(
             if parsed.logprobs is None:  # asked for the ranking, not by the client
                 completions = [dataclasses.replace(c, logprobs=None) for c in completions]
         if isinstance(parsed, CompletionRequest) and parsed.echo:
-            completions = await _echoed(parsed, completions, tokenizer)
+            completions = await answers.echoed(parsed, completions, tokenizer)
             if parsed.max_tokens == 0:  # the tokens generated anyway are not the client's
                 generated = [dataclasses.replace(c, completion_tokens=0) for c in generated]
-        fingerprint = protocol.system_fingerprint(name, str(model.tokenizer))
-        result = _answer(kind, trace, name, fingerprint, completions, generated)
+        fingerprint = answers.system_fingerprint(name, str(model.tokenizer))
+        result = answers.whole_answer(kind, trace, name, fingerprint, completions, generated)
         core.record(trace, SERVED)
         return JSONBodyResponse(orjson.dumps(result), trace.generation_id, limit_lines)
     except IsolationFailure as failure:
@@ -475,190 +470,7 @@ def _prompts(parsed: ChatCompletionRequest | CompletionRequest) -> list[Prompt]:
     ]
 
 
-async def _echoed(
-    parsed: CompletionRequest, completions: list[Completion], tokenizer: ModelTokenizer
-) -> list[Completion]:
-    """``echo``: each choice's text after its prompt's; with ``max_tokens`` 0, the prompt
-    alone (the token generated anyway is dropped)."""
-    prompts = parsed.prompts()
-    texts = [
-        prompt
-        if isinstance(prompt, str)
-        else await tokenizer.decode(prompt, skip_special_tokens=False)
-        for prompt in prompts
-    ]
-    score_only = parsed.max_tokens == 0
-    echoed = []
-    for c in completions:
-        prompt_text = texts[c.prompt_index]
-        if score_only:
-            c = dataclasses.replace(
-                c,
-                text="",
-                finish_reason="length",
-                completion_tokens=0,
-                logprobs=None if c.logprobs is None else [],
-            )
-        echoed.append(dataclasses.replace(c, text=prompt_text + c.text))
-    return echoed
-
-
-def _answer(
-    kind: Kind,
-    trace: Trace,
-    model: str,
-    fingerprint: str,
-    completions: list[Completion],
-    generated: list[Completion],
-) -> dict[str, Any]:
-    """The whole answer: ``completions`` as choices, usage of all that was ``generated``
-    (with ``best_of``, the candidates not returned count too, as in OpenAI's API)."""
-    if len(generated) == 1:
-        only = generated[0]
-        usage = protocol.usage(only.prompt_tokens, only.completion_tokens, only.cached_tokens)
-    else:
-        completions = sorted(completions, key=lambda c: c.index)
-        usage = protocol.usage(
-            sum(c.prompt_tokens for c in generated),
-            sum(c.completion_tokens for c in generated),
-            sum(c.cached_tokens for c in generated),
-        )
-    created = protocol.now()
-    if kind == "chat":
-        chat_choices = [
-            protocol.chat_choice(
-                c.index, c.text, c.finish_reason, c.logprobs, c.reasoning, _calls(c.tool_calls)
-            )
-            for c in completions
-        ]
-        return protocol.chat_completion(
-            trace.generation_id, model, created, chat_choices, usage, fingerprint
-        )
-    choices = [
-        protocol.completion_choice(
-            c.index, c.text, c.finish_reason, c.logprobs, prompt=c.prompt_logprobs
-        )
-        for c in completions
-    ]
-    return protocol.completion(trace.generation_id, model, created, choices, usage, fingerprint)
-
-
-def _calls(calls: list[ToolCall] | None) -> list[dict[str, Any]] | None:
-    if not calls:
-        return None
-    return [protocol.tool_call(new_tool_call_id(), c.name, c.arguments) for c in calls]
-
-
 # ---- streaming ---------------------------------------------------------------------------
-
-
-async def _sse_events(
-    trace: Trace, streams: ChoiceStreams, kind: Kind, include_usage: bool
-) -> AsyncGenerator[bytes]:
-    """The client's SSE events, written together when they are ready together: what is checked
-    goes out before the next wait on decode, the end of the stream with its last text."""
-    model, gid, created = trace.model or "", trace.generation_id, protocol.now()
-    offsets: dict[int, int] = {}  # characters sent per choice (completions' text_offset)
-    calls_sent: dict[int, int] = {}  # tool calls sent per choice
-
-    def content(
-        index: int,
-        delta: str,
-        logprobs: list[TokenLogprob] | None,
-        reasoning: str = "",
-        calls: list[ToolCall] | None = None,
-    ) -> bytes:
-        if kind == "chat":
-            if reasoning or calls:
-                return _chat_fields(index, delta, logprobs, reasoning, calls or [])
-            chunk = protocol.chat_chunk(
-                gid, model, created, {"content": delta}, None, index, logprobs
-            )
-        else:
-            offset = offsets.get(index, 0)
-            offsets[index] = offset + len(delta)
-            chunk = protocol.completion_chunk(
-                gid, model, created, delta, None, index, logprobs, offset
-            )
-        return _sse(chunk)
-
-    def _chat_fields(
-        index: int,
-        delta: str,
-        logprobs: list[TokenLogprob] | None,
-        reasoning: str,
-        calls: list[ToolCall],
-    ) -> bytes:
-        fields: dict[str, Any] = {}
-        if reasoning:
-            fields["reasoning_content"] = reasoning
-        if delta:
-            fields["content"] = delta
-        out = []
-        if fields or logprobs:
-            out.append(
-                _sse(protocol.chat_chunk(gid, model, created, fields, None, index, logprobs))
-            )
-        for call in calls:
-            number = calls_sent.get(index, 0)
-            calls_sent[index] = number + 1
-            for piece in protocol.tool_call_deltas(
-                number, new_tool_call_id(), call.name, call.arguments
-            ):
-                if "id" not in piece:
-                    piece = {"index": number, "function": piece["function"]}
-                chunk = protocol.chat_chunk(
-                    gid, model, created, {"tool_calls": [piece]}, None, index
-                )
-                out.append(_sse(chunk))
-        return b"".join(out)
-
-    events: list[bytes] = []
-    if kind == "chat":
-        role = {"role": "assistant", "content": ""}
-        for stream in streams.streams:
-            chunk = protocol.chat_chunk(gid, model, created, role, None, stream.index)
-            events.append(_sse(chunk))
-    ended: list[StreamEnd] = []
-    async for stream, item in streams.events():
-        index = stream.index
-        if isinstance(item, StreamEnd):
-            ended.append(item)
-            if item.tail or item.logprobs or item.reasoning or item.tool_calls:
-                events.append(
-                    content(index, item.tail, item.logprobs, item.reasoning, item.tool_calls)
-                )
-            if kind == "chat":
-                chunk = protocol.chat_chunk(gid, model, created, {}, item.finish_reason, index)
-            else:
-                chunk = protocol.completion_chunk(
-                    gid, model, created, "", item.finish_reason, index
-                )
-            events.append(_sse(chunk))
-            continue
-        if item.delta or item.logprobs or item.reasoning or item.tool_calls:
-            events.append(
-                content(index, item.delta, item.logprobs, item.reasoning, item.tool_calls)
-            )
-        # After the chunk that carries the finish reason only that choice's end follows, so
-        # its text waits for it and both go out in one write.
-        if events and not item.finished:
-            yield b"".join(events)
-            events = []
-    if include_usage:
-        usage = protocol.usage(
-            streams.prompt_tokens,
-            sum(end.completion_tokens for end in ended),
-            sum(end.cached_tokens for end in ended),
-        )
-        object_ = "chat.completion.chunk" if kind == "chat" else "text_completion"
-        events.append(_sse(protocol.usage_chunk(gid, model, created, object_, usage)))
-    events.append(b"data: [DONE]\n\n")
-    yield b"".join(events)
-
-
-def _sse(payload: dict[str, Any]) -> bytes:
-    return b"data: " + orjson.dumps(payload) + b"\n\n"
 
 
 class GuardedStream(StreamingResponse):
@@ -735,7 +547,7 @@ class GuardedStream(StreamingResponse):
                 yield event
             self._outcome = SERVED
         except IsolationFailure as failure:
-            yield _sse(failure.api_error().body())
+            yield answers.sse_event(failure.api_error().body())
             self._outcome = Outcome.of_failure(failure, status=200)
         except (APIError, UpstreamStreamError) as error:
             api_error = (
@@ -748,5 +560,5 @@ class GuardedStream(StreamingResponse):
                     "upstream_error",
                 )
             )
-            yield _sse(api_error.body())
+            yield answers.sse_event(api_error.body())
             self._outcome = Outcome("upstream_error", 200, api_error.code, api_error.message[:300])

@@ -24,6 +24,7 @@ from schemathesis.specs.openapi.definitions import OPENAPI_31
 from starlette.applications import Starlette
 from starlette.routing import Route
 
+from gateway.api import answers
 from gateway.api import openai_routes as api
 from gateway.api.openapi import WorkerList, openapi_document
 from gateway.common import errors
@@ -31,9 +32,9 @@ from gateway.openai import protocol
 from gateway.workers.capacity import WorkerCapacity
 from tests.schemas import assert_conforms, validate_with_document, validate_with_model
 
-USAGE = protocol.usage(7, 3, 2)
+USAGE = answers.usage_of(7, 3, 2)
 GID, MODEL, CREATED = "gen_01JDXYZ0000000000000000000", "tiny-llama", 1_764_000_000
-FP = protocol.system_fingerprint(MODEL, "/models/tiny-llama")
+FP = answers.system_fingerprint(MODEL, "/models/tiny-llama")
 LOGPROBS = [
     protocol.TokenLogprob("H", -0.5, [("H", -0.5), ("h", -1.5)]),
     protocol.TokenLogprob("é", -0.25, [("é", -0.25)]),
@@ -43,22 +44,22 @@ LOGPROBS = [
 # (model, builder output): every kind of answer each builder gives.
 ANSWERS: list[tuple[type[pydantic.BaseModel], dict[str, Any]]] = [
     (protocol.Usage, USAGE),
-    (protocol.Usage, protocol.usage(0, 0, 0)),
+    (protocol.Usage, answers.usage_of(0, 0, 0)),
     (
         protocol.ChatCompletion,
-        protocol.chat_completion(
-            GID, MODEL, CREATED, [protocol.chat_choice(0, "Hi", "stop", None)], USAGE, FP
+        answers.chat_completion(
+            GID, MODEL, CREATED, [answers.chat_choice(0, "Hi", "stop", None)], USAGE, FP
         ),
     ),
     (
         protocol.ChatCompletion,
-        protocol.chat_completion(
+        answers.chat_completion(
             GID,
             MODEL,
             CREATED,
             [
-                protocol.chat_choice(0, "", "length", None),
-                protocol.chat_choice(1, "Hé", "stop", LOGPROBS),
+                answers.chat_choice(0, "", "length", None),
+                answers.chat_choice(1, "Hé", "stop", LOGPROBS),
             ],
             USAGE,
             FP,
@@ -67,15 +68,15 @@ ANSWERS: list[tuple[type[pydantic.BaseModel], dict[str, Any]]] = [
     # A turn that only calls tools (content null), and one that reasoned first.
     (
         protocol.ChatCompletion,
-        protocol.chat_completion(
+        answers.chat_completion(
             GID,
             MODEL,
             CREATED,
             [
-                protocol.chat_choice(
-                    0, "", "tool_calls", None, None, [protocol.tool_call("call_1", "f", "{}")]
+                answers.chat_choice(
+                    0, "", "tool_calls", None, None, [answers.tool_call("call_1", "f", "{}")]
                 ),
-                protocol.chat_choice(1, "Hi", "stop", None, "thinking"),
+                answers.chat_choice(1, "Hi", "stop", None, "thinking"),
             ],
             USAGE,
             FP,
@@ -83,19 +84,19 @@ ANSWERS: list[tuple[type[pydantic.BaseModel], dict[str, Any]]] = [
     ),
     (
         protocol.Completion,
-        protocol.completion(
-            GID, MODEL, CREATED, [protocol.completion_choice(0, "Hé ✓", "stop", None)], USAGE, FP
+        answers.completion(
+            GID, MODEL, CREATED, [answers.completion_choice(0, "Hé ✓", "stop", None)], USAGE, FP
         ),
     ),
     (
         protocol.Completion,
-        protocol.completion(
+        answers.completion(
             GID,
             MODEL,
             CREATED,
             [
-                protocol.completion_choice(0, "", "length", None),
-                protocol.completion_choice(1, "Hé", "stop", LOGPROBS, 3),
+                answers.completion_choice(0, "", "length", None),
+                answers.completion_choice(1, "Hé", "stop", LOGPROBS, 3),
             ],
             USAGE,
             FP,
@@ -104,41 +105,41 @@ ANSWERS: list[tuple[type[pydantic.BaseModel], dict[str, Any]]] = [
     # A chat stream: the role, text, then the finish reason with an empty delta.
     (
         protocol.ChatCompletionChunk,
-        protocol.chat_chunk(GID, MODEL, CREATED, {"role": "assistant", "content": ""}, None),
+        answers.chat_chunk(GID, MODEL, CREATED, {"role": "assistant", "content": ""}, None),
     ),
     (
         protocol.ChatCompletionChunk,
-        protocol.chat_chunk(GID, MODEL, CREATED, {"content": "Hi"}, None),
+        answers.chat_chunk(GID, MODEL, CREATED, {"content": "Hi"}, None),
     ),
-    (protocol.ChatCompletionChunk, protocol.chat_chunk(GID, MODEL, CREATED, {}, "stop")),
-    (protocol.ChatCompletionChunk, protocol.chat_chunk(GID, MODEL, CREATED, {}, "tool_calls")),
+    (protocol.ChatCompletionChunk, answers.chat_chunk(GID, MODEL, CREATED, {}, "stop")),
+    (protocol.ChatCompletionChunk, answers.chat_chunk(GID, MODEL, CREATED, {}, "tool_calls")),
     (
         protocol.ChatCompletionChunk,
-        protocol.chat_chunk(GID, MODEL, CREATED, {"reasoning_content": "hm"}, None),
+        answers.chat_chunk(GID, MODEL, CREATED, {"reasoning_content": "hm"}, None),
     ),
     *(
         (
             protocol.ChatCompletionChunk,
-            protocol.chat_chunk(GID, MODEL, CREATED, {"tool_calls": [piece]}, None),
+            answers.chat_chunk(GID, MODEL, CREATED, {"tool_calls": [piece]}, None),
         )
-        for piece in protocol.tool_call_deltas(0, "call_1", "f", '{"a": 1}')
+        for piece in answers.tool_call_deltas(0, "call_1", "f", '{"a": 1}')
     ),
-    (protocol.ChatCompletionChunk, protocol.chat_chunk(GID, MODEL, CREATED, {}, "length")),
+    (protocol.ChatCompletionChunk, answers.chat_chunk(GID, MODEL, CREATED, {}, "length")),
     (
         protocol.ChatCompletionChunk,
-        protocol.chat_chunk(GID, MODEL, CREATED, {"content": "Hé"}, None, 2, LOGPROBS),
+        answers.chat_chunk(GID, MODEL, CREATED, {"content": "Hé"}, None, 2, LOGPROBS),
     ),
     (
         protocol.CompletionChunk,
-        protocol.completion_chunk(GID, MODEL, CREATED, "Hé", None, 1, LOGPROBS, 5),
+        answers.completion_chunk(GID, MODEL, CREATED, "Hé", None, 1, LOGPROBS, 5),
     ),
-    (protocol.CompletionChunk, protocol.completion_chunk(GID, MODEL, CREATED, "Hi", None)),
-    (protocol.CompletionChunk, protocol.completion_chunk(GID, MODEL, CREATED, "", "stop")),
+    (protocol.CompletionChunk, answers.completion_chunk(GID, MODEL, CREATED, "Hi", None)),
+    (protocol.CompletionChunk, answers.completion_chunk(GID, MODEL, CREATED, "", "stop")),
     (
         protocol.UsageChunk,
-        protocol.usage_chunk(GID, MODEL, CREATED, "chat.completion.chunk", USAGE),
+        answers.usage_chunk(GID, MODEL, CREATED, "chat.completion.chunk", USAGE),
     ),
-    (protocol.UsageChunk, protocol.usage_chunk(GID, MODEL, CREATED, "text_completion", USAGE)),
+    (protocol.UsageChunk, answers.usage_chunk(GID, MODEL, CREATED, "text_completion", USAGE)),
     (protocol.ModelCard, protocol.model_card(MODEL, 0, 4096, "decode pool 'shared'")),
     (protocol.ModelCard, protocol.model_card(MODEL, 0, None, None)),
     (

@@ -1,6 +1,6 @@
 """How the pipeline turns decode's stream into SSE writes when chunks arrive together.
 
-``api.pipeline._sse_events`` receives decode's chunks in batches (those that arrived in one
+``api.answers.sse_events`` receives decode's chunks in batches (those that arrived in one
 read), checked by ``core.generation.CheckedStream``, and yields the bytes of one client write
 at a time.
 """
@@ -16,7 +16,7 @@ from typing import Any
 import orjson
 import pytest
 
-from gateway.api.pipeline import _sse_events
+from gateway.api.answers import sse_events
 from gateway.core.generation import CheckedStream, Choice, ChoiceStreams, Trace
 from gateway.verification.verify import Expectation, IsolationFailure, NoScanner, StreamGuard
 from gateway.workers.dispatch import EngineRequest
@@ -43,7 +43,7 @@ async def batches_of(*batches: list[dict[str, Any]]) -> AsyncGenerator[list[dict
 def writes_of(
     first: dict[str, Any], *later: list[dict[str, Any]]
 ) -> tuple[list[bytes], BaseException | None]:
-    """The writes ``_sse_events`` makes for a stream whose first chunk was ``first``, and what it
+    """The writes ``sse_events`` makes for a stream whose first chunk was ``first``, and what it
     raised."""
     guard = StreamGuard(NoScanner(), "acme")
     trace = Trace(GID, datetime.now(UTC), time.perf_counter(), stream=True, model="m")
@@ -61,7 +61,7 @@ def writes_of(
             stream = CheckedStream(Choice(0, 0, request, EXPECTED), batches_of(*later), guard, None)
             stream.take_first([first])
             streams = ChoiceStreams([stream], trace, None)
-            async for write in _sse_events(trace, streams, "completion", False):
+            async for write in sse_events(trace, streams, "completion", False):
                 writes.append(write)
         except IsolationFailure as failure:
             return writes, failure
