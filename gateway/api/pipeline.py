@@ -1,7 +1,8 @@
 """The HTTP side of a generation: read the request, hand it to the core, write the response.
 
 The request path reads top to bottom in ``handle_generation``: auth → parse → (the core:
-``gateway.core.generation``) admit → claim → dispatch → verify → (here) response or SSE → audit.
+``gateway.core.generation``) admit → claim → dispatch → verify → (``answers``) the JSON body or
+the SSE events → audit.
 Every step either passes a value to the next or raises an ``APIError``. Whatever happens,
 exactly one audit event is recorded (``GenerationCore.record``) and everything claimed is
 released: the claims live in one ``Held``, closed here for a whole answer and taken
