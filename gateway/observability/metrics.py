@@ -10,6 +10,7 @@ library's own.
 
 from __future__ import annotations
 
+import threading
 from bisect import bisect_left
 from collections.abc import Iterator
 
@@ -145,6 +146,49 @@ class PerRequestSeries:
         yield from (requests, latency, length, wait, served)
 
 
+class LoopLagSeries:
+    """The event loop's lateness (``gateway.observability.loop_lag``): every wake-up of the
+    probe into a histogram, and the largest since the last scrape as a gauge.
+
+    The gauge is reset when read, so each scrape (or test) sees the worst stall since the one
+    before, which a histogram's buckets cannot say. Scrapes run in a worker thread
+    (``asyncio.to_thread``) while the probe writes on the loop: the lock keeps a wake-up from
+    being lost between the read and the reset.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lag = LatencyBuckets()
+        self._max_since_read = 0.0
+
+    def observe(self, seconds: float) -> None:
+        with self._lock:
+            self._lag.observe(seconds)
+            if seconds > self._max_since_read:
+                self._max_since_read = seconds
+
+    def describe(self) -> Iterator[Metric]:
+        # Without it the registry collects once to learn the names, and that read resets.
+        yield HistogramMetricFamily("isogate_event_loop_lag_seconds", "")
+        yield GaugeMetricFamily("isogate_event_loop_lag_max_seconds", "")
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            buckets, total = self._lag.cumulative(), self._lag.total
+            largest, self._max_since_read = self._max_since_read, 0.0
+        lag = HistogramMetricFamily(
+            "isogate_event_loop_lag_seconds",
+            "How late the event loop ran a timer: the time it was held by other work.",
+        )
+        lag.add_metric([], buckets, total)
+        yield lag
+        yield GaugeMetricFamily(
+            "isogate_event_loop_lag_max_seconds",
+            "The largest event loop lag since the last scrape (reset when read).",
+            value=largest,
+        )
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -226,6 +270,8 @@ class Metrics:
         )
         self.per_request = PerRequestSeries()
         self.registry.register(self.per_request)
+        self.loop_lag = LoopLagSeries()
+        self.registry.register(self.loop_lag)
 
     def unauthenticated(self, code: str) -> None:
         self.unauthenticated_requests.labels(code).inc()

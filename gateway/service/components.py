@@ -18,6 +18,7 @@ from gateway.core.admission import ClaimLedger
 from gateway.core.generation import GenerationCore
 from gateway.core.pair_queues import PairQueues, QueueSettings
 from gateway.core.routing import RoutingCache
+from gateway.observability.loop_lag import LoopLagProbe
 from gateway.observability.metrics import Metrics
 from gateway.openai.tokenize import ModelTokenizer
 from gateway.server.intake import BodyParser
@@ -188,6 +189,9 @@ async def build_components(settings: Settings) -> Components:
     components.tasks.append(asyncio.create_task(capacity.run_liveness(), name="liveness-prober"))
     components.tasks.append(
         asyncio.create_task(components.revocations.run(), name="auth-invalidations")
+    )
+    components.tasks.append(
+        asyncio.create_task(LoopLagProbe(metrics.loop_lag.observe).run(), name="loop-lag-probe")
     )
     start_canaries(components)
     return components
