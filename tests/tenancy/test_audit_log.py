@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+import threading
 import time
 from collections.abc import Awaitable, Iterator
 from datetime import UTC, datetime, timedelta
@@ -144,17 +145,50 @@ async def test_every_recorded_event_is_stored_once_in_record_order(
     assert audit.spool_files == 0
 
 
+class HungDatabase:
+    """The store, but each audit insert hangs until released, as one to a database that
+    accepted the connection and stopped answering would; an insert made on the recording
+    thread is counted and refused instead, since it would have hung that thread."""
+
+    def __init__(self, store: Store, recording_thread: int) -> None:
+        self._store = store
+        self._recording_thread = recording_thread
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.inserts_on_the_recording_thread = 0
+
+    def sqlite_audit_writer(self) -> None:
+        return None  # every insert through insert_audit_values, from the writer's thread
+
+    def insert_audit_values(self, rows: list[object]) -> None:
+        if threading.get_ident() == self._recording_thread:
+            self.inserts_on_the_recording_thread += 1
+            raise ConnectionError("the caller would hang here")
+        self.entered.set()
+        if not self.release.wait(timeout=60):
+            raise TimeoutError("never released")
+        self._store.insert_audit_values(rows)  # type: ignore[arg-type]
+
+
 async def test_record_never_blocks_the_caller(store: Store, settings: Settings) -> None:
-    audit = AuditLog(store, settings)
+    hung = HungDatabase(store, threading.get_ident())
+    audit = AuditLog(hung, settings)  # type: ignore[arg-type]
     await audit.start()
-    events = [make_event(i) for i in range(20_000)]
-    started = time.thread_time()  # CPU of the calling thread, however busy the machine
-    for event in events:
+    batch = settings.audit_batch_size
+    events = [make_event(i) for i in range(4 * batch)]
+    for event in events[:batch]:
         audit.record(event)
-    per_event_us = (time.thread_time() - started) / len(events) * 1e6
+    assert hung.inserts_on_the_recording_thread == 0
+    # The writer takes the first batch to the database, and hangs there.
+    assert await asyncio.to_thread(hung.entered.wait, 30), "the writer never reached the database"
+    for event in events[batch:]:  # every call returns while the database does not answer
+        audit.record(event)
+    assert hung.inserts_on_the_recording_thread == 0
+    assert audit.queued == 3 * batch  # held in memory, behind the hung write
+    assert store.count_audit() == 0
+    hung.release.set()
     await audit.close()
-    assert per_event_us < 20, per_event_us
-    assert store.count_audit() == len(events)
+    assert_stored_exactly(store, events)
 
 
 async def test_database_outage_loses_nothing_duplicates_nothing_and_keeps_order(
