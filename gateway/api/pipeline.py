@@ -267,16 +267,10 @@ class ClientWatch:
 
 
 async def _authenticate(components: Components, scope: Scope, headers: ClientHeaders) -> Principal:
-    client = scope.get("client")
-    address = client[0] if client else ""
-    unauthenticated = components.unauthenticated
-    unauthenticated.check(address)
-    try:
-        return await components.authenticator.authenticate(headers.authorization)
-    except APIError as error:
-        if error.status in (401, 403):
-            unauthenticated.refused(address, error)
-        raise
+    client = scope.get("client")  # behind a trusted proxy, the client it forwards
+    return await components.unauthenticated.authenticate(
+        components.authenticator, headers.authorization, client[0] if client else ""
+    )
 
 
 def _with_generation_id(response: Response, trace: Trace) -> Response:

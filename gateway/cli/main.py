@@ -71,9 +71,10 @@ def _serve(args: argparse.Namespace) -> int:
         workers=args.workers,
         log_config=None,
         access_log=False,
-        # The gateway reads no client address (no X-Forwarded-For), and uvicorn's middleware
-        # for it parses the peer's IP on every request.
-        proxy_headers=False,
+        # The client's address behind the trusted proxies (X-Forwarded-For), by uvicorn's
+        # middleware; without any, no middleware: it would look at every request's peer.
+        proxy_headers=bool(settings.forwarded_allow_ips),
+        forwarded_allow_ips=settings.forwarded_allow_ips or None,
         server_header=False,
         loop="uvloop",
         http=bounded_protocol(

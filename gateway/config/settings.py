@@ -98,9 +98,15 @@ class Settings(BaseSettings):
     # that requests arriving meanwhile wait out. 20 ms keeps bursts under ~0.5 ms; a hard kill
     # loses less.
     audit_flush_interval_s: float = 0.02
-    # Failed authentications a client address may make per minute (per replica) before it is
-    # answered 429 without its key being looked at.
+    # Failed authentications a client address may make per minute (per replica) before its
+    # failures are answered 429 and its unknown keys looked up one at a time (a valid key from
+    # it is still served: gateway.tenancy.auth.UnauthenticatedClients).
     unauthenticated_per_address_per_minute: int = Field(default=600, gt=0)
+    # Peers whose X-Forwarded-For names the client (the proxies in front: IPs or networks,
+    # comma-separated, "*" for any; uvicorn's forwarded_allow_ips): behind them, the address
+    # failed authentications count against is the one they forward, and their own connections
+    # are not capped per address. Empty: no proxy; the header is ignored.
+    forwarded_allow_ips: str = ""
     auth_cache_ttl_s: float = 5.0
     # While the key store cannot be reached, a key this process saw valid within this long
     # keeps working (a database outage must not take the gateway down); 0 turns it off.

@@ -13,6 +13,12 @@ While the store cannot be reached, a key this process saw valid within
 ``settings.auth_stale_if_error_s`` keeps working (stale-if-error): a database outage must
 not take the serving path down with it. Unknown keys are refused (503) meanwhile, and a
 revocation through this process still takes effect at once.
+
+Failed authentications are limited per client address (``UnauthenticatedClients``), but only
+the failures: a key is always looked up before its address's allowance is consulted, so other
+clients failing at the same address never refuse a valid key. What keeps a flood of made-up
+keys from reaching the store is the negative cache and, for an address that spent its
+allowance, one store lookup at a time for keys not known valid.
 """
 
 from __future__ import annotations
@@ -71,14 +77,19 @@ class Authenticator:
         # so its answer is returned but not cached.
         self._forgets = 0
 
-    async def authenticate(self, authorization: str | None) -> Principal:
+    async def authenticate(
+        self, authorization: str | None, *, pace: asyncio.Lock | None = None
+    ) -> Principal:
+        """The principal of ``authorization``; 401 or 403 if it has none. With ``pace`` (its
+        client address keeps failing: ``UnauthenticatedClients``), a key not known valid waits
+        for ``pace`` before the store is asked about it."""
         token = _bearer_token(authorization)
         digest = hashlib.sha256(token.encode()).digest()
         if self._admin_digest is not None and hmac.compare_digest(digest, self._admin_digest):
             return ADMIN_PRINCIPAL
         if not token.startswith("sk-iso-"):
             raise unauthorized("Invalid API key.")
-        lookup = await self._lookup(digest.hex())  # = hash_key(token), without hashing twice
+        lookup = await self._lookup(digest.hex(), pace)  # = hash_key(token), hashed once
         if lookup is None or lookup.revoked:
             raise unauthorized("Invalid or revoked API key.")
         if lookup.tenant_disabled:
@@ -106,7 +117,7 @@ class Authenticator:
             if expires_at > now:
                 self._cache[key_hash] = (lookup, now)
 
-    async def _lookup(self, key_hash: str) -> KeyLookup | None:
+    async def _lookup(self, key_hash: str, pace: asyncio.Lock | None = None) -> KeyLookup | None:
         now = time.monotonic()
         cached = self._cache.get(key_hash)
         if cached is not None:
@@ -123,6 +134,11 @@ class Authenticator:
                 return await asyncio.shield(pending)
             except Exception as exc:
                 raise _store_unavailable() from exc
+        if pace is not None and not (cached is not None and _valid(cached[0])):
+            # One store lookup at a time for this address; meanwhile the cache, or a lookup of
+            # the same key begun by another request, may have the answer.
+            async with pace:
+                return await self._lookup(key_hash)
         future: asyncio.Future[KeyLookup | None] = asyncio.get_running_loop().create_future()
         self._pending[key_hash] = future
         forgets = self._forgets
@@ -152,12 +168,7 @@ class Authenticator:
 
     def _may_serve_stale(self, lookup: KeyLookup | None, expires_at: float, now: float) -> bool:
         # Only keys that were valid: an unknown or revoked key is never let in on stale data.
-        return (
-            lookup is not None
-            and not lookup.revoked
-            and not lookup.tenant_disabled
-            and now - expires_at < self._stale_if_error_s
-        )
+        return _valid(lookup) and now - expires_at < self._stale_if_error_s
 
     def _note_store_down(self, exc: Exception) -> None:
         if not self._store_down_until:
@@ -175,6 +186,10 @@ class Authenticator:
         ]
         for key_hash in stale:
             del self._cache[key_hash]
+
+
+def _valid(lookup: KeyLookup | None) -> bool:
+    return lookup is not None and not lookup.revoked and not lookup.tenant_disabled
 
 
 def _store_unavailable() -> APIError:
@@ -205,9 +220,16 @@ class UnauthenticatedClients:
     """What a request that fails authentication costs: a count, a sampled log line, and one
     token of its client address's allowance, never an audit row (anyone could write those).
 
-    An address that spent its allowance (``per_minute``, refilled continuously, per replica) is
-    answered 429 before its key is even looked at, so a flood of made-up keys stops costing key
-    lookups. Valid keys from that address wait too, for as long as it keeps failing.
+    Every key is looked up before the allowance is consulted: a valid key is served whatever
+    other clients at its address did. An address that spent its allowance (``per_minute``,
+    refilled continuously, per replica) is answered 429 for its failures, and the store is
+    asked about its keys one lookup at a time (keys this process knows valid skip the line;
+    a key refused recently is answered from the negative cache without a lookup). So a flood
+    of made-up keys from one address costs the store one lookup in flight, not one per
+    request, and a new valid key from that address waits its turn rather than being refused.
+
+    ``address`` is the client's as the server saw it: behind a trusted proxy, the one the
+    proxy forwards (uvicorn's ``forwarded_allow_ips``, ``gateway.cli.main``).
     """
 
     def __init__(self, metrics: RefusalCounter, *, per_minute: int, log_every_s: float = 1.0):
@@ -218,29 +240,52 @@ class UnauthenticatedClients:
         self._unlogged = 0
         # address -> (allowance left, when it was last refilled); least recently failed first out
         self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()
+        # address -> its line for store lookups and how many requests are using it; an entry
+        # lives only while a request of an address that spent its allowance is authenticating.
+        self._paces: dict[str, tuple[asyncio.Lock, int]] = {}
 
-    def check(self, address: str) -> None:
-        """429 while ``address`` has no allowance left."""
+    async def authenticate(
+        self, authenticator: Authenticator, authorization: str | None, address: str
+    ) -> Principal:
+        """``authenticator``'s principal for ``authorization``; a failure is counted against
+        ``address``, and answered 429 instead once the address has spent its allowance."""
+        pace = self._take_pace(address) if self.spent(address) else None
+        try:
+            return await authenticator.authenticate(authorization, pace=pace)
+        except APIError as error:
+            if error.status not in (401, 403):
+                raise
+            refusal = self.refused(address, error)
+            if refusal is error:
+                raise
+            raise refusal from None
+        finally:
+            if pace is not None:
+                self._give_pace(address)
+
+    def spent(self, address: str) -> bool:
+        """Whether ``address`` has no allowance left now."""
         bucket = self._buckets.get(address)
-        if bucket is None:
-            return
-        left = self._refilled(bucket, time.monotonic())
-        if left < 1:
-            self._metrics.unauthenticated("rate_limit_exceeded")
-            raise rate_limited(
-                "Too many unauthenticated requests from this address; send a valid API key.",
-                (1 - left) * 60 / self._per_minute,
-            )
+        return bucket is not None and self._refilled(bucket, time.monotonic()) < 1
 
-    def refused(self, address: str, error: APIError) -> None:
-        """Count a failed authentication against ``address``."""
+    def refused(self, address: str, error: APIError) -> APIError:
+        """Count a failed authentication against ``address``; what to answer: ``error``, or a
+        429 once the address has no allowance left (then not counted further, so it refills
+        as soon as the failures stop)."""
         now = time.monotonic()
         bucket = self._buckets.get(address)
         left = self._per_minute if bucket is None else self._refilled(bucket, now)
-        self._buckets[address] = (left - 1, now)
+        spent = left < 1
+        self._buckets[address] = (left if spent else left - 1, now)
         self._buckets.move_to_end(address)
         while len(self._buckets) > _CACHE_MAX_ENTRIES:
             self._buckets.popitem(last=False)
+        if spent:
+            self._metrics.unauthenticated("rate_limit_exceeded")
+            return rate_limited(
+                "Too many failed authentications from this address; send a valid API key.",
+                (1 - left) * 60 / self._per_minute,
+            )
         self._metrics.unauthenticated(error.code or str(error.status))
         # Sampled: one line a second at most, with how many were not logged.
         if now - self._logged_at >= self._log_every_s:
@@ -251,6 +296,19 @@ class UnauthenticatedClients:
             self._logged_at, self._unlogged = now, 0
         else:
             self._unlogged += 1
+        return error
+
+    def _take_pace(self, address: str) -> asyncio.Lock:
+        lock, users = self._paces.get(address) or (asyncio.Lock(), 0)
+        self._paces[address] = (lock, users + 1)
+        return lock
+
+    def _give_pace(self, address: str) -> None:
+        lock, users = self._paces[address]
+        if users == 1:
+            del self._paces[address]
+        else:
+            self._paces[address] = (lock, users - 1)
 
     def _refilled(self, bucket: tuple[float, float], now: float) -> float:
         left, at = bucket
