@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import orjson
@@ -57,38 +58,41 @@ def test_the_loop_keeps_answering_while_a_60_mb_body_is_refused(intake_stack: St
     body = hostile_body()
     uploaded = threading.Event()
     answered = threading.Event()
-    answers_meanwhile = 0
 
     def chunks() -> Iterator[bytes]:
         for start in range(0, len(body), 1 << 20):
             yield body[start : start + (1 << 20)]
         uploaded.set()  # asked for more after the last chunk: all of it was written
 
-    def probe_health() -> None:
-        nonlocal answers_meanwhile
+    def probe_health() -> tuple[list[int], int]:
+        """Every /healthz status, and how many were asked after the body was in and answered
+        before the body's refusal came back. Checked by the test: an assert failing here
+        would end only this thread."""
+        statuses: list[int] = []
+        meanwhile = 0
         with httpx.Client(base_url=intake_stack.gateway.url, timeout=60) as client:
             while not answered.is_set():
                 was_uploaded = uploaded.is_set()
-                status = client.get("/healthz").status_code
-                assert status == 200
-                # Asked after the body was in, answered before the body's refusal came back.
+                statuses.append(client.get("/healthz").status_code)
                 if was_uploaded and not answered.is_set():
-                    answers_meanwhile += 1
+                    meanwhile += 1
+        return statuses, meanwhile
 
-    prober = threading.Thread(target=probe_health)
-    prober.start()
-    try:
-        with intake_stack.client(intake_stack.key("hostile-body"), timeout_s=120) as client:
-            refused = client.post(
-                "/v1/chat/completions",
-                content=chunks(),
-                headers={"Content-Type": "application/json"},
-            )
-    finally:
-        answered.set()
-        prober.join()
+    with ThreadPoolExecutor(1) as pool:
+        prober = pool.submit(probe_health)
+        try:
+            with intake_stack.client(intake_stack.key("hostile-body"), timeout_s=120) as client:
+                refused = client.post(
+                    "/v1/chat/completions",
+                    content=chunks(),
+                    headers={"Content-Type": "application/json"},
+                )
+        finally:
+            answered.set()
+        statuses, answers_meanwhile = prober.result()  # raises what the prober raised
     assert_clean_error(refused.status_code, refused.content, statuses=(400,))
     assert refused.json()["error"]["param"] == "messages"
+    assert statuses and set(statuses) == {200}, f"/healthz answered {sorted(set(statuses))}"
     assert answers_meanwhile >= 2, "the event loop did not answer while the body was processed"
 
 
