@@ -6,9 +6,12 @@ Stand-in workers: real SGLang does not refuse a request with a chosen message on
 
 from __future__ import annotations
 
+import json
 import stat
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -78,19 +81,42 @@ def test_tenants_see_the_pool_and_admins_see_the_workers_too(
         assert "127.0.0.1" not in answer
 
 
-@pytest.mark.parametrize("status", [400, 500, 503])
+def _engine_errors_of(gateway: GatewayProcess, generation_id: str) -> list[dict[str, Any]]:
+    """The gateway's log lines of this generation that carry an engine's error text."""
+    found = []
+    for line in gateway.log_path.read_text(errors="replace").splitlines():
+        if generation_id in line and "engine_message" in line:
+            found.append(json.loads(line))
+    return found
+
+
+# The engine's status -> what the client is told (gateway.workers.dispatch): a refusal is the
+# client's request's fault, a failure the worker's, a 503 a worker unavailable.
+ENGINE_REFUSALS = [
+    (400, 400, "engine_rejected"),
+    (500, 502, "upstream_error"),
+    (503, 503, "worker_unavailable"),
+]
+
+
+@pytest.mark.parametrize(("engine_status", "status", "code"), ENGINE_REFUSALS)
 def test_an_engine_refusal_reaches_the_client_in_the_gateways_words(
-    gateway: GatewayProcess, workers: tuple[StandInWorker, StandInWorker], status: int
+    gateway: GatewayProcess,
+    workers: tuple[StandInWorker, StandInWorker],
+    engine_status: int,
+    status: int,
+    code: str,
 ) -> None:
     prefill, _ = workers
     _, key = gateway.create_tenant()
-    prefill.behaviour = Behaviour(status=status)
+    prefill.behaviour = Behaviour(status=engine_status)
     try:
         response = _chat(gateway, key)
     finally:
         prefill.behaviour = Behaviour()
-    assert response.status_code in (400, 502, 503)
-    assert response.json()["error"]["message"]
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["code"] == code and error["message"], error
     assert ENGINE_TEXT not in response.text
     generation_id = response.headers["X-Generation-Id"]
     event = httpx.get(
@@ -98,7 +124,13 @@ def test_an_engine_refusal_reaches_the_client_in_the_gateways_words(
         headers={"Authorization": f"Bearer {key}"},
     ).text
     assert ENGINE_TEXT not in event
-    assert ENGINE_TEXT in gateway.log_tail(20_000)  # the operators' copy
+    # The operators' copy: this request's own log line, with the engine's words and status.
+    deadline = time.monotonic() + 10
+    while not (logged := _engine_errors_of(gateway, generation_id)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [(line["status"], line["engine_message"]) for line in logged] == [
+        (engine_status, ENGINE_TEXT)
+    ], logged
 
 
 def test_the_store_is_readable_by_its_owner_only(gateway: GatewayProcess) -> None:
