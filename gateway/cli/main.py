@@ -84,6 +84,9 @@ def _serve(args: argparse.Namespace) -> int:
                 max_header_bytes=settings.max_header_bytes,
                 max_connections=settings.max_connections,
                 deadline_resolution_s=settings.deadline_resolution_s,
+                max_connections_per_address=settings.max_connections_per_address,
+                first_byte_timeout_s=settings.first_byte_timeout_s,
+                trusted_proxies=settings.forwarded_allow_ips,
             )
         ),
         timeout_keep_alive=settings.keep_alive_timeout_s,

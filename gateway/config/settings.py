@@ -34,6 +34,13 @@ class Settings(BaseSettings):
     max_header_bytes: int = Field(default=32 * 1024, gt=0)
     max_connections: int = Field(default=4096, gt=0)
     keep_alive_timeout_s: int = Field(default=5, gt=0)
+    # Connections one client address may hold open at once (its next is answered 503 and
+    # closed as it opens), so that one address cannot fill max_connections; the trusted
+    # proxies (forwarded_allow_ips) are not capped. Per server process.
+    max_connections_per_address: int = Field(default=256, gt=0)
+    # A new connection that has not sent its first byte within this long is closed (silently):
+    # an idle socket is held this long, not header_timeout_s.
+    first_byte_timeout_s: float = Field(default=2.0, gt=0)
     # How late one of these timeouts, or an upstream one, may fire: how often each sweep of
     # deadlines runs (gateway.common.deadlines) while connections are open.
     deadline_resolution_s: float = Field(default=DEFAULT_RESOLUTION_S, gt=0, le=1.0)

@@ -4,12 +4,19 @@ uvicorn closes a connection idle *between* requests (``timeout_keep_alive``), bu
 bounds a client that never finishes its headers, sends headers without end, or opens more
 connections than the process can serve. This protocol adds, each from ``ClientBounds``:
 
-- a header timeout, from the connection's first byte (or its opening, for a socket that sends
-  nothing) and from each later request's first byte, to the end of that request's headers;
+- an idle timeout before a connection's first byte (``first_byte_timeout_s``): a socket that
+  sends nothing is closed, silently, long before the header timeout would close it;
+- a header timeout, from the connection's first byte (or its opening, without an idle
+  timeout) and from each later request's first byte, to the end of that request's headers;
 - a body timeout, from the end of the headers to the end of the body, armed only when a read
   ends with the body incomplete (most bodies arrive with their headers and need none);
 - a limit on the bytes of a request line and its headers (431);
 - a limit on open connections (503 once the headers are in, as uvicorn's own limit does);
+- a limit on the connections open from one client address at once (``PeerConnections``): one
+  past it is answered 503 and closed as soon as it opens, so it never counts toward the global
+  limit, and idle sockets from one address cannot crowd every other client out. A trusted
+  proxy's connections (``trusted_proxies``, the peers whose ``X-Forwarded-For`` is read) carry
+  many clients and are not capped (the proxy bounds its own clients);
 - a ``DisconnectHook`` in each request's scope (``scope["extensions"][DISCONNECT_EXTENSION]
   ["hook"]``, an extension's value being a dict in ASGI):
   the request can have a callback run when the connection is lost, instead of a task of its
@@ -44,6 +51,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import ipaddress
 import itertools
 import operator
 import urllib.parse
@@ -80,11 +88,84 @@ class ClientBounds:
     max_header_bytes: int
     max_connections: int
     deadline_resolution_s: float = DEFAULT_RESOLUTION_S
+    # None: no cap per client address; no idle timeout (the header timeout runs from the open).
+    max_connections_per_address: int | None = None
+    first_byte_timeout_s: float | None = None
+    # Peers not capped per address: uvicorn's ``forwarded_allow_ips`` form (IPs or networks,
+    # comma-separated; "*" for any).
+    trusted_proxies: str = ""
+
+
+class PeerConnections:
+    """How many connections each client address has open, for the cap per address; shared by
+    every connection of one server process (each ``--workers`` process counts its own)."""
+
+    def __init__(self, cap: int | None, trusted_proxies: str = "") -> None:
+        self.cap = cap
+        self._trusted_proxies = trusted_proxies
+        items = [item.strip() for item in trusted_proxies.split(",") if item.strip()]
+        self._trust_all = "*" in items
+        self._trusted: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = []
+        self._literals: set[str] = set()  # not an address (as uvicorn: compared as written)
+        for item in items:
+            try:
+                self._trusted.append(ipaddress.ip_network(item, strict=False))
+            except ValueError:
+                self._literals.add(item)
+        self._open: dict[str, int] = {}
+        self._exempt: dict[str, bool] = {}  # address -> trusted, remembered per address seen
+
+    def exempt(self, address: str) -> bool:
+        """Whether connections from ``address`` are not counted: no cap, or a trusted proxy."""
+        return self.cap is None or self._is_trusted(address)
+
+    def open(self, address: str) -> bool:
+        """Count a connection from ``address`` (not exempt); False, and not counted, if it is
+        one too many."""
+        count = self._open.get(address, 0)
+        if self.cap is not None and count >= self.cap:
+            return False
+        self._open[address] = count + 1
+        return True
+
+    def close(self, address: str) -> None:
+        """A connection that ``open`` counted has closed."""
+        count = self._open.get(address, 0)
+        if count <= 1:
+            self._open.pop(address, None)
+        else:
+            self._open[address] = count - 1
+
+    def counted(self, address: str) -> int:
+        return self._open.get(address, 0)
+
+    def _is_trusted(self, address: str) -> bool:
+        trusted = self._exempt.get(address)
+        if trusted is None:
+            try:
+                ip = ipaddress.ip_address(address)
+            except ValueError:
+                trusted = self._trust_all or address in self._literals
+            else:
+                trusted = self._trust_all or any(ip in net for net in self._trusted)
+            if len(self._exempt) >= _EXEMPT_REMEMBERED:
+                self._exempt.clear()
+            self._exempt[address] = trusted
+        return trusted
+
+    def __reduce__(self) -> tuple[type[PeerConnections], tuple[int | None, str]]:
+        # What a ``--workers`` process gets: the same bounds, its own counts.
+        return PeerConnections, (self.cap, self._trusted_proxies)
+
+
+# Addresses whose trust is remembered (a cache, emptied when full: a flood of addresses costs
+# one parse each, never unbounded memory).
+_EXEMPT_REMEMBERED = 65_536
 
 
 # What a connection waits for, and so which deadline holds (``nothing``: none, while a request
 # is served).
-_Phase = Literal["headers", "body", "next request", "nothing"]
+_Phase = Literal["first byte", "headers", "body", "next request", "nothing"]
 
 DISCONNECT_EXTENSION = "isogate.disconnect"
 HEADER_LINES_EXTENSION = "isogate.header_lines"
@@ -149,16 +230,26 @@ def bounded_protocol(bounds: ClientBounds) -> Any:
     deadlines on one sweep (a partial, not a class made here, so that it pickles for
     ``--workers`` > 1, each worker with a sweep of its own)."""
     return functools.partial(
-        BoundedHttpToolsProtocol, bounds=bounds, sweep=DeadlineSweep(bounds.deadline_resolution_s)
+        BoundedHttpToolsProtocol,
+        bounds=bounds,
+        sweep=DeadlineSweep(bounds.deadline_resolution_s),
+        peers=PeerConnections(bounds.max_connections_per_address, bounds.trusted_proxies),
     )
 
 
 class BoundedHttpToolsProtocol(HttpToolsProtocol):
     def __init__(
-        self, *args: Any, bounds: ClientBounds, sweep: DeadlineSweep, **kwargs: Any
+        self,
+        *args: Any,
+        bounds: ClientBounds,
+        sweep: DeadlineSweep,
+        peers: PeerConnections | None = None,
+        **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         self._bounds = bounds
+        self._peers = peers
+        self._counted_as: str | None = None  # the address ``peers`` counted this connection as
         # Bytes received while a request's headers are not complete: a request line or headers
         # without end are refused from this count; complete ones are measured whole.
         self._awaiting_headers = True
@@ -180,12 +271,26 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # A stream connection's transport (uvloop's is not an ``asyncio.Transport`` subclass).
         super().connection_made(cast(asyncio.Transport, transport))
+        peers, client = self._peers, self.client
+        if peers is not None and client is not None and not peers.exempt(client[0]):
+            if not peers.open(client[0]):
+                self._refuse(_too_many_connections("from your address"))
+                return
+            self._counted_as = client[0]
         self._sweep.watch(self, self.loop)
-        self._wait_for("headers", self._bounds.header_timeout_s)
+        first_byte_s = self._bounds.first_byte_timeout_s
+        if first_byte_s is None:
+            self._wait_for("headers", self._bounds.header_timeout_s)
+        else:
+            self._wait_for("first byte", first_byte_s)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._sweep.unwatch(self)
         self._wait_for("nothing")
+        if self._counted_as is not None:
+            assert self._peers is not None  # only counted where there is a count
+            self._peers.close(self._counted_as)
+            self._counted_as = None
         super().connection_lost(exc)
         hooks, self._hooks = self._hooks, deque()
         for hook in hooks:
@@ -196,7 +301,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         if self.transport.is_closing():
             return
-        if self._waiting_for == "next request":  # its first byte: now its headers
+        if self._waiting_for in ("next request", "first byte"):  # its first byte: its headers
             self._wait_for("headers", self._bounds.header_timeout_s)
         if self._awaiting_headers:
             self._received_in_headers += len(data)
@@ -238,15 +343,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         if size > self._bounds.max_header_bytes:
             raise _Refused(_header_too_large(self._bounds))
         if len(self.connections) > self._bounds.max_connections:
-            raise _Refused(
-                APIError(
-                    503,
-                    "The gateway has too many open connections; try again shortly.",
-                    "service_unavailable_error",
-                    "too_many_connections",
-                    headers={"Retry-After": "1"},
-                )
-            )
+            raise _Refused(_too_many_connections())
         if b"expect" in map(_NAME, headers):  # in C; the values looked at only if there is one
             self.expect_100_continue = any(
                 n == b"expect" and v.lower() == b"100-continue" for n, v in headers
@@ -336,8 +433,10 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             self._headers_timed_out()
         elif waited_for == "body":
             self._body_timed_out()
-        elif waited_for == "next request" and not self.transport.is_closing():
-            self.transport.close()  # keep-alive ran out, as uvicorn closes it
+        elif waited_for in ("next request", "first byte") and not self.transport.is_closing():
+            # Keep-alive ran out, as uvicorn closes it; or the socket never sent a byte (a
+            # client that sends nothing reads no answer either).
+            self.transport.close()
 
     def _body_timed_out(self) -> None:
         if not self._in_body or self.transport.is_closing():
@@ -502,6 +601,17 @@ def _header_too_large(bounds: ClientBounds) -> APIError:
         f"The request line and headers exceed {bounds.max_header_bytes} bytes.",
         "invalid_request_error",
         "request_header_too_large",
+    )
+
+
+def _too_many_connections(whose: str = "") -> APIError:
+    return APIError(
+        503,
+        " ".join(filter(None, ["The gateway has too many open connections", whose]))
+        + "; try again shortly.",
+        "service_unavailable_error",
+        "too_many_connections",
+        headers={"Retry-After": "1"},
     )
 
 
