@@ -199,6 +199,9 @@ class SoakCounts:
     other_errors: Counter[str] = field(default_factory=Counter)
     refusals: Counter[str] = field(default_factory=Counter)  # how over-pool prompts were refused
     over_pool_tokens: list[int] = field(default_factory=list)  # as counted by who refused it
+    # The request ids of the over-pool prompts sent straight to the workers (bypass mode), for
+    # a test to find who refused each one in the workers' logs.
+    over_pool_generations: list[str] = field(default_factory=list)
     differential: Differential = field(default_factory=Differential)
     seconds: float = 0.0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -470,6 +473,9 @@ def bypass_sender(
             with soak.counts._lock:
                 soak.counts.over_pool_tokens.append(len(input_ids))
         generation = "gen_" + secrets.token_hex(12)
+        if kind == "over_pool":
+            with soak.counts._lock:
+                soak.counts.over_pool_generations.append(generation)
         body = {
             "input_ids": input_ids,
             "sampling_params": {"max_new_tokens": soak.shape.max_tokens, "temperature": 0},

@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -186,6 +187,12 @@ def _bypassing_the_gateway(cluster: PDCluster) -> Any:
     )
 
 
+# engine_patch's own record of a refusal (engine_patch.events), one line per refused request.
+_ENGINE_PATCH_REFUSAL = re.compile(
+    r"isogate-engine: refused reason=(?P<reason>\w+) rid=(?P<rid>\S+)"
+)
+
+
 def _report(tmp_path: Path, name: str, counts: dict[str, object]) -> None:
     line = json.dumps({"run": name, **counts})
     print("SOAK", line)
@@ -270,6 +277,15 @@ def test_gateway_alone_holds_the_incident_shape_and_the_bypass_control_leaks(
     )
 
 
+def _engine_patch_refusals(cluster: PDCluster) -> dict[str, str]:
+    """The request id and reason of each refusal engine_patch logged, on either worker."""
+    refused: dict[str, str] = {}
+    for log_path in cluster.logs.values():
+        for match in _ENGINE_PATCH_REFUSAL.finditer(log_path.read_text(errors="replace")):
+            refused[match["rid"]] = match["reason"]
+    return refused
+
+
 def test_engine_patch_alone_holds_the_incident_shape_with_the_gateway_bypassed(
     tmp_path: Path, memory_for_a_pair: None
 ) -> None:
@@ -277,5 +293,18 @@ def test_engine_patch_alone_holds_the_incident_shape_with_the_gateway_bypassed(
         soak = Soak(SHAPE, make_tenants(TENANTS), REQUESTS_PER_TENANT, mix=MIX)
         counts = soak.run(_bypassing_the_gateway(cluster)).to_json()
         _report(tmp_path, "gateway_off-engine_patch_on", counts)
+        refused_by_engine_patch = _engine_patch_refusals(cluster)
     _assert_held(counts)
     _assert_differential_sees_nothing_foreign(counts)
+    # Who refused: decode answers an over-pool prompt with a non-200 whoever stopped it (its
+    # transfer fails once prefill drops the request), and unpatched SGLang with its own
+    # admission fix stops it too. Only engine_patch's log line for the request's id shows that
+    # engine_patch was the one.
+    sent = soak.counts.over_pool_generations
+    assert len(sent) == counts["by_kind"]["over_pool"]  # type: ignore[index]
+    not_by_engine_patch = [rid for rid in sent if rid not in refused_by_engine_patch]
+    assert not not_by_engine_patch, (
+        f"{len(not_by_engine_patch)} of {len(sent)} over-pool prompts were stopped, but not by "
+        f"engine_patch (no refusal of theirs in its log): {not_by_engine_patch[:3]}; "
+        f"what the client saw: {counts['refusals']}"
+    )
