@@ -226,6 +226,24 @@ def test_the_load_balancer_sends_to_both_replicas(services: dict) -> None:
     assert set(depends_on(services["lb"])) == set(_gateway_replicas(services))
 
 
+def test_the_replicas_trust_exactly_the_load_balancers_address(compose: dict) -> None:
+    """Behind the lb every client shares its address: the replicas read the client from its
+    X-Forwarded-For, and trust that header from the lb alone, whose address is fixed inside
+    the network's subnet and outside the range other containers are given."""
+    import ipaddress
+
+    services = compose["services"]
+    lb_address = ipaddress.ip_address(services["lb"]["networks"]["default"]["ipv4_address"])
+    (pool,) = compose["networks"]["default"]["ipam"]["config"]
+    assert lb_address in ipaddress.ip_network(pool["subnet"])
+    assert lb_address not in ipaddress.ip_network(pool["ip_range"])
+    for name, replica in _gateway_replicas(services).items():
+        trusted = environment_of(replica)["ISOGATE_FORWARDED_ALLOW_IPS"]
+        assert [ipaddress.ip_address(a.strip()) for a in trusted.split(",")] == [lb_address], name
+    conf = (REPO_ROOT / "docker" / "nginx.conf").read_text()
+    assert "proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for;" in conf
+
+
 def test_docker_compose_accepts_the_file(tmp_path: Path) -> None:
     """Docker's own parser, which needs no engine: the v2 plugin (``docker compose``) where it is
     installed, else Debian's ``docker-compose`` 1.29 (apt package docker-compose), which checks
