@@ -12,6 +12,26 @@ from dataclasses import dataclass, field
 import orjson
 from starlette.responses import Response
 
+# How much of what a client sent an error quotes: enough to recognise it, never all of it (a
+# 5 MB model name is not answered with a 5 MB error, nor written whole into the logs).
+QUOTE_CHARS = 64
+# The net under every message and ``param``, for one built from client input without ``quoted``:
+# far above any message the gateway writes itself.
+MESSAGE_CHARS = 1024
+PARAM_CHARS = 256
+
+
+def quoted(text: str, limit: int = QUOTE_CHARS) -> str:
+    """Client input for an error message: quoted (control characters escaped, so it cannot
+    break a log line) and cut to ``limit`` characters, an ellipsis saying it was cut."""
+    if len(text) <= limit:
+        return repr(text)
+    return repr(text[:limit]) + "…"
+
+
+def clipped(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit] + "…"
+
 
 @dataclass
 class APIError(Exception):
@@ -21,6 +41,11 @@ class APIError(Exception):
     code: str | None = None
     param: str | None = None
     headers: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.message = clipped(self.message, MESSAGE_CHARS)
+        if self.param is not None:
+            self.param = clipped(self.param, PARAM_CHARS)
 
     def body(self) -> dict[str, object]:
         return {
@@ -57,6 +82,12 @@ def forbidden(message: str) -> APIError:
 
 def not_found(message: str, *, code: str = "not_found", param: str | None = None) -> APIError:
     return APIError(404, message, "invalid_request_error", code, param)
+
+
+def model_not_found(name: str) -> APIError:
+    return not_found(
+        f"The model {quoted(name)} does not exist.", code="model_not_found", param="model"
+    )
 
 
 def rate_limited(message: str, retry_after_s: float) -> APIError:

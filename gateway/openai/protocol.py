@@ -10,8 +10,9 @@ tests that hold each builder to its model.
 
 from __future__ import annotations
 
+import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -33,7 +34,9 @@ from pydantic_core import PydanticCustomError
 # pydantic needs typing_extensions' TypedDict (a dependency of its own) before Python 3.12.
 from typing_extensions import TypedDict
 
-from gateway.common.errors import APIError, bad_request
+from gateway.common.errors import QUOTE_CHARS, APIError, bad_request, clipped, quoted
+from gateway.openai.engine_bounds import FIELD_BOUNDS, LOGIT_BIAS_KEY, TOP_K_ALL
+from gateway.openai.schema_shape import schema_shape_error
 from gateway.tool_parsers import Function, call_schema
 
 # Fields SGLang would honour if they reached it: the gateway alone sets them.
@@ -56,11 +59,13 @@ RESERVED_FIELDS = frozenset(
 # Headers that steer isolation inside the engine; a client sending one is refused.
 RESERVED_HEADER_PREFIXES = ("x-isolation-", "x-isogate-")
 
+_LOGIT_BIAS_KEY = re.compile(LOGIT_BIAS_KEY)
+# How much of a metaschema error (which may quote the schema) a 400 repeats.
+SCHEMA_ERROR_CHARS = 200
+
 
 # Upper bounds the gateway sets where OpenAI sets none: one request may not fan out without end.
-MAX_CHOICES = 16
-MAX_TOP_LOGPROBS = 20
-MAX_COMPLETION_LOGPROBS = 5
+# (The ranges of the fields that reach the engine are in ``engine_bounds.FIELD_BOUNDS``.)
 MAX_PROMPTS = 64
 MAX_MESSAGES = 4096
 MAX_STOP = 4
@@ -150,27 +155,30 @@ class _Request(_Strict):
     An explicit ``null`` means "not given", as in OpenAI's API.
     """
 
+    # Every numeric field that reaches the engine is bounded by ``engine_bounds.FIELD_BOUNDS``.
     model: str = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    n: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
+    max_tokens: int | None = FIELD_BOUNDS["max_tokens"].field()
+    temperature: float | None = FIELD_BOUNDS["temperature"].field()
+    top_p: float | None = FIELD_BOUNDS["top_p"].field()
+    n: int | None = FIELD_BOUNDS["n"].field()
     stop: str | list[str] | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
-    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    seed: int | None = FIELD_BOUNDS["seed"].field()
+    presence_penalty: float | None = FIELD_BOUNDS["presence_penalty"].field()
+    frequency_penalty: float | None = FIELD_BOUNDS["frequency_penalty"].field()
     logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
     user: str | None = Field(default=None, max_length=256)
 
     # SGLang's sampling extensions, as its OpenAI server takes them (clients: ``extra_body``).
-    top_k: int | None = Field(default=None, ge=-1)
-    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    min_tokens: int | None = Field(default=None, ge=0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
+    top_k: int | None = FIELD_BOUNDS["top_k"].field()
+    min_p: float | None = FIELD_BOUNDS["min_p"].field()
+    min_tokens: int | None = FIELD_BOUNDS["min_tokens"].field()
+    repetition_penalty: float | None = FIELD_BOUNDS["repetition_penalty"].field()
     ignore_eos: bool | None = None
-    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
+    stop_token_ids: list[Annotated[int, FIELD_BOUNDS["stop_token_ids"].item()]] | None = Field(
+        default=None, max_length=MAX_STOP_TOKEN_IDS
+    )
     skip_special_tokens: bool | None = None
     no_stop_trim: bool | None = None
     regex: str | None = Field(default=None, min_length=1, max_length=MAX_GRAMMAR_CHARS)
@@ -190,18 +198,22 @@ class _Request(_Strict):
     @field_validator("top_k")
     @classmethod
     def _top_k(cls, top_k: int | None) -> int | None:
-        if top_k == 0:
-            raise ValueError("top_k must be -1 (no limit) or at least 1")
+        if top_k is not None and not FIELD_BOUNDS["top_k"].accepts(top_k):
+            raise ValueError(f"top_k must be -1 (no limit) or from 1 to {TOP_K_ALL}")
         return top_k
 
     @field_validator("logit_bias")
     @classmethod
     def _logit_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        tokens, biases = FIELD_BOUNDS["logit_bias (token id)"], FIELD_BOUNDS["logit_bias (bias)"]
         for token, value in (bias or {}).items():
-            if not token.isdigit():
-                raise ValueError(f"logit_bias keys are token ids, got {token!r}")
-            if not -100.0 <= value <= 100.0:
-                raise ValueError(f"logit_bias values are in [-100, 100], got {value}")
+            if _LOGIT_BIAS_KEY.fullmatch(token) is None or not tokens.accepts(int(token)):
+                raise ValueError(
+                    f"logit_bias keys are token ids in ASCII digits (0 to {tokens.high}), "
+                    f"got {quoted(token)}"
+                )
+            if not biases.accepts(value):
+                raise ValueError(f"logit_bias values are in {biases.describe()}, got {value}")
         return bias
 
     @field_validator("json_schema")
@@ -300,8 +312,14 @@ def check_json_schema(schema: Any, param: str) -> None:
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.exceptions.SchemaError as exc:
+        # The message may quote the schema (the offending part of it): a prefix only.
+        why = clipped(exc.message, SCHEMA_ERROR_CHARS)
         raise PydanticCustomError(
-            "invalid_field", "Invalid JSON schema: {why}", {"param": param, "why": exc.message}
+            "invalid_field", "Invalid JSON schema: {why}", {"param": param, "why": why}
+        ) from exc
+    except RecursionError as exc:  # parse_request bounds the depth first; this is the net
+        raise PydanticCustomError(
+            "invalid_field", "The JSON schema is nested too deeply.", {"param": param}
         ) from exc
 
 
@@ -432,9 +450,9 @@ def _invalid(param: str, message: str) -> PydanticCustomError:
 
 class ChatCompletionRequest(_Request):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = FIELD_BOUNDS["max_completion_tokens"].field()
     logprobs: bool | None = None
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: int | None = FIELD_BOUNDS["top_logprobs"].field()
     response_format: ResponseFormat | None = None
     # Honoured as OpenAI defines them for a deployment that keeps nothing and has one tier.
     metadata: dict[str, str] | None = Field(default=None, max_length=16)
@@ -588,11 +606,12 @@ PromptList = list[str] | list[int] | list[list[int]]
 class CompletionRequest(_Request):
     # A string, a list of strings, a list of token ids, or a list of token-id lists.
     prompt: str | list[str] | list[int] | list[list[int]]
-    # 0 with ``echo``: the prompt scored, nothing generated (what evaluation harnesses send).
-    max_tokens: int | None = Field(default=None, ge=0)
+    # 0 with ``echo``: the prompt scored, nothing generated (what evaluation harnesses send);
+    # the engine is still sent 1 (a PD pair always decodes one token).
+    max_tokens: int | None = Field(default=None, ge=0, le=FIELD_BOUNDS["max_tokens"].high)
     echo: bool | None = None
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
-    best_of: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
+    logprobs: int | None = FIELD_BOUNDS["logprobs"].field()
+    best_of: int | None = FIELD_BOUNDS["best_of"].field()
     suffix: str | None = None
 
     @field_validator("prompt")
@@ -699,6 +718,52 @@ def check_counts(raw: dict[str, Any]) -> None:
             code="invalid_value",
             param="prompt",
         )
+    check_schema_shapes(raw)
+
+
+# ---- schema shapes (issue 40) -----------------------------------------------------------
+# A schema's check costs by its shape, so the shape is bounded before any schema is checked.
+
+
+def check_schema_shapes(raw: dict[str, Any]) -> None:
+    """The request's JSON schemas together within ``schema_shape.SCHEMA_LIMITS``, or a 400
+    naming the bound (before validation, which checks each against its metaschema)."""
+    tools = raw.get("tools")
+    if isinstance(tools, list) and len(tools) > MAX_TOOLS:
+        raise bad_request(
+            f"Invalid value for 'tools': at most {MAX_TOOLS} tools per request.",
+            code="invalid_value",
+            param="tools",
+        )
+    error = schema_shape_error(_raw_schemas(raw, tools))
+    if error is not None:
+        raise bad_request(
+            f"Invalid value for '{error.param}': {error.message}",
+            code="invalid_value",
+            param=error.param,
+        )
+
+
+def _raw_schemas(raw: dict[str, Any], tools: Any) -> Iterator[tuple[str, Any]]:
+    """Every JSON schema the request carries, where it is (wrong shapes are validation's)."""
+    response_format = raw.get("response_format")
+    if isinstance(response_format, dict):
+        json_schema = response_format.get("json_schema")
+        if isinstance(json_schema, dict):
+            yield "response_format.json_schema.schema", json_schema.get("schema")
+    text = raw.get("json_schema")
+    if isinstance(text, str) and len(text) <= MAX_GRAMMAR_CHARS:
+        try:
+            yield "json_schema", orjson.loads(text)
+        except orjson.JSONDecodeError:
+            pass  # the field's validator refuses it
+    for index, tool in enumerate(tools if isinstance(tools, list) else ()):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if isinstance(function, dict):
+            yield f"tools.{index}.function.parameters", function.get("parameters")
+
+
+# ---- end of schema shapes -----------------------------------------------------------------
 
 
 def too_many_messages() -> APIError:
@@ -715,7 +780,8 @@ def _validation_error(exc: ValidationError) -> APIError:
     error = next((e for e in errors if e["type"] == "unsupported_parameter"), errors[0])
     context = error.get("ctx") or {}
     # Where the error is: its location, or for a check of the whole request, the field named.
-    location = ".".join(str(part) for part in error["loc"])
+    # (A part may be a key the client wrote, of any length: a prefix of it.)
+    location = ".".join(clipped(str(part), QUOTE_CHARS) for part in error["loc"])
     named = str(context["param"]) if "param" in context else None
     # A check across fields names the field at fault; otherwise the location says where.
     param = named if error["type"] == "invalid_field" else (location or named)
