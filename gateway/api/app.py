@@ -10,8 +10,9 @@ from collections.abc import AsyncIterator
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
+from starlette.responses import RedirectResponse, Response
+from starlette.routing import Match, Router
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.api.admin_routes import admin_routes
 from gateway.api.audit_routes import audit_routes
@@ -41,17 +42,20 @@ def create_app(settings: Settings | None = None) -> Gateway:
             await reloader.stop()
             await close_components(app.state.components)
 
-    return Gateway(
-        Starlette(
-            routes=[*openai_routes(), *audit_routes(), *admin_routes()],
-            exception_handlers={
-                APIError: _api_error,
-                HTTPException: _http_error,
-                Exception: _unexpected_error,
-            },
-            lifespan=lifespan,
-        )
+    app = Starlette(
+        routes=[*openai_routes(), *audit_routes(), *admin_routes()],
+        exception_handlers={
+            APIError: _api_error,
+            HTTPException: _http_error,
+            Exception: _unexpected_error,
+        },
+        lifespan=lifespan,
     )
+    # Starlette's own trailing-slash redirect writes an absolute URL built from the client's
+    # Host header into Location; this one writes the path alone.
+    app.router.redirect_slashes = False
+    app.router.default = _slash_redirect(app.router)
+    return Gateway(app)
 
 
 class Gateway:
@@ -76,6 +80,37 @@ class Gateway:
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def _slash_redirect(router: Router) -> ASGIApp:
+    """What a path no route matches gets: a 307 to the same path with its trailing slash added
+    or removed, where that one matches a route (as Starlette's redirect_slashes), with a
+    relative Location that echoes nothing of the request but its path; otherwise the 404."""
+
+    async def default(scope: Scope, receive: Receive, send: Send) -> None:
+        path: str = scope["path"]
+        if scope["type"] == "http" and path != "/":
+            other = path.rstrip("/") if path.endswith("/") else path + "/"
+            redirected = {**scope, "path": other}
+            # "//host" would be a reference to another host: never a Location of ours.
+            if not other.startswith("//") and any(
+                route.matches(redirected)[0] is not Match.NONE for route in router.routes
+            ):
+                raw = scope.get("raw_path")
+                location = (
+                    (raw.rstrip(b"/") if raw.endswith(b"/") else raw + b"/").decode("latin-1")
+                    if isinstance(raw, bytes) and raw
+                    else other
+                )
+                query = scope.get("query_string", b"").decode("latin-1")
+                if query:
+                    location += "?" + query
+                if not location.startswith(("//", "/\\")):
+                    await RedirectResponse(location, status_code=307)(scope, receive, send)
+                    return
+        await router.not_found(scope, receive, send)
+
+    return default
 
 
 def _freeze_startup_heap() -> None:
