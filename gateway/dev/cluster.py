@@ -25,6 +25,7 @@ import httpx
 
 from gateway.dev import deepseek_model
 from gateway.dev.model import DEFAULT_MODEL_DIR, ensure_tiny_model
+from gateway.observability.logs import open_log_file
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 HOST = "127.0.0.1"
@@ -194,9 +195,7 @@ class ManagedProcess:
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = self.log_path.open(
-            "ab"
-        )  # a restart appends: what happened before it is evidence
+        self._log = open_log_file(self.log_path)  # a restart appends: what came before is evidence
         self._process = subprocess.Popen(
             self.command,
             stdin=subprocess.DEVNULL,

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import httpx
 
+from gateway.observability.logs import open_log_file
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -91,7 +93,7 @@ class GatewayProcess:
             cwd=self.root,
             stdout=subprocess.DEVNULL,
         )
-        with open(self.log_path, "ab") as log:
+        with open_log_file(self.log_path) as log:
             self.process = subprocess.Popen(
                 [*self.command_prefix, sys.executable, "-m", "gateway", "serve"],
                 env=env,

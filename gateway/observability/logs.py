@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import contextvars
 import logging
+import os
 import sys
 import threading
 import time
-from typing import Any, TextIO
+from pathlib import Path
+from typing import Any, BinaryIO, TextIO
 
 import orjson
 
@@ -118,6 +120,15 @@ class BatchingStreamHandler(logging.StreamHandler[TextIO]):
             time.sleep(self._flush_interval_s)
             if self._pending:
                 self.flush()
+
+
+def open_log_file(path: Path) -> BinaryIO:
+    """A log file to append to, readable by its owner only (0600, as the tenant store): its
+    lines name tenants, models and errors, and an engine's at debug level carry prompts. An
+    existing file keeps its mode on open, so it is narrowed too."""
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.fchmod(descriptor, 0o600)
+    return os.fdopen(descriptor, "ab")
 
 
 def configure_logging(settings: Settings) -> None:

@@ -1,8 +1,10 @@
 """Structured JSON logs: every line logged while a request is served carries its generation ID,
-whichever module logs it (the request path, dispatch, or the upstream HTTP client)."""
+whichever module logs it (the request path, dispatch, or the upstream HTTP client); the log
+file is readable by its owner only."""
 
 from __future__ import annotations
 
+import stat
 import time
 
 from tests.deploy.conftest import chat, log_lines, log_size
@@ -79,3 +81,11 @@ def test_at_info_a_refused_request_logs_its_line_and_a_served_one_only_its_audit
         len(finished) == 1 and finished[0]["outcome"] == "rejected" and finished[0]["status"] == 404
     )
     assert finished[0]["generation_id"] == refused.headers["X-Generation-Id"]
+
+
+def test_the_gateways_log_file_is_readable_by_its_owner_only(start_gateway) -> None:
+    gateway = start_gateway()
+    _, key = gateway.create_tenant()
+    assert chat(gateway, key).status_code == 200  # a request's lines are in it
+
+    assert stat.S_IMODE(gateway.log_path.stat().st_mode) == 0o600

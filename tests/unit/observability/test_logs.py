@@ -1,19 +1,24 @@
 """The log handler batches writes; a line is late by at most its flush interval, never lost or
-reordered."""
+reordered. Log files are readable by their owner only."""
 
 from __future__ import annotations
 
 import io
 import logging
+import os
+import stat
 import time
+from pathlib import Path
 
 import orjson
 
+from gateway.dev.cluster import ManagedProcess
 from gateway.observability.logs import (
     BatchingStreamHandler,
     GenerationIdFilter,
     JsonFormatter,
     current_generation_id,
+    open_log_file,
 )
 
 
@@ -90,3 +95,37 @@ def test_json_lines_carry_the_generation_id_of_the_request() -> None:
     line = orjson.loads(stream.getvalue())
     assert line["generation_id"] == "gen_01TEST" and line["status"] == 200
     assert line["message"] == "request finished" and line["ts"].endswith("Z")
+
+
+# ---- log files: readable by their owner only, like the store ------------------------------
+
+
+def test_a_new_log_file_is_created_0600_whatever_the_umask(tmp_path: Path) -> None:
+    path = tmp_path / "gateway.log"
+    previous = os.umask(0o022)
+    try:
+        with open_log_file(path) as log:
+            log.write(b"a line\n")
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert path.read_bytes() == b"a line\n"
+
+
+def test_an_existing_log_file_is_narrowed_to_0600_and_appended_to(tmp_path: Path) -> None:
+    path = tmp_path / "gateway.log"
+    path.write_bytes(b"before a restart\n")
+    path.chmod(0o644)
+    with open_log_file(path) as log:
+        log.write(b"after\n")
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert path.read_bytes() == b"before a restart\nafter\n"
+
+
+def test_the_dev_servers_log_files_are_0600(tmp_path: Path) -> None:
+    """SGLang's and the gateway's logs under ``make run`` and the tests (they carry prompts at
+    debug level, tenants and models always)."""
+    process = ManagedProcess("echo", ["echo", "a line"], {}, tmp_path / "logs" / "server.log")
+    process.start()
+    assert process.wait(timeout_s=10) == 0
+    assert stat.S_IMODE(process.log_path.stat().st_mode) == 0o600
