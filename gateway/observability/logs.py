@@ -13,11 +13,12 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, BinaryIO, TextIO
+from typing import TYPE_CHECKING, Any, BinaryIO, TextIO
 
 import orjson
 
-from gateway.config.settings import Settings
+if TYPE_CHECKING:  # the dev tools import this module where pydantic-settings is not installed
+    from gateway.config.settings import Settings
 
 current_generation_id: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "generation_id", default=None
