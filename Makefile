@@ -48,11 +48,11 @@ ENGINE_SUITE_LOG := .run/engine-suite.log
 test:
 	@$(MAKE) --no-print-directory --jobs=3 --output-sync=target lint engine services
 	@mkdir -p .run
-	@$(ENGINE_PY) -m pytest -ra --durations=10 tests/engine_patch tests/engine_parity \
+	@$(ENGINE_PY) -m pytest -ra --durations=10 tests/engine_patch tests/engine_parity tests/engine_bounds \
 		> $(ENGINE_SUITE_LOG) 2>&1 & engine=$$!; \
 	$(PY) -m pytest -ra --durations=25 $(PARALLEL); gateway=$$?; \
 	wait $$engine; engine_status=$$?; \
-	echo "== engine venv suite (tests/engine_patch tests/engine_parity) =="; \
+	echo "== engine venv suite (tests/engine_patch tests/engine_parity tests/engine_bounds) =="; \
 	cat $(ENGINE_SUITE_LOG); \
 	test $$gateway -eq 0 && test $$engine_status -eq 0
 
