@@ -7,26 +7,22 @@ to ``gateway.api.tokenize_routes``; the rest read state.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, TypeVar, cast
+from typing import Any
 
 import orjson
-from pydantic import BaseModel
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from gateway.api import tokenize_routes
 from gateway.api.answers import Kind
 from gateway.api.openapi import openapi_json
-from gateway.api.pipeline import handle_generation, read_body
-from gateway.api.tokenize_routes import DetokenizeRequest, TokenizeRequest
+from gateway.api.pipeline import handle_generation
 from gateway.common.errors import APIError
 from gateway.config.policies import ModelPolicy
 from gateway.openai import protocol
 from gateway.service.components import Components
 from gateway.tenancy.auth import Principal
-
-_Body = TypeVar("_Body", bound=BaseModel)
 
 
 def _components(request: Request) -> Components:
@@ -90,64 +86,19 @@ def _card(components: Components, principal: Principal, model: ModelPolicy) -> d
 
 
 async def tokenize(request: Request) -> Response:
-    """SGLang's ``/v1/tokenize``, plus this tenant's admission limit now (``tokenize_routes``)."""
-    components = _components(request)
-    tenant_id = await _tenant(components, request)
-    ask = _parse(await _body(components, request), TokenizeRequest)
-    answer = await tokenize_routes.tokenize(components, tenant_id, ask)
-    count = answer["count"]
-    # A prompt near the body limit has millions of tokens: their JSON is written off the loop.
-    if (count if isinstance(count, int) else sum(count)) >= _JSON_IN_THREAD_MIN_TOKENS:
-        return _json_bytes(await asyncio.to_thread(orjson.dumps, answer))
-    return _json(answer)
+    """SGLang's ``/v1/tokenize``, plus this tenant's admission limit now; metered and bounded
+    as a tenant's request (``tokenize_routes``)."""
+    return await tokenize_routes.serve(
+        _components(request), request.scope, request.receive, "tokenize"
+    )
 
 
 async def detokenize(request: Request) -> Response:
-    """SGLang's ``/v1/detokenize``: token ids back to text; 400 for an id outside the vocabulary."""
-    components = _components(request)
-    await _tenant(components, request)
-    ask = _parse(await _body(components, request), DetokenizeRequest)
-    return _json(await tokenize_routes.detokenize(components, ask))
-
-
-_JSON_IN_THREAD_MIN_TOKENS = 65_536
-
-
-async def _tenant(components: Components, request: Request) -> str:
-    """The tenant of a tenant key; the admin key is refused, as on the generation routes (the
-    limits these routes answer are a tenant's)."""
-    principal = await components.authenticator.authenticate(request.headers.get("authorization"))
-    if principal.is_admin:
-        raise APIError(
-            403,
-            "The admin key cannot use this endpoint; use a tenant key.",
-            "permission_error",
-            "admin_key_not_allowed",
-        )
-    return principal.tenant_id
-
-
-async def _body(components: Components, request: Request) -> bytes:
-    """The body, under the same ``max_body_bytes`` cap as a generation's (413 past it)."""
-    try:
-        return await read_body(
-            request.scope,
-            request.receive,
-            request.headers.get("content-length"),
-            components.settings.max_body_bytes,
-            components.settings.body_timeout_s,
-        )
-    except ClientDisconnect:
-        raise APIError(
-            499, "The client went away.", "invalid_request_error", "client_cancelled"
-        ) from None
-
-
-def _parse(body: bytes, schema: type[_Body]) -> _Body:
-    # ``protocol.parse_request`` is annotated for the generation requests; its parsing and its
-    # 400s (unknown, reserved, missing and invalid fields) hold for any strict model.
-    parsed: _Body = protocol.parse_request(body, cast(Any, schema))
-    return parsed
+    """SGLang's ``/v1/detokenize``: token ids back to text; 400 for an id outside the vocabulary;
+    metered and bounded as a tenant's request (``tokenize_routes``)."""
+    return await tokenize_routes.serve(
+        _components(request), request.scope, request.receive, "detokenize"
+    )
 
 
 async def workers(request: Request) -> Response:

@@ -160,6 +160,49 @@ class ModelTokenizer:
             )
         return await self._encode(text, add_special_tokens=add_special_tokens)
 
+    async def encode_texts(
+        self,
+        texts: Sequence[str],
+        *,
+        add_special_tokens: bool = True,
+        control_text: ControlText = "recognise",
+    ) -> list[list[int]]:
+        """Each text's ids, as ``encode_text`` gives them (``/v1/tokenize``'s list of prompts).
+        Texts long enough together are encoded in one call off the event loop, checked for
+        control text there too: never one encoding per turn of the loop, as short texts are
+        one by one."""
+        if sum(map(len, texts)) < self._thread_min_chars:
+            return [
+                await self.encode_text(
+                    text, add_special_tokens=add_special_tokens, control_text=control_text
+                )
+                for text in texts
+            ]
+        return await anyio.to_thread.run_sync(
+            self._encode_texts_now, list(texts), add_special_tokens, control_text
+        )
+
+    def _encode_texts_now(
+        self, texts: list[str], add_special_tokens: bool, control_text: ControlText
+    ) -> list[list[int]]:
+        plain = (
+            [self._controls.found_in([text]) for text in texts]
+            if control_text != "recognise"
+            else [False] * len(texts)
+        )
+        if control_text == "refuse" and any(plain):
+            raise _control_text_refused("prompt")
+        encoded = self._tokenizer.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
+        ids = [e.ids for e in encoded]
+        if any(plain):  # the texts holding control text again, with it read as plain text
+            indices = [index for index, is_plain in enumerate(plain) if is_plain]
+            again = self._controls.plain.encode_batch_fast(
+                [texts[index] for index in indices], add_special_tokens=add_special_tokens
+            )
+            for index, e in zip(indices, again, strict=True):
+                ids[index] = e.ids
+        return ids
+
     async def _holds_control_text(self, texts: Sequence[str]) -> bool:
         if sum(len(text) for text in texts) < self._thread_min_chars:
             return self._controls.found_in(texts)
@@ -262,6 +305,20 @@ class ModelTokenizer:
                 [checked], skip_special_tokens=skip_special_tokens
             )[0]
         )
+
+    async def decode_lists(
+        self, lists: Sequence[Sequence[int]], *, skip_special_tokens: bool = True
+    ) -> list[str]:
+        """Each list's text, as ``decode`` gives it; 400 for an id outside the vocabulary. Lists
+        long enough together are checked and decoded in one call off the event loop."""
+
+        def decode_all() -> list[str]:
+            checked = [self.check_token_ids(ids, param="tokens") for ids in lists]
+            return self._tokenizer.decode_batch(checked, skip_special_tokens=skip_special_tokens)
+
+        if sum(map(len, lists)) < self._thread_min_chars:
+            return decode_all()
+        return await anyio.to_thread.run_sync(decode_all)
 
     def _encode(
         self, text: str, *, add_special_tokens: bool, tokenizer: Tokenizer | None = None

@@ -13,6 +13,10 @@ it there. Joining or pickling 60 MB holds the loop or the GIL for as long as cop
 takes (about 100 ms on a busy host), which is what every other request would wait.
 
 The pool is bounded (``parse_processes``); bodies beyond it wait their turn off the loop.
+
+A caller may give a ``check`` of the parsed request (a picklable callable raising ``APIError``),
+run where it was parsed: a request refused there for what it holds (``/v1/detokenize``'s ids
+past the model's context) never comes back to the loop to be unpickled whole.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import logging
 import multiprocessing
 import os
 import tempfile
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
@@ -48,9 +53,11 @@ _SHAPE = msgspec.json.Decoder(_Shape)
 
 # (parsed request, None) or (None, the refusal as APIError's fields)
 _Parsed = tuple[Any, tuple[int, str, str, str | None, str | None] | None]
+# What a caller checks of a parsed request, where it was parsed: raises ``APIError`` to refuse.
+Check = Callable[[Any], None]
 
 
-def parse_in_child(body: bytes, schema: type[Any]) -> _Parsed:
+def parse_in_child(body: bytes, schema: type[Any], check: Check | None = None) -> _Parsed:
     """Runs in a pool process: the shape scan (for a schema with a message list; a scan costs
     about a third of the parse itself), then ``protocol.parse_request``."""
     if "messages" in schema.model_fields:
@@ -64,15 +71,21 @@ def parse_in_child(body: bytes, schema: type[Any]) -> _Parsed:
         except msgspec.DecodeError:
             pass  # the real parse names the error as every other body's
     try:
-        return protocol.parse_request(body, schema), None
+        return _checked(protocol.parse_request(body, schema), check), None
     except APIError as error:
         return None, (error.status, error.message, error.type, error.code, error.param)
 
 
-def parse_file_in_child(path: str, schema: type[Any]) -> _Parsed:
+def parse_file_in_child(path: str, schema: type[Any], check: Check | None = None) -> _Parsed:
     with open(path, "rb") as spooled:
         body = spooled.read()
-    return parse_in_child(body, schema)
+    return parse_in_child(body, schema, check)
+
+
+def _checked(parsed: Any, check: Check | None) -> Any:
+    if check is not None:
+        check(parsed)
+    return parsed
 
 
 class SpooledBody:
@@ -139,24 +152,28 @@ class BodyParser:
         self._pool = ProcessPoolExecutor(self._processes, mp_context=self._context)
         self._pool.submit(_warm)
 
-    async def parse(self, body: bytes | SpooledBody, schema: type[Any]) -> Any:
+    async def parse(
+        self, body: bytes | SpooledBody, schema: type[Any], check: Check | None = None
+    ) -> Any:
         if isinstance(body, SpooledBody):
             body.close()
             try:
-                return await self._in_child(parse_file_in_child, body.path, schema)
+                return await self._in_child(parse_file_in_child, body.path, schema, check)
             finally:
                 body.discard()
         if len(body) < self.spill_at or self._pool is None:
-            return protocol.parse_request(body, schema)
-        return await self._in_child(parse_in_child, body, schema)
+            return _checked(protocol.parse_request(body, schema), check)
+        return await self._in_child(parse_in_child, body, schema, check)
 
-    async def _in_child(self, parse: Any, body: Any, schema: type[Any]) -> Any:
+    async def _in_child(
+        self, parse: Any, body: Any, schema: type[Any], check: Check | None = None
+    ) -> Any:
         if self._pool is None:
             raise unavailable("The request body parser is not running.", code="parser_unavailable")
         async with self._slots:
             pool = self._pool
             try:
-                parsed, refused = await asyncio.wrap_future(pool.submit(parse, body, schema))
+                parsed, refused = await asyncio.wrap_future(pool.submit(parse, body, schema, check))
             except BrokenProcessPool:
                 # A child died (killed, out of memory): a fresh pool for the next body.
                 log.error("intake: a body-parsing process died; starting a new pool")
