@@ -197,8 +197,12 @@ def test_cluster_start_fails_fast_with_the_log_tail(tmp_path: Path) -> None:
         log_dir=tmp_path, engine_python=not_sglang, model_dir=tmp_path / "model"
     )
 
-    with pytest.raises(ClusterStartError, match="engine exploded on purpose"):
+    # Fast: on the process's exit (its code named), not once the start-up timeout has passed,
+    # whose error would carry the same log tail.
+    with pytest.raises(ClusterStartError) as failed:
         PDCluster(spec, startup_timeout_s=30.0).start()
+    assert "exited with code 3 during start-up" in str(failed.value)
+    assert "engine exploded on purpose" in str(failed.value)
 
 
 def _wait_for(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:

@@ -15,7 +15,14 @@ import pytest
 import yaml
 
 from gateway.config.policies import DecodeWorker, PolicyError, PrefillWorker, Share, load_policies
-from gateway.core.fair_queue import FairQueue, Slot, WaitExpired
+from gateway.core.fair_queue import (
+    ENGINE_DEFAULT_PRIORITY,
+    FairQueue,
+    Slot,
+    WaitExpired,
+    engine_priority,
+    generation_cost,
+)
 from gateway.core.pair_queues import PairQueues, QueueSettings, pair_cap, queue_refusal
 from gateway.observability.metrics import Metrics
 from gateway.workers.capacity import WorkerCapacity
@@ -101,23 +108,28 @@ def test_an_idle_tenant_banks_no_credit() -> None:
 
     order = asyncio.run(scenario())
     assert order[:4].count("b") >= 1
-    assert Counter(order[:10]) == {"a": 5, "b": 5}
+    # Level within one request: b's last finish tag (one request ahead of the virtual time) is
+    # kept as its debt, not its fifty requests.
+    assert Counter(order[:10])["a"] in (5, 6), order
 
 
-def test_a_request_of_several_choices_takes_as_many_slots() -> None:
+def test_a_request_of_several_generations_takes_as_many_slots() -> None:
     async def scenario() -> None:
         queue = FairQueue(4, max_queued_per_tenant=10)
-        three = await queue.acquire(Share("a"), FOREVER, cost=3)
-        assert queue.in_flight == 3
-        waiting = asyncio.ensure_future(queue.acquire(Share("b"), FOREVER, cost=2))
+        three = await queue.acquire(Share("a"), FOREVER, slots=3)
+        assert queue.in_flight == 3 and queue.holding_of("a") == 3
+        waiting = asyncio.ensure_future(queue.acquire(Share("b"), FOREVER, slots=2))
         await asyncio.sleep(0)
         assert not waiting.done() and queue.queued == 1
         three.release()
         two = await waiting
         assert queue.in_flight == 2
         two.release()
-        # More than the whole pair is clamped to the whole pair, not refused forever.
-        (await queue.acquire(Share("a"), FOREVER, cost=99)).release()
+        # More than the whole pair goes once the pair has drained (never refused forever),
+        # and is counted as what it is: 99 slots, not the cap.
+        big = await queue.acquire(Share("a"), FOREVER, slots=99)
+        assert queue.in_flight == 99
+        big.release()
         assert queue.in_flight == 0
 
     asyncio.run(scenario())
@@ -261,7 +273,8 @@ def test_a_slot_freed_while_a_cancelled_waiter_is_leaving_goes_to_the_next_in_li
     async def scenario() -> None:
         # Contended (several tenants): one slot; one tenant alone: two.
         queue = FairQueue(2, contended_capacity=1, linger_s=0.0, max_queued_per_tenant=10)
-        slot = await queue.acquire(Share("x"), FOREVER)
+        # Three slots: past what a tenant within its share may go past (cap + contended cap).
+        slot = await queue.acquire(Share("x"), FOREVER, slots=3)
         leaving = asyncio.ensure_future(queue.acquire(Share("a"), FOREVER))
         await asyncio.sleep(0)
         staying = asyncio.ensure_future(queue.acquire(Share("b"), FOREVER))
@@ -304,10 +317,16 @@ def test_a_larger_cap_lets_waiters_go_at_once() -> None:
     async def scenario() -> None:
         queue = FairQueue(1, max_queued_per_tenant=10)
         slot = await queue.acquire(Share("x"), FOREVER)
-        waiting = asyncio.ensure_future(queue.acquire(Share("a"), FOREVER))
+        waiting = [asyncio.ensure_future(queue.acquire(Share(t), FOREVER)) for t in ("a", "b")]
         await asyncio.sleep(0)
-        queue.set_capacity(2)
-        (await waiting).release()
+        assert queue.queued == 2 and not any(w.done() for w in waiting)
+        queue.set_capacity(3)
+        # Without any slot released: both waiters hold theirs once they have run.
+        done, _ = await asyncio.wait(waiting, timeout=5)
+        assert done == set(waiting), "a waiter still waits after the cap grew"
+        assert queue.queued == 0 and queue.in_flight == 3
+        for w in waiting:
+            w.result().release()
         slot.release()
 
     asyncio.run(scenario())
@@ -390,10 +409,19 @@ def test_a_lone_tenant_may_fill_the_whole_cap() -> None:
     assert asyncio.run(scenario()) == 4
 
 
-def test_while_two_tenants_contend_no_slot_is_granted_past_the_contended_cap() -> None:
+def test_a_tenant_within_its_share_starts_at_once_and_the_flood_waits_for_the_contended_cap() -> (
+    None
+):
+    """No head-of-line wait: B arrives while A holds the whole pair, and starts without waiting
+    for any of A's requests to end; A's next request waits until the pair is back under the
+    contended cap. Past the cap by at most the contended cap: a third newcomer goes, a fourth
+    waits until one ends."""
+
     async def scenario() -> list[tuple[str, int]]:
         queue = FairQueue(4, contended_capacity=2, max_queued_per_tenant=10, clock=_Clock())
         a_slots = [await queue.acquire(Share("a"), FOREVER) for _ in range(4)]
+        # A alone: the first two within the contended cap, its share; the rest beyond it.
+        assert [slot.priority for slot in a_slots] == [250, 250, 200, 200]
         granted: list[tuple[str, int]] = []
 
         async def one(share: Share) -> Slot:
@@ -402,22 +430,28 @@ def test_while_two_tenants_contend_no_slot_is_granted_past_the_contended_cap() -
             return slot
 
         b = asyncio.ensure_future(one(Share("b")))
-        a_more = asyncio.ensure_future(one(Share("a")))
         await _settle()
-        for slot in a_slots[:2]:  # 2 in flight: still no room under the contended cap
+        assert granted == [("b", 5)]  # at once, beside A's four
+        assert (await b).priority == 250  # within its share: ahead of A's excess in the engine
+        a_more = asyncio.ensure_future(one(Share("a")))
+        c = asyncio.ensure_future(one(Share("c")))
+        d = asyncio.ensure_future(one(Share("d")))
+        await _settle()
+        assert granted == [("b", 5), ("c", 6)]  # d would be past cap + contended cap
+        a_slots[0].release()
+        await _settle()
+        assert granted[2:] == [("d", 6)]  # d, within its share, as soon as that is not
+        for slot in a_slots[1:3]:  # A's next: not while A holds more than its share
             slot.release()
             await _settle()
-        assert granted == []
-        a_slots[2].release()  # 1 in flight: B goes, beside A's last one
+        assert len(granted) == 3
+        a_slots[3].release()  # A within its share again: one each, for four tenants
         await _settle()
-        assert granted == [("b", 2)]
-        a_slots[3].release()  # A's next goes only as B's request leaves room under the cap
-        await _settle()
-        (await b).release()
-        (await a_more).release()
+        for waiter in (b, c, d, a_more):
+            (await waiter).release()
         return granted
 
-    assert asyncio.run(scenario()) == [("b", 2), ("a", 2)]
+    assert asyncio.run(scenario()) == [("b", 5), ("c", 6), ("d", 6), ("a", 4)]
 
 
 def test_the_contended_cap_lingers_after_the_other_tenant_goes_idle_then_lifts() -> None:
@@ -546,3 +580,150 @@ def test_a_bad_share_in_a_policy_file_is_refused_at_load(
 ) -> None:
     with pytest.raises(PolicyError, match=field):
         load_policies(_policies_with(tmp_path, tenants, pool_cap))
+
+
+# -- shares counted in tokens (the virtual token counter) -------------------------------------
+
+
+async def _tokens_served(
+    queue: FairQueue,
+    requests: list[tuple[Share, list[tuple[float, float]]]],
+    rounds: int,
+) -> dict[str, float]:
+    """Every tenant floods with its ``(charged, produced)`` requests, in turn, behind a
+    saturated queue of one slot; the slot is handed on ``rounds`` times and each grant is
+    refunded what it did not produce. What each tenant was served, in produced cost."""
+    blocker = await queue.acquire(Share("blocker"), FOREVER)
+    served: Counter[str] = Counter()
+    slots: asyncio.Queue[tuple[Slot, str, float]] = asyncio.Queue()
+
+    async def one(share: Share, charged: float, produced: float) -> None:
+        slot = await queue.acquire(share, FOREVER, cost=charged)
+        await slots.put((slot, share.tenant_id, charged - produced))
+        served[share.tenant_id] += produced
+
+    tasks = [
+        asyncio.ensure_future(one(share, charged, produced))
+        for share, flood in requests
+        for charged, produced in flood
+    ]
+    await asyncio.sleep(0)
+    blocker.release()
+    for _ in range(rounds):
+        slot, _, unproduced = await slots.get()
+        slot.refund(unproduced)
+        slot.release()
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    return dict(served)
+
+
+def test_weights_two_to_one_are_served_two_to_one_in_tokens_whatever_the_request_sizes() -> None:
+    # Heavy (weight 2) sends small requests, light (weight 1) requests ten times larger: counted
+    # in requests light would get ten times its share; counted in tokens, 2 : 1.
+    heavy, light = Share("heavy", weight=2), Share("light", weight=1)
+    served = asyncio.run(
+        _tokens_served(
+            FairQueue(1, max_queued_per_tenant=1000),
+            [(heavy, [(10.0, 10.0)] * 400), (light, [(100.0, 100.0)] * 40)],
+            rounds=200,
+        )
+    )
+    assert served["heavy"] == pytest.approx(2 * served["light"], rel=0.15), served
+
+
+def test_what_a_request_did_not_produce_is_given_back_to_its_tenant() -> None:
+    # Both reserve 100 tokens a request; heavy's stop after 20. Charged what they reserved and
+    # never refunded, heavy would be served 2 : 1 in requests, 0.4 : 1 in tokens; refunded,
+    # heavy is served 2 : 1 in the tokens produced.
+    heavy, light = Share("heavy", weight=2), Share("light", weight=1)
+    served = asyncio.run(
+        _tokens_served(
+            FairQueue(1, max_queued_per_tenant=1000),
+            [(heavy, [(100.0, 20.0)] * 400), (light, [(100.0, 100.0)] * 100)],
+            rounds=200,
+        )
+    )
+    assert served["heavy"] == pytest.approx(2 * served["light"], rel=0.15), served
+
+
+def test_a_refund_never_puts_its_tenant_ahead_of_the_others() -> None:
+    async def scenario() -> list[str]:
+        queue = FairQueue(1, max_queued_per_tenant=100)
+        slot = await queue.acquire(Share("a"), FOREVER, cost=5.0)
+        slot.refund(1_000_000.0)  # a tenant cannot buy credit with a refund
+        slot.release()
+        return await _serve_in_order(queue, [Share("a")] * 4 + [Share("b")] * 4)
+
+    assert asyncio.run(scenario()) == ["a", "b"] * 4
+
+
+def test_a_request_of_many_generations_is_charged_them_all() -> None:
+    # One grant of cost 8 (eight generations), then both flood with requests of cost 1: the
+    # other tenant is served about eight times before the first one's next turn.
+    async def scenario() -> list[str]:
+        queue = FairQueue(1, max_queued_per_tenant=100)
+        blocker = await queue.acquire(Share("blocker"), FOREVER)
+        big = asyncio.ensure_future(queue.acquire(Share("a"), FOREVER, cost=8.0))
+        await asyncio.sleep(0)
+        blocker.release()
+        (await big).release()
+        return await _serve_in_order(queue, [Share("a")] * 10 + [Share("b")] * 10, served=10)
+
+    order = asyncio.run(scenario())
+    assert order[:8].count("b") >= 7, order
+
+
+def test_a_grant_waits_for_kv_room_and_takes_it_as_it_frees() -> None:
+    async def scenario() -> None:
+        queue = FairQueue(8, max_queued_per_tenant=10, kv_capacity=1000)
+        first = await queue.acquire(Share("a"), FOREVER, kv=700)
+        assert queue.take_free(Share("b"), kv=400) is None  # a slot is free, the tokens not
+        waiting = asyncio.ensure_future(queue.acquire(Share("b"), FOREVER, kv=400))
+        await asyncio.sleep(0)
+        assert not waiting.done() and queue.kv_in_flight == 700
+        first.release()
+        second = await waiting
+        assert queue.kv_in_flight == 400
+        second.release()
+        assert queue.kv_in_flight == 0
+
+    asyncio.run(scenario())
+
+
+def test_engine_priorities_put_classes_first_then_work_within_its_share() -> None:
+    order = sorted(
+        (engine_priority(priority, within), priority, within)
+        for priority in ("high", "normal", "low")
+        for within in (True, False)
+    )
+    assert [(p, w) for _, p, w in reversed(order)] == [
+        ("high", True),
+        ("high", False),
+        ("normal", True),
+        ("normal", False),
+        ("low", True),
+        ("low", False),
+    ]
+    # Within a class, the gap is past SGLang's default preemption threshold (10).
+    assert engine_priority("normal", True) - engine_priority("normal", False) > 10
+    assert engine_priority("normal", False) == ENGINE_DEFAULT_PRIORITY
+
+
+def test_a_lower_class_gets_no_share_past_the_contended_cap_while_a_higher_one_is_active() -> None:
+    async def scenario() -> None:
+        queue = FairQueue(2, contended_capacity=1, max_queued_per_tenant=10)
+        vip = [await queue.acquire(Share("vip", priority="high"), FOREVER) for _ in range(2)]
+        assert queue.take_free(Share("bulk", priority="low")) is None
+        assert queue.take_free(Share("std")) is None
+        for slot in vip:
+            slot.release()
+
+    asyncio.run(scenario())
+
+
+def test_generation_cost_weighs_an_output_token_above_a_prompt_token() -> None:
+    assert generation_cost(100, 0) == 100
+    assert generation_cost(0, 100) > generation_cost(100, 0)
+    assert generation_cost(10, 16) == generation_cost(10, 0) + generation_cost(0, 16)

@@ -4,6 +4,7 @@ loop."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import pytest
@@ -34,17 +35,16 @@ def test_the_byte_bound_never_exceeds_the_real_count(tokenizer: ModelTokenizer, 
 
 
 def test_chat_template_renders_roles_and_the_generation_prompt(tokenizer: ModelTokenizer) -> None:
-    rendered = tokenizer.render_chat([ChatTurn("system", "be brief"), ChatTurn("user", "hi there")])
-    assert "be brief" in rendered and "hi there" in rendered
-    assert rendered.index("be brief") < rendered.index("hi there")
-    ids = asyncio.run(tokenizer.encode_chat([ChatTurn("user", "hi there")]))
-    assert (
-        ids
-        and ids
-        == tokenizer._tokenizer.encode(
-            tokenizer.render_chat([ChatTurn("user", "hi there")]), add_special_tokens=False
-        ).ids
-    )
+    # The tiny model's template, written out: BOS, then "<role>: <content>" and EOS per turn,
+    # each on its line, then the assistant's prompt, open for the answer.
+    config = json.loads((ensure_tiny_model() / "tokenizer_config.json").read_text())
+    bos, eos = config["bos_token"], config["eos_token"]
+    turns = [ChatTurn("system", "be brief"), ChatTurn("user", "hi there")]
+    expected = f"{bos}system: be brief{eos}\nuser: hi there{eos}\nassistant:"
+    assert tokenizer.render_chat(turns) == expected
+    ids = asyncio.run(tokenizer.encode_chat(turns))
+    model = Tokenizer.from_file(str(ensure_tiny_model() / "tokenizer.json"))
+    assert ids == model.encode(expected, add_special_tokens=False).ids
 
 
 def test_token_ids_outside_the_vocabulary_are_refused(tokenizer: ModelTokenizer) -> None:

@@ -37,8 +37,13 @@ def test_a_chat_body_over_the_message_count_is_refused_with_the_count_error() ->
     parsed, refused = parse_in_child(body, protocol.ChatCompletionRequest)
 
     assert parsed is None
-    expected = protocol.too_many_messages()
-    assert refused == (expected.status, expected.message, expected.type, expected.code, "messages")
+    assert refused == (
+        400,
+        f"Invalid value for 'messages': at most {protocol.MAX_MESSAGES} messages per request.",
+        "invalid_request_error",
+        "invalid_value",
+        "messages",
+    )
 
 
 def test_a_completion_body_that_is_not_json_is_refused_as_on_the_loop() -> None:
