@@ -1,9 +1,11 @@
-"""A PostgreSQL outage of 30 s under load, seen through a real gateway process.
+"""A PostgreSQL outage under load, seen through a real gateway process.
 
 The gateway (``isogate serve``, its own process) reaches the real PostgreSQL through a
-``SeverableProxy``; the network path is cut for 30 s while a client keeps sending requests,
-then restored, then the gateway is stopped gracefully. Every request the client made must
-then be in the audit log exactly once, with what the client saw.
+``SeverableProxy``; the network path is cut while a client keeps sending requests, until the
+gateway has spooled audit events and served keys from its cache past their lifetime (and at
+least ``ISOGATE_TEST_OUTAGE_S``, for a longer outage by hand), then restored until the spool
+is replayed, then the gateway is stopped gracefully. Every request the client made must then
+be in the audit log exactly once, with what the client saw.
 
 No SGLang workers are needed: each request names a model the policies do not have (a
 distinct name per request), which the gateway refuses after authenticating it, and audits.
@@ -15,22 +17,40 @@ import os
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import pytest
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.engine import make_url
 
 from gateway.dev.harness import GatewayProcess, free_port
 from gateway.dev.model import DEFAULT_MODEL_DIR, ensure_tiny_model
-from gateway.tenancy.store import audit_events, create_store
+from gateway.tenancy.store import Store, audit_events, create_store
 from tests.harness import PoolSpec, write_policies
 
 from .conftest import PostgresSchema
 from .severable_proxy import SeverableProxy
 
-OUTAGE_S = float(os.environ.get("ISOGATE_TEST_OUTAGE_S", "30"))
+OUTAGE_S = float(os.environ.get("ISOGATE_TEST_OUTAGE_S", "0"))
+# Each wait below is for an event; this is only how long a missing one is awaited.
+PATIENCE_S = 60.0
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = PATIENCE_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout_s} s: {what}")
+        time.sleep(0.05)
+
+
+def audited(store: Store, tenant_id: str) -> int:
+    with store.engine.connect() as conn:
+        return conn.execute(
+            select(func.count()).where(audit_events.c.tenant_id == tenant_id)
+        ).scalar_one()
 
 
 class SteadyClient(threading.Thread):
@@ -85,18 +105,40 @@ def test_postgres_outage_under_load_loses_no_audit_event(tmp_path: Path) -> None
         policies, tmp_path / "gateway", env={"ISOGATE_DATABASE_URL": via_proxy}
     )
     client = None
+    direct = create_store(direct_url)
     try:
         gateway.start(wait_ready=False)
         tenant_id, key = gateway.create_tenant()
         client = SteadyClient(gateway.url, key)
         client.start()
-        time.sleep(3)
+        # Before the outage, the client's requests are audited in the database.
+        wait_for(lambda: audited(direct, tenant_id) >= 10, "events in the database")
         proxy.sever()
+        severed_at = time.monotonic()
         sent_before_outage = len(client.sent)
-        time.sleep(OUTAGE_S)
+        # The outage lasts until the gateway has met it on both sides: events spooled, and a
+        # key looked up past its cache lifetime and served from the cache; and the client has
+        # kept it busy meanwhile.
+        wait_for(
+            lambda: (
+                "spooling" in gateway.log_tail(1_000_000)
+                and "key store unreachable" in gateway.log_tail(1_000_000)
+                and len(client.sent) - sent_before_outage > 50
+                and time.monotonic() - severed_at >= OUTAGE_S
+            ),
+            "the outage seen by the audit log and by authentication",
+            timeout_s=PATIENCE_S + OUTAGE_S,
+        )
         sent_during_outage = len(client.sent) - sent_before_outage
         proxy.restore()
-        time.sleep(3)
+        sent_before_restore = len(client.sent)
+        wait_for(
+            lambda: (
+                "spool replayed" in gateway.log_tail(1_000_000)
+                and len(client.sent) > sent_before_restore + 10
+            ),
+            "the spool replayed, with requests after the restore",
+        )
         client.stopping.set()
         client.join(timeout=30)
         gateway.stop()  # graceful: the audit log is flushed before the process exits
@@ -105,6 +147,7 @@ def test_postgres_outage_under_load_loses_no_audit_event(tmp_path: Path) -> None
             client.stopping.set()
         gateway.stop()
         proxy.sever()
+        direct.dispose()
 
     store = create_store(direct_url)
     try:
