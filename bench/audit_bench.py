@@ -1,33 +1,25 @@
 """Audit log bench: insert throughput, and the newest-100-of-one-tenant query among 1M events.
 
-``run_audit_bench(database_url)`` measures one database; ``main`` runs SQLite and PostgreSQL
-and writes ``bench/results/audit.json``. Each run works in a database of its own (a fresh
-SQLite file, or a fresh PostgreSQL schema that is dropped afterwards), migrated with the
-real migrations, so the indexes measured are the ones deployed.
-
-Measured:
-- ``store_insert_events_per_s``: ``Store.insert_audit_values`` in batches of
-  ``Settings.audit_batch_size`` (what the audit writer does), one transaction per batch.
-- ``audit_log_events_per_s``: the whole writer: ``AuditLog.record`` for every event, then
-  ``close`` (all events committed).
-- ``query_*_ms``: p50/p99 of ``Store.query_audit`` (SQL + row conversion, what the API
-  handler calls) for one tenant's newest 100 events, once the table holds ``total_rows``
-  events of ``tenants`` tenants (loaded in bulk, in SQL, to keep the bench short).
-
-    .venv/bin/python -m bench.audit_bench [--rows 1000000] [--postgres-url URL] [--sqlite-only]
+``run_audit_bench(database_url)`` measures one database (section 3: SQLite, then the PostgreSQL
+of ``ISOGATE_TEST_POSTGRES_URL``) in a database of its own (a fresh SQLite file, or a fresh
+PostgreSQL schema dropped afterwards) migrated by the real migrations, so the indexes measured
+are the deployed ones: ``Store.insert_audit_values`` in batches of ``audit_batch_size``, as the
+writer does (``store_insert_*``); the whole writer, ``AuditLog.record`` for every event then
+``close`` (``audit_log_events_per_s``); ``Store.query_audit`` (SQL and row conversion, what the
+API calls) once the table holds ``total_rows`` events of ``tenants`` tenants, loaded in SQL.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
+import contextlib
 import os
 import random
 import secrets
 import statistics
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -36,6 +28,8 @@ from urllib.parse import quote
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
+from bench.processes import cpu_seconds
+from bench.stream_client import percentile
 from gateway.config.settings import Settings
 from gateway.tenancy.audit import AuditEvent, AuditLog
 from gateway.tenancy.store import (
@@ -50,7 +44,6 @@ from gateway.tenancy.store import (
 DEFAULT_POSTGRES_URL = os.environ.get(
     "ISOGATE_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 )
-RESULTS = Path(__file__).resolve().parent / "results" / "audit.json"
 OUTCOMES = ("served",) * 17 + ("rejected", "rate_limited", "upstream_error")
 BASE_TIME = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -65,12 +58,10 @@ def run_audit_bench(
     batch_size: int = 500,
 ) -> dict[str, Any]:
     """Measure one database (an SQLite URL, or a PostgreSQL URL: a schema is made for it)."""
-    with _scratch_database(database_url) as url:
+    with _scratch_database(database_url) as url, contextlib.ExitStack() as cleanup:
         store = create_store(url, migrate=True)
-        try:
-            return _measure(store, url, total_rows, tenants, insert_events, queries, batch_size)
-        finally:
-            store.dispose()
+        cleanup.callback(store.dispose)
+        return _measure(store, url, total_rows, tenants, insert_events, queries, batch_size)
 
 
 def _measure(
@@ -128,11 +119,19 @@ def _measure(
 
     tenant_ids = [f"tenant-{i:03d}" for i in range(tenants)]
     rng = random.Random(7)
-    shapes = {
-        "tenant_newest_100": lambda: AuditQuery(tenant_id=rng.choice(tenant_ids), limit=100),
-        "tenant_newest_100_page_2": None,  # filled below: the page after the newest 100
+
+    def tenant() -> str:
+        return rng.choice(tenant_ids)
+
+    def page_two() -> AuditQuery:  # the page after a tenant's newest 100
+        first, cursor = store.query_audit(AuditQuery(tenant_id=tenant(), limit=100))
+        return AuditQuery(tenant_id=first[0]["tenant_id"], limit=100, after=decode_cursor(cursor))
+
+    shapes: dict[str, Callable[[], AuditQuery]] = {
+        "tenant_newest_100": lambda: AuditQuery(tenant_id=tenant(), limit=100),
+        "tenant_newest_100_page_2": page_two,
         "tenant_outcome_rate_limited_100": lambda: AuditQuery(
-            tenant_id=rng.choice(tenant_ids), outcome="rate_limited", limit=100
+            tenant_id=tenant(), outcome="rate_limited", limit=100
         ),
         "all_tenants_newest_100": lambda: AuditQuery(limit=100),
     }
@@ -140,21 +139,13 @@ def _measure(
         timings = []
         cpu_started = time.process_time()
         for _ in range(queries):
-            if make_query is None:
-                first, cursor = store.query_audit(
-                    AuditQuery(tenant_id=rng.choice(tenant_ids), limit=100)
-                )
-                query = AuditQuery(
-                    tenant_id=first[0]["tenant_id"], limit=100, after=decode_cursor(cursor)
-                )
-            else:
-                query = make_query()
+            query = make_query()
             started = time.perf_counter()
             page, _ = store.query_audit(query)
             timings.append((time.perf_counter() - started) * 1000)
             assert len(page) == 100 or "outcome" in name, (name, len(page))
         result[f"query_{name}_p50_ms"] = round(statistics.median(timings), 2)
-        result[f"query_{name}_p99_ms"] = round(_percentile(timings, 0.99), 2)
+        result[f"query_{name}_p99_ms"] = round(percentile(sorted(timings), 0.99), 2)
         # Client CPU per query (page 2 includes its first page): what the gateway process
         # spends, independent of how busy a shared machine is.
         result[f"query_{name}_client_cpu_ms"] = round(
@@ -264,141 +255,75 @@ def _bulk_fill(store: Store, count: int, tenants: int, *, offset: int) -> None:
         conn.execute(text("ANALYZE audit_events" if store.dialect == "postgresql" else "ANALYZE"))
 
 
-def _backend_cpu_probe(store: Store):
-    """A function returning the CPU seconds the PostgreSQL backend serving the store's
-    (single, reused) write connection has spent since the probe was made; None if unknown."""
+def _backend_cpu_probe(store: Store) -> Callable[[], float | None]:
+    """The CPU seconds the PostgreSQL backend serving the store's (single, reused) write
+    connection spends from now to each call; None when unknown."""
     if store.dialect != "postgresql":
         return lambda: None
     with store.engine.connect() as conn:
         pid = conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
-    if store.engine.pool.checkedin() != 1:
+    try:
+        before = cpu_seconds(pid)
+    except OSError:  # a database on another host
         return lambda: None
 
-    def cpu_s() -> float | None:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            return None
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
-
-    before = cpu_s()
-
     def spent() -> float | None:
-        after = cpu_s()
-        if before is None or after is None or store.engine.pool.checkedin() != 1:
+        if store.engine.pool.checkedin() != 1:  # another connection did part of the work
             return None
-        return after - before
+        with contextlib.suppress(OSError):
+            return cpu_seconds(pid) - before
+        return None
 
     return spent
 
 
+NEWEST_100 = (
+    "SELECT * FROM audit_events WHERE tenant_id = :t "
+    "ORDER BY created_at DESC, generation_id DESC LIMIT 101"
+)
+
+
 def _server_execution_ms(store: Store, tenant_ids: list[str], rng: random.Random) -> float:
     """PostgreSQL's own execution time for the newest-100 query (EXPLAIN ANALYZE), median."""
-    times = []
     with store.engine.connect() as conn:
-        for _ in range(50):
-            plan = conn.execute(
-                text(
-                    "EXPLAIN (ANALYZE, FORMAT JSON) SELECT * FROM audit_events "
-                    "WHERE tenant_id = :t ORDER BY created_at DESC, generation_id DESC LIMIT 101"
-                ),
-                {"t": rng.choice(tenant_ids)},
-            ).scalar_one()
-            times.append(plan[0]["Execution Time"])
+        times = [
+            conn.execute(
+                text("EXPLAIN (ANALYZE, FORMAT JSON) " + NEWEST_100), {"t": rng.choice(tenant_ids)}
+            ).scalar_one()[0]["Execution Time"]
+            for _ in range(50)
+        ]
     return round(statistics.median(times), 3)
 
 
 def _plan(store: Store, tenant_id: str) -> str:
     """The query plan of the newest-100 query, to show it walks the index without sorting."""
+    explain = "EXPLAIN " if store.dialect == "postgresql" else "EXPLAIN QUERY PLAN "
     with store.engine.connect() as conn:
-        if store.dialect == "postgresql":
-            rows = conn.execute(
-                text(
-                    "EXPLAIN SELECT * FROM audit_events WHERE tenant_id = :t "
-                    "ORDER BY created_at DESC, generation_id DESC LIMIT 101"
-                ),
-                {"t": tenant_id},
-            ).all()
-            return " | ".join(r[0].strip() for r in rows)
-        rows = conn.execute(
-            text(
-                "EXPLAIN QUERY PLAN SELECT * FROM audit_events WHERE tenant_id = :t "
-                "ORDER BY created_at DESC, generation_id DESC LIMIT 101"
-            ),
-            {"t": tenant_id},
-        ).all()
-        return " | ".join(str(r[-1]) for r in rows)
+        rows = conn.execute(text(explain + NEWEST_100), {"t": tenant_id}).all()
+    return " | ".join(str(r[0] if store.dialect == "postgresql" else r[-1]).strip() for r in rows)
 
 
-def _percentile(values: list[float], fraction: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(fraction * (len(ordered) - 1)))]
-
-
-class _scratch_database:
+@contextlib.contextmanager
+def _scratch_database(database_url: str) -> Iterator[str]:
     """A fresh SQLite file, or a fresh PostgreSQL schema (dropped on exit)."""
+    url = make_url(normalize_url(database_url))
+    if url.get_backend_name() == "sqlite":
+        if url.database and url.database != ":memory:":
+            yield normalize_url(database_url)
+            return
+        with tempfile.TemporaryDirectory() as directory:
+            yield f"sqlite:///{directory}/audit-bench.db"
+        return
+    import psycopg
 
-    def __init__(self, database_url: str):
-        self.database_url = normalize_url(database_url)
-        self._schema: str | None = None
-        self._tmp: tempfile.TemporaryDirectory[str] | None = None
-
-    def __enter__(self) -> str:
-        url = make_url(self.database_url)
-        if url.get_backend_name() == "sqlite":
-            if url.database and url.database != ":memory:":
-                return self.database_url
-            self._tmp = tempfile.TemporaryDirectory()
-            return f"sqlite:///{self._tmp.name}/audit-bench.db"
-        import psycopg
-
-        self._schema = "isogate_bench_" + secrets.token_hex(4)
-        with psycopg.connect(self._libpq(), autocommit=True) as conn:
-            conn.execute(f'CREATE SCHEMA "{self._schema}"')
-        rendered = url.render_as_string(hide_password=False)
-        options = quote(f"-csearch_path={self._schema}")
-        return f"{rendered}{'&' if '?' in rendered else '?'}options={options}"
-
-    def __exit__(self, *exc_info: object) -> None:
-        if self._schema is not None:
-            import psycopg
-
-            with psycopg.connect(self._libpq(), autocommit=True) as conn:
-                conn.execute(f'DROP SCHEMA "{self._schema}" CASCADE')
-        if self._tmp is not None:
-            self._tmp.cleanup()
-
-    def _libpq(self) -> str:
-        return (
-            make_url(self.database_url)
-            .set(drivername="postgresql")
-            .render_as_string(hide_password=False)
-        )
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--rows", type=int, default=1_000_000)
-    parser.add_argument("--insert-events", type=int, default=50_000)
-    parser.add_argument("--queries", type=int, default=300)
-    parser.add_argument("--postgres-url", default=DEFAULT_POSTGRES_URL)
-    parser.add_argument("--sqlite-only", action="store_true")
-    parser.add_argument("--output", type=Path, default=RESULTS)
-    args = parser.parse_args(argv)
-    results = []
-    targets = ["sqlite://"] + ([] if args.sqlite_only else [args.postgres_url])
-    for url in targets:
-        result = run_audit_bench(
-            url, total_rows=args.rows, insert_events=args.insert_events, queries=args.queries
-        )
-        print(json.dumps(result, indent=2))
-        results.append(result)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(results, indent=2) + "\n")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    schema = "isogate_bench_" + secrets.token_hex(4)
+    libpq = url.set(drivername="postgresql").render_as_string(hide_password=False)
+    with psycopg.connect(libpq, autocommit=True) as conn:
+        conn.execute(f'CREATE SCHEMA "{schema}"')
+    rendered = url.render_as_string(hide_password=False)
+    options = quote(f"-csearch_path={schema}")
+    try:
+        yield f"{rendered}{'&' if '?' in rendered else '?'}options={options}"
+    finally:
+        with psycopg.connect(libpq, autocommit=True) as conn:
+            conn.execute(f'DROP SCHEMA "{schema}" CASCADE')

@@ -1,13 +1,6 @@
-"""What one ``make bench`` run measures and for how long.
-
-``BENCH_QUICK=1`` makes it a ~2-minute smoke run.
-
-Ports: everything the suite starts listens in 34000-34199 (see ``Ports``).
-CPUs: on a machine with at least two CPUs the router under test (sglang_router or the
-gateway) gets CPU 1 to itself among the bench's processes; the instant backends, the load
-generator and this runner share CPU 0. Each router is measured with one core, so the two
-compare like for like, and the backend and client do not steal the router's core.
-"""
+"""What one ``make bench`` run measures and for how long, from its environment
+(``bench/README.md``), on which ports and CPUs: the router under test gets the last CPU to
+itself, so that every router is measured on one core, like for like."""
 
 from __future__ import annotations
 
@@ -15,13 +8,12 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+SECTIONS = frozenset({"routing", "memory", "prompt", "peers", "real", "fair", "hostile"})
 
-def _env_flag(name: str, default: bool = False) -> bool:
+
+def env_flag(name: str, default: bool = False) -> bool:
     value = os.environ.get(name)
     return default if value is None else value.strip().lower() not in ("", "0", "false", "no")
-
-
-SECTIONS = frozenset({"routing", "memory", "prompt", "peers", "real", "fair", "hostile"})
 
 
 @dataclass(frozen=True)
@@ -47,9 +39,9 @@ class BenchConfig:
     concurrencies: tuple[int, ...]
     wrk_duration_s: float
     ttft_duration_s: float
-    # Section 1 runs every cell this many times, the three targets interleaved in each round,
-    # and reports each target's medians: on a shared two-core host one run of a cell moved by
-    # a third between runs twenty minutes apart (bench/RESULTS.md).
+    # Section 1 runs every cell this many times, the targets interleaved in each round, and
+    # reports each target's medians: on a shared two-core host one run of a cell moved by a
+    # third between runs twenty minutes apart.
     routing_rounds: int
     prompt_tokens: tuple[int, ...]  # tokenization/admission sizes
     refusal_megabytes: tuple[int, ...]
@@ -60,12 +52,12 @@ class BenchConfig:
     peer_benches: bool
     audit_rows: int
     router_cpus: set[int] | None
+    helper_cpus: set[int] | None
     # Autogroup nice of the bench's own processes (0: none). On a machine shared with other
     # sessions, a process of ours gets 1/(number of busy sessions) of a core without it.
     priority: int
     # Run the gateway package found in this directory (a locally patched copy) instead of ours.
     gateway_root: Path | None
-    helper_cpus: set[int] | None
     sections: frozenset[str] = SECTIONS
     ports: Ports = field(default_factory=Ports)
 
@@ -74,9 +66,11 @@ class BenchConfig:
 
     @classmethod
     def from_env(cls) -> BenchConfig:
-        quick = _env_flag("BENCH_QUICK")
+        quick = env_flag("BENCH_QUICK")
         cpus = sorted(os.sched_getaffinity(0))
-        pinned = len(cpus) >= 2 and _env_flag("BENCH_PIN", True)
+        pinned = len(cpus) >= 2 and env_flag("BENCH_PIN", True)
+        sections = os.environ.get("BENCH_SECTIONS", ",".join(sorted(SECTIONS))).split(",")
+        root = os.environ.get("BENCH_GATEWAY_ROOT")
         return cls(
             quick=quick,
             concurrencies=(1, 16, 64),
@@ -89,18 +83,13 @@ class BenchConfig:
             refusal_megabytes=(1, 10, 50) if quick else (1, 5, 10, 25, 50),
             refusal_repeats=2 if quick else 5,
             streams=(1000,) if quick else (1000, 2000),
-            real_engine=_env_flag("BENCH_REAL_ENGINE", not quick),
+            real_engine=env_flag("BENCH_REAL_ENGINE", not quick),
             real_requests=int(os.environ.get("BENCH_REAL_REQUESTS", 6 if quick else 20)),
-            peer_benches=_env_flag("BENCH_PEERS", True),
+            peer_benches=env_flag("BENCH_PEERS", True),
             audit_rows=int(os.environ.get("BENCH_AUDIT_ROWS", 100_000 if quick else 1_000_000)),
             router_cpus={cpus[-1]} if pinned else None,
-            priority=int(os.environ.get("BENCH_PRIORITY", "0")),
-            sections=frozenset(
-                os.environ.get("BENCH_SECTIONS", ",".join(sorted(SECTIONS))).split(",")
-            )
-            & SECTIONS,
-            gateway_root=Path(os.environ["BENCH_GATEWAY_ROOT"])
-            if os.environ.get("BENCH_GATEWAY_ROOT")
-            else None,
             helper_cpus=set(cpus[:-1]) if pinned else None,
+            priority=int(os.environ.get("BENCH_PRIORITY", "0")),
+            gateway_root=Path(root) if root else None,
+            sections=frozenset(sections) & SECTIONS,
         )

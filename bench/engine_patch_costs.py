@@ -1,18 +1,13 @@
 """What the plugin's hooks cost, measured on the real SGLang classes on this machine.
 
-Benchmark code, not part of the plugin: ``measure_costs()`` is run by the bench suite
-(``make bench``, section 3, in ``.venv-engine``; also ``python -m bench.engine_patch_costs``
-there, from the repository root). It times the hooks the way they run in a server -- with
-SGLang's real originals, real ``Req``/``MetadataBuffers``/pools -- and reports microseconds:
-
-- per request: tag handling on the tokenizer (headers, re-typed IPC message),
-  the prefill attestation (after ``set_buf``), the decode coverage check plus
-  page tagging at commit (over SGLang's own commit), the page check before the
-  first decode step;
-- per decode step: page tagging of the new tokens, for a batch of requests.
-
-Each figure is the plugin's extra time (hooked minus SGLang's own where the
-hook wraps an original), the median of ``repeats`` runs.
+Benchmark code, not part of the plugin: ``measure_costs()`` runs in ``.venv-engine`` (section 3
+of ``make bench``, or ``.venv-engine/bin/python -m bench.engine_patch_costs``). It times the
+hooks as they run in a server, with SGLang's real originals, ``Req``, ``MetadataBuffers`` and
+pools, in microseconds: per request, the tokenizer's tag handling (headers, re-typed IPC
+message), the prefill attestation (after ``set_buf``), the decode coverage check and page
+tagging at commit (over SGLang's own commit), the page check before the first decode step;
+per decode step, page tagging of a batch's new tokens. Each figure is the plugin's extra time
+(hooked minus SGLang's own where the hook wraps an original), the median of ``repeats`` runs.
 """
 
 from __future__ import annotations
@@ -92,15 +87,8 @@ def measure_costs(
     from sglang.srt.managers.io_struct import GenerateReqInput
     from starlette.datastructures import Headers
 
-    headers_request = type(
-        "_Req",
-        (),
-        {
-            "headers": Headers(
-                {tags.TENANT_HEADER: "tenant-bench", tags.GENERATION_HEADER: "gen_bench"}
-            )
-        },
-    )()
+    headers = Headers({tags.TENANT_HEADER: "tenant-bench", tags.GENERATION_HEADER: "gen_bench"})
+    headers_request = type("_Req", (), {"headers": headers})()
     message = TokenizedGenerateReqInput(
         input_text="",
         input_ids=array("q", range(prompt_tokens)),

@@ -1,4 +1,4 @@
-"""The machine and software a bench ran on, for the results header."""
+"""The machine and software a bench ran on, for the report's header."""
 
 from __future__ import annotations
 
@@ -11,19 +11,13 @@ from pathlib import Path
 
 from bench.processes import ENGINE_PYTHON, REPO_ROOT, SMG_BINARY
 
-
-def _cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
+STACK = ("uvicorn", "starlette", "httpx", "httptools", "uvloop", "tokenizers", "orjson")
+VERSIONS = "from importlib.metadata import version as v; print(*(v(p) for p in {!r}))"
 
 
-def _mem_total_gib() -> float:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemTotal:"):
-            return int(line.split()[1]) / 1024 / 1024
-    return 0.0
+def _proc_line(path: str, prefix: str) -> str:
+    line = next((ln for ln in Path(path).read_text().splitlines() if ln.startswith(prefix)), "")
+    return line.split(":", 1)[1].strip() if line else "unknown"
 
 
 def _version(package: str) -> str:
@@ -46,50 +40,23 @@ def load_average() -> str:
 
 
 def describe_machine() -> dict[str, str]:
-    engine_versions = _run(
-        [
-            str(ENGINE_PYTHON),
-            "-c",
-            "from importlib.metadata import version as v; "
-            "print(v('sglang-router'), v('sglang'), v('torch'))",
-        ]
-    ).split()
-    wrk = _run(["wrk", "-v"]).splitlines()
-    smg = (
-        _run(
-            [
-                str(SMG_BINARY.with_name("python")),
-                "-c",
-                "from importlib.metadata import version; print(version('smg'))",
-            ]
-        )
-        if SMG_BINARY.exists()
-        else "not installed (section 1 runs without it)"
-    )
+    engine = _run([str(ENGINE_PYTHON), "-c", VERSIONS.format(("sglang-router", "sglang", "torch"))])
+    engine_versions = engine.split() if len(engine.split()) == 3 else ["unavailable"] * 3
+    smg = "not installed (section 1 runs without it)"
+    if SMG_BINARY.exists():
+        smg = _run([str(SMG_BINARY.with_name("python")), "-c", VERSIONS.format(("smg",))])
+    memory_kib = int(_proc_line("/proc/meminfo", "MemTotal:").split()[0])
     return {
-        "cpu": _cpu_model(),
+        "cpu": _proc_line("/proc/cpuinfo", "model name"),
         "cpus": f"{os.cpu_count()} ({len(os.sched_getaffinity(0))} usable)",
-        "memory": f"{_mem_total_gib():.1f} GiB",
+        "memory": f"{memory_kib / 1024 / 1024:.1f} GiB",
         "kernel": platform.release(),
         "python": sys.version.split()[0],
-        "gateway stack": ", ".join(
-            f"{p} {_version(p)}"
-            for p in (
-                "uvicorn",
-                "starlette",
-                "httpx",
-                "httptools",
-                "uvloop",
-                "tokenizers",
-                "orjson",
-            )
-        ),
-        "sglang_router": engine_versions[0] if len(engine_versions) == 3 else "unavailable",
+        "gateway stack": ", ".join(f"{p} {_version(p)}" for p in STACK),
+        "sglang_router": engine_versions[0],
         "smg": smg,
-        "sglang / torch (real-engine run)": " / ".join(engine_versions[1:])
-        if len(engine_versions) == 3
-        else "unavailable",
-        "wrk": wrk[0] if wrk else "unavailable",
+        "sglang / torch (real-engine run)": " / ".join(engine_versions[1:]),
+        "wrk": (_run(["wrk", "-v"]).splitlines() or ["unavailable"])[0],
         "git commit": _run(["git", "rev-parse", "--short", "HEAD"]),
         "load average at start": load_average(),
     }

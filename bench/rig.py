@@ -1,6 +1,6 @@
-"""The instant-backend rig: two instant backends (prefill, decode), a slow-streaming decode,
+"""The instant-backend rig: instant backends (prefill, decode, a slow-streaming decode),
 ``sglang_router``, SMG (where ``.venv-smg`` is installed) and the gateway in front of them,
-started once for the sections that use it."""
+started once for sections 1, 2 and 4."""
 
 from __future__ import annotations
 
@@ -14,10 +14,9 @@ from bench.processes import (
     SMG_BINARY,
     BenchModel,
     BenchPool,
-    Managed,
+    Server,
     instant_backend,
-    sglang_router,
-    smg_router,
+    pd_router,
     start_gateway,
     write_bench_policies,
 )
@@ -29,21 +28,21 @@ POOL_TOKENS = 8_388_608  # the instant backends' advertised KV pool: admission n
 MODEL = "tiny-llama"  # everyday limit: the 65,536-token policy of the dev model
 LONG_MODEL = "tiny-llama-long"  # admits the 1M-token prompts of the tokenization bench
 SLOW_MODEL = "tiny-llama-slow"  # its decode streams slowly: the memory bench's held streams
-# DeepSeek-V4's real tokenizer under the incident's limit (its prefill pool, 681,280 tokens):
-# the 1M-token refusal of the prompt bench.
+# DeepSeek-V4's real tokenizer under the incident's limit (its prefill pool): the prompt
+# bench's 1M-token refusal.
 DEEPSEEK_MODEL = "deepseek-v4-tiny"
 INCIDENT_LIMIT_TOKENS = 681_280
-SLOW_STREAM_INTERVAL_S = 2.0
-SLOW_STREAM_CHUNKS = 600
 # For every gateway in front of the instant backends but the hostile bench's (which keeps the
-# product's defaults). The backends never saturate; the gateway's default cap on requests in
-# flight per pair (a CPU pair's knee, gateway.core.pair_queues) would hold the bench's load in the
-# fair queue (1,000 held streams: 12 flowing, the rest refused after their wait) instead of
-# measuring the gateway passing it on. Lifted, the cap is what the backends report
-# (max_running_requests 2048), as for a pool whose workers scale. A setting, not the pool's
-# field: checkouts from before the queue read the same policies, and their schema forbids
-# unknown keys, while they ignore an unknown setting.
-INSTANT_GATEWAY_ENV = {"ISOGATE_QUEUE_IN_FLIGHT_PER_PAIR": "1000000"}
+# product's defaults). The backends never saturate; the default cap on requests in flight per
+# pair (a CPU pair's knee, gateway.core.pair_queues) would hold the bench's load in the fair
+# queue (1,000 held streams: 12 flowing), and the cap on connections per client address would
+# refuse the memory bench's streams past it: all of them come from one address. Lifted, the
+# pair's cap is what the backends report (max_running_requests 2048). Settings, not policy
+# fields: older checkouts (BENCH_GATEWAY_ROOT) ignore an unknown setting.
+INSTANT_GATEWAY_ENV = {
+    "ISOGATE_QUEUE_IN_FLIGHT_PER_PAIR": "1000000",
+    "ISOGATE_MAX_CONNECTIONS_PER_ADDRESS": "1000000",
+}
 
 
 @dataclass
@@ -51,13 +50,11 @@ class Rig:
     config: BenchConfig
     work_dir: Path
     direct_url: str
-    router_url: str
-    router: Managed
+    routers: dict[str, Server]  # "sglang_router" and, where installed, "smg"
     gateway: GatewayProcess
     gateway_key: str
-    slow_decode: Managed
+    slow_decode: Server
     pool: BenchPool  # the instant prefill and decode every model but the slow one routes to
-    smg: Managed | None = None  # None where .venv-smg is not installed
 
     @property
     def gateway_url(self) -> str:
@@ -69,76 +66,56 @@ class Rig:
         return self.gateway.process.pid
 
 
+def _backend(
+    config: BenchConfig, work: Path, up: contextlib.ExitStack, role: str, port: int, **slow
+) -> Server:
+    """An instant backend, stopped when ``up`` closes."""
+    server = instant_backend(
+        role,
+        port,
+        work,
+        cpus=config.helper_cpus,
+        pool_tokens=POOL_TOKENS,
+        priority=config.priority,
+        **slow,
+    )
+    up.callback(server.stop)
+    return server
+
+
 @contextlib.contextmanager
 def instant_rig(config: BenchConfig, work_dir: Path) -> Iterator[Rig]:
     ports = config.ports
-    started: list[Managed] = []
-    gateway: GatewayProcess | None = None
-    try:
-        backends = {}
-        for name, role, port, kwargs in (
-            ("prefill", "prefill", ports.prefill, {}),
-            ("decode", "decode", ports.decode, {}),
-            (
-                "slow",
-                "decode",
-                ports.slow_decode,
-                {"chunks": SLOW_STREAM_CHUNKS, "stream_interval_s": SLOW_STREAM_INTERVAL_S},
-            ),
-        ):
-            backends[name] = instant_backend(
-                role,
+    with contextlib.ExitStack() as up:
+        prefill = _backend(config, work_dir, up, "prefill", ports.prefill)
+        decode = _backend(config, work_dir, up, "decode", ports.decode)
+        slow = {"chunks": 600, "stream_interval_s": 2.0}
+        slow_decode = _backend(config, work_dir, up, "decode", ports.slow_decode, **slow)
+        pool = BenchPool(prefill.url, ports.bootstrap, decode.url)
+        routers: dict[str, Server] = {}
+        for kind, port in (("sglang-router", ports.router), ("smg", ports.smg)):
+            if kind == "smg" and not SMG_BINARY.exists():
+                continue  # section 1 runs without it
+            router = pd_router(
+                kind,
+                pool,
                 port,
                 work_dir,
-                cpus=config.helper_cpus,
-                pool_tokens=POOL_TOKENS,
-                priority=config.priority,
-                **kwargs,
-            )
-            started.append(backends[name])
-        prefill_url, decode_url = (
-            f"http://127.0.0.1:{backends[n].port}" for n in ("prefill", "decode")
-        )
-        slow_url = f"http://127.0.0.1:{backends['slow'].port}"
-        router = sglang_router(
-            prefill_url,
-            ports.bootstrap,
-            decode_url,
-            ports.router,
-            work_dir,
-            cpus=config.router_cpus,
-            priority=config.priority,
-        )
-        started.append(router)
-        smg = None
-        if SMG_BINARY.exists():
-            smg = smg_router(
-                prefill_url,
-                ports.bootstrap,
-                decode_url,
-                ports.smg,
-                work_dir,
-                models=[MODEL],
                 cpus=config.router_cpus,
                 priority=config.priority,
+                models=[MODEL],
             )
-            started.append(smg)
-        pool = BenchPool(prefill_url, ports.bootstrap, decode_url)
-        slow_pool = BenchPool(prefill_url, ports.bootstrap, slow_url)
+            routers[kind.replace("-", "_")] = router
+            up.callback(router.stop)
+        slow_pool = BenchPool(prefill.url, ports.bootstrap, slow_decode.url)
+        deepseek = ensure_deepseek_model()
+        models = [BenchModel(MODEL, 65_536, pool), BenchModel(LONG_MODEL, 4_194_304, pool)]
+        models.append(BenchModel(SLOW_MODEL, 65_536, slow_pool))
+        models.append(
+            BenchModel(DEEPSEEK_MODEL, INCIDENT_LIMIT_TOKENS, pool, tokenizer_dir=deepseek)
+        )
         policies = write_bench_policies(
-            work_dir / "policies",
-            tokenizer_dir=ensure_tiny_model(),
-            models=[
-                BenchModel(MODEL, 65_536, pool),
-                BenchModel(LONG_MODEL, 4_194_304, pool),
-                BenchModel(SLOW_MODEL, 65_536, slow_pool),
-                BenchModel(
-                    DEEPSEEK_MODEL,
-                    INCIDENT_LIMIT_TOKENS,
-                    pool,
-                    tokenizer_dir=ensure_deepseek_model(),
-                ),
-            ],
+            work_dir / "policies", tokenizer_dir=ensure_tiny_model(), models=models
         )
         gateway, key = start_gateway(
             policies,
@@ -149,53 +126,22 @@ def instant_rig(config: BenchConfig, work_dir: Path) -> Iterator[Rig]:
             root=config.gateway_root,
             env=INSTANT_GATEWAY_ENV,
         )
-        yield Rig(
-            config,
-            work_dir,
-            decode_url,
-            f"http://127.0.0.1:{router.port}",
-            router,
-            gateway,
-            key,
-            backends["slow"],
-            pool,
-            smg,
-        )
-    finally:
-        if gateway is not None:
-            gateway.stop()
-        for process in reversed(started):
-            process.stop()
+        up.callback(gateway.stop)
+        yield Rig(config, work_dir, decode.url, routers, gateway, key, slow_decode, pool)
 
 
 @contextlib.contextmanager
-def instant_pair(config: BenchConfig, work: Path) -> Iterator[Path]:
+def instant_pair(
+    config: BenchConfig, work: Path, offset: int = 0
+) -> Iterator[tuple[Path, BenchPool]]:
     """The two instant backends as one PD pair behind ``MODEL`` (65,536-token limit), for the
-    benches that run their own gateways; yields the policies directory; stops both backends."""
+    benches that run their own gateways: the policies directory and the pair; both stopped on
+    leaving. ``offset`` is added to the default ports."""
     ports = config.ports
-    backends: list[Managed] = []
-    try:
-        for role, port in (("prefill", ports.prefill), ("decode", ports.decode)):
-            backends.append(
-                instant_backend(
-                    role,
-                    port,
-                    work,
-                    cpus=config.helper_cpus,
-                    pool_tokens=POOL_TOKENS,
-                    priority=config.priority,
-                )
-            )
-        pool = BenchPool(
-            f"http://127.0.0.1:{backends[0].port}",
-            ports.bootstrap,
-            f"http://127.0.0.1:{backends[1].port}",
-        )
-        yield write_bench_policies(
-            work / "policies",
-            tokenizer_dir=ensure_tiny_model(),
-            models=[BenchModel(MODEL, 65_536, pool)],
-        )
-    finally:
-        for backend in backends:
-            backend.stop()
+    with contextlib.ExitStack() as up:
+        prefill = _backend(config, work, up, "prefill", ports.prefill + offset)
+        decode = _backend(config, work, up, "decode", ports.decode + offset)
+        pool = BenchPool(prefill.url, ports.bootstrap + offset, decode.url)
+        model = BenchModel(MODEL, 65_536, pool)
+        tokenizer = ensure_tiny_model()
+        yield write_bench_policies(work / "policies", tokenizer_dir=tokenizer, models=[model]), pool

@@ -1,21 +1,17 @@
 """A tight asyncio HTTP/1.1 load client that times the first body byte (TTFT) and the whole answer.
 
-``wrk`` times whole responses only, so streaming time-to-first-token is measured here: each of
-``concurrency`` keep-alive connections sends its request, notes when the first body chunk
-arrives and when the response ends, and sends the next. Raw sockets, the ``httptools``
-parser and uvloop keep the client's own cost per request to tens of microseconds; the suite
-reports this client's rate against the instant backend directly, which bounds what it can
-measure (see ``bench/README.md``).
-
-It also sends a PD pair "directly" (``pd_direct``): the same body to a prefill and a decode
-worker at once, with bootstrap fields, the way a router does — the baseline for real SGLang.
+``wrk`` times whole responses only. Here each of ``concurrency`` keep-alive connections sends
+its request, notes when the first body bytes arrive and when the response ends, and sends the
+next; raw sockets and ``httptools`` keep its own cost to tens of microseconds a request (section
+1's ``direct`` row bounds what it can measure). ``run_pd_direct`` sends a PD pair "directly":
+the same body to prefill and decode at once, with bootstrap fields, as a router does.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
-import statistics
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -24,32 +20,27 @@ from urllib.parse import urlsplit
 import httptools
 import orjson
 
+CLIENT_ERRORS = (ConnectionError, OSError, httptools.HttpParserError)
+
 
 @dataclass(frozen=True)
 class Target:
     url: str  # http://host:port/path
     body: bytes
     headers: tuple[tuple[str, str], ...] = ()
-    # Give every request its own ``rid`` (a JSON body is re-encoded per request). Real SGLang
+    # Give every request its own ``rid`` (the JSON body is re-encoded per request): real SGLang
     # with engine_patch binds prefill and decode by rid when the gateway's tags are absent.
     fresh_rid: bool = False
 
-    def next_request(self) -> bytes:
-        if not self.fresh_rid:
-            return self.request_bytes()
-        return self.request_bytes(orjson.dumps(dict(orjson.loads(self.body), rid=uuid.uuid4().hex)))
-
-    def request_bytes(self, body: bytes | None = None) -> bytes:
+    def request_bytes(self) -> bytes:
+        body = self.body
+        if self.fresh_rid:
+            body = orjson.dumps(dict(orjson.loads(body), rid=uuid.uuid4().hex))
         parts = urlsplit(self.url)
-        payload = self.body if body is None else body
-        lines = [
-            f"POST {parts.path or '/'} HTTP/1.1",
-            f"Host: {parts.netloc}",
-            "Content-Type: application/json",
-            f"Content-Length: {len(payload)}",
-            *(f"{k}: {v}" for k, v in self.headers),
-        ]
-        return ("\r\n".join(lines) + "\r\n\r\n").encode() + payload
+        head = f"POST {parts.path or '/'} HTTP/1.1\r\nHost: {parts.netloc}\r\n"
+        head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+        head += "".join(f"{k}: {v}\r\n" for k, v in self.headers)
+        return (head + "\r\n").encode() + body
 
 
 @dataclass
@@ -60,6 +51,20 @@ class Sample:
     # 200 and no error object in the body: an engine that fails after the head (a stream's
     # error event) answers 200 too.
     ok: bool = True
+
+
+def described(values: dict) -> str:
+    """A result as one line of the bench's progress log."""
+    return ", ".join(
+        f"{k} {v:,.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in values.items()
+    )
+
+
+def percentile(sorted_values: list[float], fraction: float) -> float:
+    if not sorted_values:
+        return float("nan")
+    index = min(len(sorted_values) - 1, max(0, round(fraction * (len(sorted_values) - 1))))
+    return sorted_values[index]
 
 
 @dataclass
@@ -73,8 +78,7 @@ class RunResult:
 
     def summary(self) -> dict[str, float]:
         ok = self.ok()
-        ttft = sorted(s.ttft_s for s in ok)
-        total = sorted(s.total_s for s in ok)
+        ttft, total = sorted(s.ttft_s for s in ok), sorted(s.total_s for s in ok)
         return {
             "requests": len(ok),
             "non_200": len(self.samples) - len(ok) + self.errors,
@@ -86,40 +90,23 @@ class RunResult:
         }
 
 
-def percentile(sorted_values: list[float], fraction: float) -> float:
-    if not sorted_values:
-        return float("nan")
-    index = min(len(sorted_values) - 1, max(0, round(fraction * (len(sorted_values) - 1))))
-    return sorted_values[index]
-
-
-class _ResponseReader:
-    """httptools callbacks for one response at a time on one connection."""
+class _Response:
+    """httptools callbacks for one response: when its body began, whether it is complete, and
+    whether it carries an error object (an engine that fails after the head answers 200)."""
 
     def __init__(self) -> None:
         self.parser = httptools.HttpResponseParser(self)
         self.first_body_at: float | None = None
-        self.done: asyncio.Future[None] | None = None
-        self.error_in_body = False
+        self.complete = self.error = False
         self._tail = b""
-
-    def reset(self) -> None:
-        self.first_body_at = None
-        self.error_in_body = False
-        self._tail = b""
-        self.done = asyncio.get_running_loop().create_future()
 
     def on_body(self, body: bytes) -> None:
-        if self.first_body_at is None:
-            self.first_body_at = time.perf_counter()
-        # An error object anywhere in the body (also split across two reads).
-        if b'"error"' in self._tail + body[:16] or b'"error"' in body:
-            self.error_in_body = True
+        self.first_body_at = self.first_body_at or time.perf_counter()
+        self.error |= b'"error"' in self._tail + body[:16] or b'"error"' in body  # also split
         self._tail = body[-16:]
 
     def on_message_complete(self) -> None:
-        if self.done is not None and not self.done.done():
-            self.done.set_result(None)
+        self.complete = True
 
 
 class Connection:
@@ -129,41 +116,32 @@ class Connection:
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
 
-    async def open(self) -> None:
-        self.reader, self.writer = await asyncio.open_connection(
-            self.host, self.port, limit=1 << 20
-        )
-
     async def exchange(self, raw: bytes) -> Sample:
         """Send one request; return when the whole response has arrived."""
-        if self.writer is None:
-            await self.open()
-        assert self.reader is not None and self.writer is not None
-        state = _ResponseReader()
-        state.reset()
+        if self.reader is None or self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(
+                self.host, self.port, limit=1 << 20
+            )
+        response = _Response()
         started = time.perf_counter()
         self.writer.write(raw)
-        while not state.done.done():  # type: ignore[union-attr]
+        while not response.complete:
             data = await self.reader.read(1 << 18)
             if not data:
                 raise ConnectionError("server closed the connection")
-            state.parser.feed_data(data)
+            response.parser.feed_data(data)
         ended = time.perf_counter()
-        first = state.first_body_at or ended
-        if not state.parser.should_keep_alive():
+        if not response.parser.should_keep_alive():
             await self.close()
-        status = state.parser.get_status_code()
-        return Sample(
-            first - started, ended - started, status, status == 200 and not state.error_in_body
-        )
+        status = response.parser.get_status_code()
+        ok = status == 200 and not response.error
+        return Sample((response.first_body_at or ended) - started, ended - started, status, ok)
 
     async def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
-            try:
+            with contextlib.suppress(OSError):
                 await self.writer.wait_closed()
-            except OSError:
-                pass
         self.reader = self.writer = None
 
 
@@ -180,7 +158,7 @@ async def run_load(
     connections = [Connection(target.url) for _ in range(concurrency)]
     for connection in connections:
         for _ in range(warmup_requests):
-            await connection.exchange(target.next_request())
+            await connection.exchange(target.request_bytes())
     remaining = [total_requests if total_requests is not None else 1 << 62]
     deadline = time.perf_counter() + duration_s if duration_s is not None else float("inf")
 
@@ -188,8 +166,8 @@ async def run_load(
         while remaining[0] > 0 and time.perf_counter() < deadline:
             remaining[0] -= 1
             try:
-                result.samples.append(await connection.exchange(target.next_request()))
-            except (ConnectionError, OSError, httptools.HttpParserError):
+                result.samples.append(await connection.exchange(target.request_bytes()))
+            except CLIENT_ERRORS:
                 result.errors += 1
                 await connection.close()
 
@@ -219,8 +197,7 @@ async def run_pd_direct(
         prefill, decode = Connection(prefill_url), Connection(decode_url)
         while remaining[0] > 0:
             remaining[0] -= 1
-            # One rid on both sides: engine_patch binds the pair by it (a router would have to do
-            # the same).
+            # One rid on both sides: engine_patch binds the pair by it (as a router would have to).
             payload = dict(
                 body,
                 bootstrap_host=urlsplit(prefill_url).hostname,
@@ -234,7 +211,7 @@ async def run_pd_direct(
             started = time.perf_counter()
             try:
                 pre, dec = await asyncio.gather(prefill.exchange(pre_raw), decode.exchange(dec_raw))
-            except (ConnectionError, OSError, httptools.HttpParserError):
+            except CLIENT_ERRORS:
                 result.errors += 1
                 await prefill.close()
                 await decode.close()
@@ -251,7 +228,3 @@ async def run_pd_direct(
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     result.wall_s = time.perf_counter() - started
     return result
-
-
-def median(values: list[float]) -> float:
-    return statistics.median(values) if values else float("nan")

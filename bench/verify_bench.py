@@ -1,32 +1,19 @@
-"""Verification bench: what checking every response costs, per request and per KB streamed.
+"""Verification bench: what checking every response costs, per response and per KB streamed.
 
-Measures the gateway's own response-path code, in-process, with ``time.perf_counter_ns``
-in loops of about 0.2 s (the fastest of five, so scheduler noise on a shared machine counts
-as little as it can):
-
-- ``check_meta``: one engine ``meta_info`` (the shape recorded from real SGLang 0.5.23,
-  ``tests/data/generate_decode.json``) against the request's expectation.
-- ``check_text``: the canary scan of a whole non-streamed answer.
-- a stream: SGLang sends the whole text so far in every chunk (one chunk per token here,
-  4 characters each); per chunk the gateway runs ``check_meta`` and ``StreamGuard.feed``
-  (prefix check + canary scan of the new part), then ``finish``. Reported per KB of text.
-- for scale, ``orjson.loads`` of the same chunks: parsing SGLang's SSE payloads, which the
-  gateway must do anyway.
-
-Text kinds: ``ascii`` (CPython's ``str.find`` rejects the non-Latin-1 marker prefix without
-reading such text), ``cjk`` (wide text: a real search), ``replacement`` (the tiny model's
-output, full of U+FFFD), and ``adversarial`` (text made of the marker prefix itself, so every
-few characters is a dictionary lookup). The number of live markers does not enter the cost
-(one ``find`` of the common prefix, then a set lookup); 0, 100 and 10,000 are measured.
-
-    .venv/bin/python -m bench.verify_bench [--quick]
-
-Writes ``bench/results/verify.json`` and prints a table.
+The gateway's own response-path code, in process, timed in loops of about 0.2 s (the fastest
+of five, so that a shared machine's noise counts as little as it can): ``check_meta`` of one
+engine ``meta_info`` (recorded from SGLang 0.5.23, ``tests/data/generate_decode.json``); the
+canary scan of a whole 1 KB answer (``check_text``); a stream in SGLang's shape, the whole text
+so far in every chunk, one chunk per 4-character token, checked as the gateway does (per chunk
+``check_meta`` and ``StreamGuard.feed``, then ``finish``), beside ``orjson.loads`` of the same
+chunks for scale. Texts: ``ascii`` (``str.find`` rejects the non-Latin-1 marker prefix without
+reading it), ``cjk`` (a real search), ``replacement`` (the tiny model's U+FFFD output) and
+``adversarial`` (made of the marker prefix, a lookup every few characters); with 0, 100 and
+10,000 live markers (one ``find`` of their common prefix, then a set lookup).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import time
@@ -40,7 +27,6 @@ from gateway.verification.scanner import MARKER_PREFIX, CanaryScanner, new_marke
 from gateway.verification.verify import Expectation, StreamGuard, check_meta, check_text
 
 DATA = Path(__file__).resolve().parent.parent / "tests" / "data"
-RESULTS = Path(__file__).resolve().parent / "results" / "verify.json"
 GENERATION_ID = "gen_01KB0000000000000000000000"
 TENANT = "tenant-a"
 TOKEN_CHARS = 4
@@ -96,33 +82,20 @@ def best_ns(run: Callable[[], object], budget_s: float, repeats: int = 5) -> flo
     return best
 
 
-def bench_check_meta(budget_s: float) -> float:
-    meta = recorded_meta(11, 8)
-    expected = Expectation(GENERATION_ID, TENANT, 11, 16, True)
-    return best_ns(lambda: check_meta(meta, expected), budget_s)
-
-
-def bench_check_text(scanner: CanaryScanner, kind: str, chars: int, budget_s: float) -> float:
-    text = text_of(kind, chars)
+def bench_check_text(scanner: CanaryScanner, kind: str, budget_s: float) -> float:
+    text = text_of(kind, 1024)  # a whole non-streamed answer of 1 KB
     return best_ns(lambda: check_text(scanner, text, TENANT), budget_s)
-
-
-def stream_chunks(kind: str, chars: int) -> list[tuple[str, dict[str, Any], bytes]]:
-    """SGLang's cumulative chunks: (text so far, meta_info, the SSE payload as sent)."""
-    text = text_of(kind, chars)
-    tokens = max(1, chars // TOKEN_CHARS)
-    chunks = []
-    for n in range(1, tokens + 1):
-        so_far = text[: n * TOKEN_CHARS] if n < tokens else text
-        meta = recorded_meta(11, n)
-        chunks.append((so_far, meta, orjson.dumps({"text": so_far, "meta_info": meta})))
-    return chunks
 
 
 def bench_stream(
     scanner: CanaryScanner, kind: str, chars: int, budget_s: float
 ) -> dict[str, float]:
-    chunks = stream_chunks(kind, chars)
+    """SGLang's cumulative chunks, one per token: (text so far, meta_info, the SSE payload)."""
+    text, tokens = text_of(kind, chars), max(1, chars // TOKEN_CHARS)
+    chunks = []
+    for n in range(1, tokens + 1):
+        so_far, meta = text[: n * TOKEN_CHARS] if n < tokens else text, recorded_meta(11, n)
+        chunks.append((so_far, meta, orjson.dumps({"text": so_far, "meta_info": meta})))
     expected = Expectation(GENERATION_ID, TENANT, 11, len(chunks), True)
 
     def verify_stream() -> None:
@@ -151,51 +124,19 @@ def bench_stream(
 
 def run(quick: bool) -> dict[str, Any]:
     budget_s = 0.02 if quick else 0.2
-    results: dict[str, Any] = {"check_meta_ns": bench_check_meta(budget_s)}
+    meta, expected = recorded_meta(11, 8), Expectation(GENERATION_ID, TENANT, 11, 16, True)
+    results: dict[str, Any] = {
+        "check_meta_ns": best_ns(lambda: check_meta(meta, expected), budget_s)
+    }
+    scanners = {markers: scanner_with(markers) for markers in (0, 100, 10_000)}
     results["check_text_1kb_ns"] = {
-        f"{kind}/{markers}": bench_check_text(scanner_with(markers), kind, 1024, budget_s)
-        for markers in (0, 100, 10_000)
+        f"{kind}/{markers}": bench_check_text(scanner, kind, budget_s)
+        for markers, scanner in scanners.items()
         for kind in TEXTS
     }
-    scanner = scanner_with(100)
     results["stream"] = {
-        f"{kind}/{chars // 1024}KB": bench_stream(scanner, kind, chars, budget_s)
+        f"{kind}/{chars // 1024}KB": bench_stream(scanners[100], kind, chars, budget_s)
         for kind in TEXTS
         for chars in (1024, 16 * 1024, 64 * 1024)
     }
     return results
-
-
-def print_table(results: dict[str, Any]) -> None:
-    print(f"check_meta per response/chunk: {results['check_meta_ns']:.0f} ns")
-    print("\ncheck_text, 1 KB answer (ns)    " + "".join(f"{k:>13}" for k in TEXTS))
-    for markers in (0, 100, 10_000):
-        row = "".join(f"{results['check_text_1kb_ns'][f'{k}/{markers}']:>13.0f}" for k in TEXTS)
-        print(f"  {markers:>6} live markers            {row}")
-    print("\nstream (1 chunk per 4-char token, 100 live markers)")
-    print(
-        f"  {'text/length':<22}{'chunks':>8}{'verify µs':>12}{'µs/KB':>10}"
-        f"{'µs/chunk':>10}{'parse µs/KB':>13}"
-    )
-    for name, row in results["stream"].items():
-        print(
-            f"  {name:<22}{row['chunks']:>8}{row['verify_us']:>12.1f}"
-            f"{row['verify_us_per_kb']:>10.1f}"
-            f"{row['verify_us_per_chunk']:>10.2f}{row['parse_us_per_kb']:>13.1f}"
-        )
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="10x shorter loops (a smoke run)")
-    args = parser.parse_args(argv)
-    results = run(args.quick)
-    print_table(results)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"\nwritten to {RESULTS}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
