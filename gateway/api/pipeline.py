@@ -519,8 +519,7 @@ class GuardedStream(StreamingResponse):
         ``StreamingResponse.__call__`` ends it; the wait for the disconnect is ``ClientWatch``'s
         (under the gateway's own server a callback, no task of its own), not an anyio task
         group, whose cancel scopes, task names and library sniffing cost more CPU per stream
-        than the rest of the stream's own work (``bench/pipeline_costs.py
-        starlette_task_group``)."""
+        than the rest of the stream's own work."""
         # A client gone: the outcome stays CLIENT_CANCELLED.
         with contextlib.suppress(ClientDisconnect), ClientWatch(scope, receive):
             await self.stream_response(send)

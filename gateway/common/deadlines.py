@@ -3,7 +3,7 @@
 The problem: every request moves its connections through several deadlines: the client's
 headers, its body, keep-alive until its next request, each worker's answer, each streamed
 chunk. An event-loop timer armed and cancelled for each costs far more than the rest of such
-a step (``bench/timer_bench.py``), and a request takes several.
+a step, and a request takes several.
 
 The invariant: an object that is watched and whose ``deadline`` (on the loop's clock) has
 passed has its deadline reset to ``NEVER`` and then ``deadline_passed()`` called, once, at most

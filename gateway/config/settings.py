@@ -73,7 +73,7 @@ class Settings(BaseSettings):
     # Fair queueing per worker pair (gateway.core.pair_queues). Requests in flight per pair before
     # the rest queue, where neither the pool's policy nor the engine's own
     # max_running_requests sets a lower cap: where a CPU pair's throughput stopped growing
-    # with concurrency (docs/operations.md, bench/saturation_bench.py).
+    # with concurrency (docs/operations.md).
     queue_in_flight_per_pair: int = Field(default=12, gt=0)
     # The same while more than one tenant holds or wants slots of a pair, and for
     # queue_contention_linger_s after: the most requests in flight at which a CPU pair's p50

@@ -11,7 +11,7 @@ new ``Held`` and leaves this one empty, so the request's own ``aclose`` then rel
 
 ``contextlib.AsyncExitStack`` does the same with more machinery (a wrapper object per callback,
 exception-context fixing meant for context managers): its push and close cost several times
-what this one does for the three releases of a request (``bench/held_bench.py``).
+what this one does for the three releases of a request.
 """
 
 from __future__ import annotations
