@@ -146,7 +146,7 @@ async def handle_generation(
             lease=lease,
             n=candidates,
             top_logprobs=parsed.top_logprobs_num,
-            prompt_logprobs=isinstance(parsed, CompletionRequest) and parsed.prompt_logprobs,
+            prompt_logprobs=isinstance(parsed, CompletionRequest) and parsed.scores_prompt,
             output=output_spec(parsed, model)
             if isinstance(parsed, ChatCompletionRequest)
             else None,

@@ -238,6 +238,14 @@ FIELD_BOUNDS: Mapping[str, Bound] = {
         carried_as="the gateway's fan-out: n separate engine requests",
         why="one request may not fan out without end",
     ),
+    "length_penalty": Bound(  # vLLM's; accepted and ignored (protocol: Ignored)
+        engine_name=None,
+        kind=float,
+        low=-100.0,
+        high=100.0,
+        carried_as="nowhere: it weighs beam search's candidates, and there is no beam search",
+        why="a finite weight, as beam search would read it; it reaches no engine",
+    ),
     "best_of": Bound(
         engine_name=None,
         kind=int,

@@ -10,9 +10,10 @@ tests that hold each builder to its model.
 
 from __future__ import annotations
 
+import json
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -39,23 +40,40 @@ from gateway.openai.engine_bounds import FIELD_BOUNDS, LOGIT_BIAS_KEY, TOP_K_ALL
 from gateway.openai.schema_shape import schema_shape_error
 from gateway.tool_parsers import Function, call_schema
 
-# Fields SGLang would honour if they reached it: the gateway alone sets them.
-RESERVED_FIELDS = frozenset(
-    {
-        "rid",
-        "extra_key",
-        "cache_salt",
-        "bootstrap_host",
-        "bootstrap_port",
-        "bootstrap_room",
-        "routed_dp_rank",
-        "input_ids",
-        "sampling_params",
-        "custom_logit_processor",
-        "data_parallel_rank",
-        "lora_path",
-    }
-)
+# Fields an engine (SGLang, or vLLM for the clients written for it) would honour if they
+# reached it, which no client may send, even as null: each with why (the 400 says it). The
+# other fields of both engines are declared on the request models below, honoured, ignored
+# (``Ignored``) or refused for a reason (``_refused``); tests/engine_parity holds SGLang's
+# request models to that, field by field.
+_ISOLATION = "it steers isolation, which the gateway alone decides"
+_GATEWAY_ROUTES = "the gateway routes each request to its prefill/decode pair itself"
+_RUNS_CODE = "it would run the client's code inside the engine"
+_ENGINE_STATE = "it keeps a request's state in the engine for later requests, outside isolation"
+RESERVED_FIELDS: Mapping[str, str] = {
+    "rid": _ISOLATION + " (the engine's request ID is the gateway's generation ID)",
+    "request_id": _ISOLATION + " (the engine's request ID is the gateway's generation ID)",
+    "extra_key": _ISOLATION + " (the prefix cache's key is the tenant's)",
+    "cache_salt": _ISOLATION + " (the prefix cache's key is the tenant's)",
+    "input_ids": _ISOLATION + " (the gateway tokenizes every prompt itself)",
+    "sampling_params": _ISOLATION + " (give the sampling fields themselves)",
+    "bootstrap_host": _GATEWAY_ROUTES,
+    "bootstrap_port": _GATEWAY_ROUTES,
+    "bootstrap_room": _GATEWAY_ROUTES,
+    "routed_dp_rank": _GATEWAY_ROUTES,
+    "disagg_prefill_dp_rank": _GATEWAY_ROUTES,
+    "data_parallel_rank": _GATEWAY_ROUTES,
+    "kv_transfer_params": _GATEWAY_ROUTES,
+    "lora_path": "the model's policy decides the weights a tenant runs",
+    "custom_logit_processor": _RUNS_CODE,
+    "custom_params": _RUNS_CODE + " (they are a custom logit processor's parameters)",
+    "logits_processors": _RUNS_CODE,
+    "chat_template": "the model's own chat template renders every conversation (a client's "
+    "template could make message text into control tokens)",
+    "session_id": _ENGINE_STATE,
+    "session_params": _ENGINE_STATE,
+    "priority": "the gateway orders tenants by fair share; an engine priority would let one "
+    "tenant's requests overtake the others'",
+}
 # Headers that steer isolation inside the engine; a client sending one is refused.
 RESERVED_HEADER_PREFIXES = ("x-isolation-", "x-isogate-")
 
@@ -73,6 +91,8 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS = 300
 MAX_GRAMMAR_CHARS = 64 * 1024
 MAX_TOOLS = 128
+MAX_CHOICES = 256  # guided_choice's strings
+MAX_TEMPLATE_KWARGS = 32
 
 
 def _refuse(field: str, reason: str) -> PydanticCustomError:
@@ -97,6 +117,41 @@ def _refused(reason: str, allowed: Callable[[Any], bool] = lambda value: value i
     return AfterValidator(check)
 
 
+def _only(default: Any, reason: str) -> Any:
+    """``_refused`` for an engine's extension that clients send at its default: null or the
+    default is accepted (it asks for nothing), any other value refused, saying why."""
+    return _refused(reason, lambda value: value is None or value == default)
+
+
+@dataclass(frozen=True, slots=True)
+class Ignored:
+    """Marks a field that is accepted and has no effect here, with why (its annotation's
+    metadata; ``IGNORED_FIELDS`` lists them, the docs and the conformance tests read it)."""
+
+    reason: str
+
+
+def ignored_fields(schema: type[BaseModel]) -> dict[str, str]:
+    """The fields of ``schema`` accepted without effect, and why."""
+    return {
+        name: marker.reason
+        for name, info in schema.model_fields.items()
+        for marker in info.metadata
+        if isinstance(marker, Ignored)
+    }
+
+
+# Why the engines' extensions that the gateway refuses are refused (beside RESERVED_FIELDS).
+_ENGINE_INTERNALS = "the engine's internals (hidden states, experts, token ids, meta_info) are "
+_NOT_RETURNED = _ENGINE_INTERNALS + "not passed on: they carry other requests' routing"
+_TEXT_ONLY = "this model takes text only"
+_NO_BEAM_SEARCH = "there is no beam search here (nor in SGLang's OpenAI server)"
+_REGEX_IN_ENGINE = (
+    "a stop regex runs in the engine's scheduler loop on every token, where a pathological "
+    "pattern would stall every tenant's decoding; use stop strings"
+)
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
@@ -104,6 +159,8 @@ class _Strict(BaseModel):
 class StreamOptions(_Strict):
     include_usage: bool | None = None
     include_obfuscation: bool | None = None  # OpenAI's padding of stream events; none is sent
+    # vLLM's and SGLang's: every chunk carries the choice's usage so far (guidellm reads it).
+    continuous_usage_stats: bool | None = None
 
 
 class JSONSchemaFormat(_Strict):
@@ -141,6 +198,8 @@ _SAMPLING_FIELDS = (
     ("ignore_eos", "ignore_eos"),
     ("skip_special_tokens", "skip_special_tokens"),
     ("no_stop_trim", "no_stop_trim"),
+    ("include_stop_str_in_output", "no_stop_trim"),  # vLLM's name (they must agree)
+    ("spaces_between_special_tokens", "spaces_between_special_tokens"),
     ("seed", "sampling_seed"),
 )
 _SAMPLING_FIELD_NAMES = frozenset(field for field, _ in _SAMPLING_FIELDS)
@@ -184,9 +243,90 @@ class _Request(_Strict):
     regex: str | None = Field(default=None, min_length=1, max_length=MAX_GRAMMAR_CHARS)
     ebnf: str | None = Field(default=None, min_length=1, max_length=MAX_GRAMMAR_CHARS)
     json_schema: str | None = Field(default=None, min_length=1, max_length=MAX_GRAMMAR_CHARS)
+    # OpenAI's on chat; SGLang takes it on completions too.
+    response_format: ResponseFormat | None = None
+
+    # ---- SGLang's and vLLM's other extensions (issue 41) ---------------------------------
+    # Honoured: vLLM's names for what SGLang does (the constraints through ``grammar``).
+    include_stop_str_in_output: bool | None = None  # SGLang's no_stop_trim
+    spaces_between_special_tokens: bool | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = Field(default=None, min_length=1, max_length=MAX_GRAMMAR_CHARS)
+    guided_choice: (
+        list[Annotated[str, Field(min_length=1, max_length=MAX_GRAMMAR_CHARS)]] | None
+    ) = Field(default=None, min_length=1, max_length=MAX_CHOICES)
+    guided_grammar: str | None = Field(default=None, min_length=1, max_length=MAX_GRAMMAR_CHARS)
+    # Accepted without effect.
+    guided_decoding_backend: Annotated[
+        str | None, Ignored("the operator's engine configuration picks its grammar backend")
+    ] = Field(default=None, max_length=64)
+    length_penalty: Annotated[
+        float | None, Ignored("it weighs beam search's candidates; " + _NO_BEAM_SEARCH)
+    ] = FIELD_BOUNDS["length_penalty"].field()
+    custom_labels: Annotated[
+        dict[str, str] | None,
+        Ignored(
+            "the engine's metric labels are the operator's; a tenant's traffic is "
+            "labelled by the gateway's own metrics"
+        ),
+    ] = Field(default=None, max_length=16)
+    # Refused at any value but their default, saying why.
+    use_beam_search: Annotated[bool | None, _only(False, _NO_BEAM_SEARCH)] = None
+    guided_whitespace_pattern: Annotated[
+        str | None, _refused("the engine's JSON grammar decides the whitespace it allows")
+    ] = None
+    structured_outputs: Annotated[
+        dict[str, Any] | None,
+        _refused("give guided_json, guided_regex, guided_choice or guided_grammar instead"),
+    ] = None
+    truncate_prompt_tokens: Annotated[
+        int | None, _refused("no prompt is truncated here: one too long is a 400 naming the limit")
+    ] = None
+    prompt_logprobs: Annotated[
+        int | None, _refused("the prompt is scored by /v1/completions with echo and logprobs")
+    ] = None
+    allowed_token_ids: Annotated[
+        list[int] | None, _refused("give logit_bias to favour or exclude tokens")
+    ] = None
+    bad_words: Annotated[list[str] | None, _refused("give logit_bias to exclude tokens")] = None
+    stop_regex: Annotated[str | list[str] | None, _refused(_REGEX_IN_ENGINE)] = None
+    watermark: Annotated[dict[str, Any] | None, _refused("there is no watermarking here")] = None
+    return_tokens_as_token_ids: Annotated[bool | None, _only(False, _NOT_RETURNED)] = None
+    return_token_ids: Annotated[bool | None, _only(False, _NOT_RETURNED)] = None
+    return_hidden_states: Annotated[bool | Literal["last"] | None, _only(False, _NOT_RETURNED)] = (
+        None
+    )
+    return_routed_experts: Annotated[bool | None, _only(False, _NOT_RETURNED)] = None
+    routed_experts_start_len: Annotated[int | None, _only(0, _NOT_RETURNED)] = None
+    return_cached_tokens_details: Annotated[
+        bool | None,
+        _only(
+            False,
+            "usage.prompt_tokens_details.cached_tokens counts the cached tokens; "
+            "the engine's breakdown by cache tier is not passed on",
+        ),
+    ] = None
+    return_spec_tokens_details: Annotated[bool | None, _only(False, _NOT_RETURNED)] = None
+    images_config: Annotated[dict[str, Any] | None, _refused(_TEXT_ONLY)] = None
+    mm_processor_kwargs: Annotated[dict[str, Any] | None, _refused(_TEXT_ONLY)] = None
+    prompt_embeds: Annotated[Any, _refused("a prompt is text or token ids here")] = None
+    vllm_xargs: Annotated[
+        dict[str, Any] | None, _refused("vLLM's own extension arguments; the engine is SGLang")
+    ] = None
 
     # The fields ``grammar`` reads: without any of them sent, there is no constraint.
-    GRAMMAR_FIELDS: ClassVar[frozenset[str]] = frozenset({"regex", "ebnf", "json_schema"})
+    GRAMMAR_FIELDS: ClassVar[frozenset[str]] = frozenset(
+        {
+            "regex",
+            "ebnf",
+            "json_schema",
+            "response_format",
+            "guided_json",
+            "guided_regex",
+            "guided_choice",
+            "guided_grammar",
+        }
+    )
 
     @field_validator("stop")
     @classmethod
@@ -220,16 +360,52 @@ class _Request(_Strict):
     @classmethod
     def _json_schema_text(cls, text: str | None) -> str | None:
         if text is not None:
-            try:
-                parsed = orjson.loads(text)
-            except orjson.JSONDecodeError as exc:
-                raise ValueError(f"json_schema is not valid JSON: {exc}") from exc
-            check_json_schema(parsed, "json_schema")
+            check_json_schema(_schema_of_text(text, "json_schema"), "json_schema")
         return text
+
+    @field_validator("guided_choice")
+    @classmethod
+    def _choices_bounded(cls, choices: list[str] | None) -> list[str] | None:
+        if choices is not None and sum(map(len, choices)) > MAX_GRAMMAR_CHARS:
+            raise ValueError(f"at most {MAX_GRAMMAR_CHARS} characters in all")
+        return choices
+
+    @field_validator("guided_json")
+    @classmethod
+    def _guided_json(cls, schema: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+        if isinstance(schema, str):
+            if len(schema) > MAX_GRAMMAR_CHARS:
+                raise ValueError(f"at most {MAX_GRAMMAR_CHARS} characters")
+            check_json_schema(_schema_of_text(schema, "guided_json"), "guided_json")
+        elif schema is not None:
+            check_json_schema(schema, "guided_json")
+        return schema
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_schema(cls, format_: ResponseFormat | None) -> ResponseFormat | None:
+        if format_ is not None and format_.json_schema and format_.json_schema.schema_ is not None:
+            check_json_schema(format_.json_schema.schema_, "response_format.json_schema.schema")
+        return format_
+
+    @model_validator(mode="after")
+    def _stop_trim_agrees(self) -> _Request:
+        keep, trim = self.include_stop_str_in_output, self.no_stop_trim
+        if keep is not None and trim is not None and keep != trim:
+            raise _invalid(
+                "include_stop_str_in_output",
+                "include_stop_str_in_output (vLLM's name) and no_stop_trim (SGLang's) are one "
+                "setting, and these disagree",
+            )
+        return self
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
     @property
     def streaming(self) -> bool:
@@ -239,16 +415,48 @@ class _Request(_Strict):
     def choices(self) -> int:
         return self.n or 1
 
-    def grammar(self) -> dict[str, str]:
-        """The one constraint SGLang is to decode under, as its sampling parameter."""
-        grammars: dict[str, str] = {}
+    def constraints(self) -> list[tuple[str, str, str]]:
+        """Every output constraint the request gives, as (its field, SGLang's sampling
+        parameter, the value): SGLang's own fields, vLLM's ``guided_*`` mapped onto the same
+        grammars, and ``response_format``'s JSON."""
+        found: list[tuple[str, str, str]] = []
         if self.regex is not None:
-            grammars["regex"] = self.regex
+            found.append(("regex", "regex", self.regex))
         if self.ebnf is not None:
-            grammars["ebnf"] = self.ebnf
+            found.append(("ebnf", "ebnf", self.ebnf))
         if self.json_schema is not None:
-            grammars["json_schema"] = self.json_schema
-        return grammars
+            found.append(("json_schema", "json_schema", self.json_schema))
+        guided_json = self.guided_json
+        if guided_json is not None:
+            text = guided_json if isinstance(guided_json, str) else orjson.dumps(guided_json)
+            found.append(("guided_json", "json_schema", _text(text)))
+        if self.guided_regex is not None:
+            found.append(("guided_regex", "regex", self.guided_regex))
+        if self.guided_choice is not None:
+            found.append(("guided_choice", "ebnf", choice_grammar(self.guided_choice)))
+        if self.guided_grammar is not None:
+            found.append(("guided_grammar", "ebnf", self.guided_grammar))
+        response_format = self.response_format
+        if response_format is not None and response_format.type != "text":
+            schema: Any = {"type": "object"}
+            if response_format.json_schema is not None:
+                schema = response_format.json_schema.schema_ or {"type": "object"}
+            found.append(("response_format", "json_schema", orjson.dumps(schema).decode()))
+        return found
+
+    def grammar(self) -> dict[str, str]:
+        """The one constraint SGLang is to decode under, as its sampling parameter (a 400
+        where the request gives more than one)."""
+        found = self.constraints()
+        if len(found) > 1:
+            raise bad_request(
+                "Only one output constraint may be given; this request gives "
+                + ", ".join(field for field, _, _ in found)
+                + ".",
+                code="invalid_value",
+                param=found[0][0],
+            )
+        return {name: value for _, name, value in found}
 
     def sampling_params(self, max_tokens: int) -> dict[str, Any]:
         """SGLang's sampling parameters for this request (``max_new_tokens`` already decided)."""
@@ -267,14 +475,7 @@ class _Request(_Strict):
             params["logit_bias"] = self.logit_bias
         if self.GRAMMAR_FIELDS.isdisjoint(sent):
             return params
-        grammar = self.grammar()
-        if len(grammar) > 1:
-            raise bad_request(
-                "Only one of response_format (json), json_schema, regex and ebnf may be given.",
-                code="invalid_value",
-                param=next(iter(grammar)),
-            )
-        params.update(grammar)
+        params.update(self.grammar())
         return params
 
     def check_against(self, vocab_size: int, max_tokens: int) -> None:
@@ -300,6 +501,23 @@ class _Request(_Strict):
                 code="invalid_value",
                 param="min_tokens",
             )
+
+
+def _schema_of_text(text: str, param: str) -> Any:
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError as exc:
+        raise ValueError(f"{param} is not valid JSON: {exc}") from exc
+
+
+def _text(value: str | bytes) -> str:
+    return value if isinstance(value, str) else value.decode()
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """vLLM's ``guided_choice`` as the EBNF grammar SGLang's backend takes: exactly one of the
+    strings (each a JSON string literal, which the grammar's literals read alike)."""
+    return "root ::= " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
 
 
 def check_json_schema(schema: Any, param: str) -> None:
@@ -453,7 +671,6 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: int | None = FIELD_BOUNDS["max_completion_tokens"].field()
     logprobs: bool | None = None
     top_logprobs: int | None = FIELD_BOUNDS["top_logprobs"].field()
-    response_format: ResponseFormat | None = None
     # Honoured as OpenAI defines them for a deployment that keeps nothing and has one tier.
     metadata: dict[str, str] | None = Field(default=None, max_length=16)
     store: Annotated[
@@ -496,10 +713,75 @@ class ChatCompletionRequest(_Request):
         str | dict[str, Any] | None, _refused("use tool_choice (function_call is deprecated)")
     ] = None
 
+    # ---- SGLang's and vLLM's chat extensions (issue 41) ----------------------------------
+    # Honoured as SGLang honours them (``template_kwargs``, ``continuation``, the answers).
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        default=None, max_length=MAX_TEMPLATE_KWARGS
+    )
+    continue_final_message: bool | None = None
+    add_generation_prompt: bool | None = None  # vLLM's
+    separate_reasoning: bool | None = None
+    stream_reasoning: bool | None = None
+    # Accepted without effect.
+    thinking: Annotated[
+        dict[str, Any] | bool | None,
+        Ignored(
+            "SGLang gives it only to the chat encoders of model families that define a "
+            "thinking mode of their own; chat templates take chat_template_kwargs"
+        ),
+    ] = None
+    task: Annotated[
+        str | None,
+        Ignored("only DeepSeek-V4's chat encoder reads it; the models here use chat templates"),
+    ] = Field(default=None, max_length=32)
+    # Refused at any value but their default, saying why.
+    add_special_tokens: Annotated[
+        bool | None, _only(False, "the chat template places every special token")
+    ] = None
+    echo: Annotated[bool | None, _only(False, "a chat answer does not repeat the conversation")] = (
+        None
+    )
+    documents: Annotated[list[dict[str, Any]] | None, _refused("put documents in the messages")] = (
+        None
+    )
+    return_prompt_token_ids: Annotated[bool | None, _only(False, _NOT_RETURNED)] = None
+    return_meta_info: Annotated[bool | None, _only(False, _NOT_RETURNED)] = None
+    return_input_ids_in_sglext: Annotated[bool | None, _only(False, _NOT_RETURNED)] = None
+    return_output_ids_in_sglext: Annotated[bool | None, _only(False, _NOT_RETURNED)] = None
+    return_sampling_mask: Annotated[bool | None, _only(False, _NOT_RETURNED)] = None
+    sampling_logprobs_mode: Annotated[str | None, _refused(_NOT_RETURNED)] = None
+    return_flat_raw_output_top_logprobs: Annotated[bool | None, _only(False, _NOT_RETURNED)] = None
+    return_flat_raw_top_logprobs_b64: Annotated[bool | None, _only(True, _NOT_RETURNED)] = None
+    max_dynamic_patch: Annotated[int | None, _refused(_TEXT_ONLY)] = None
+    min_dynamic_patch: Annotated[int | None, _refused(_TEXT_ONLY)] = None
+    use_audio_in_video: Annotated[bool | None, _only(False, _TEXT_ONLY)] = None
+    video_config: Annotated[dict[str, Any] | None, _refused(_TEXT_ONLY)] = None
+
     GRAMMAR_FIELDS: ClassVar[frozenset[str]] = _Request.GRAMMAR_FIELDS | {
-        "response_format",  # JSON output
         "tool_choice",  # a forced call
     }
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """What the chat template is given beside the messages and tools, as SGLang gives it:
+        ``reasoning_effort``, then ``chat_template_kwargs`` over it; a reasoning effort turns
+        thinking on (or off, with "none") unless the kwargs say otherwise. The tokenizer passes
+        on only the variables the model's template reads (``tokenize.ModelTokenizer``)."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        effort = self.reasoning_effort
+        if effort is not None:
+            kwargs.setdefault("thinking", effort != "none")
+            kwargs.setdefault("enable_thinking", effort != "none")
+            kwargs = {"reasoning_effort": effort, **kwargs}
+        return kwargs or None
+
+    def continuation(self) -> str | None:
+        """With ``continue_final_message``, the final assistant message's text, which the
+        answer continues (SGLang renders the conversation before it, with the generation
+        prompt, then appends this text's tokens); None otherwise."""
+        messages = self.messages
+        if not self.continue_final_message or messages[-1].role != "assistant":
+            return None
+        return messages[-1].text()
 
     @model_validator(mode="after")
     def _tool_choice_of_tools(self) -> ChatCompletionRequest:
@@ -517,6 +799,9 @@ class ChatCompletionRequest(_Request):
 
     def sampling_params(self, max_tokens: int) -> dict[str, Any]:
         params = super().sampling_params(max_tokens)
+        spaces = (self.chat_template_kwargs or {}).get("spaces_between_special_tokens")
+        if isinstance(spaces, bool) and self.spaces_between_special_tokens is None:
+            params["spaces_between_special_tokens"] = spaces  # where SGLang reads it
         if self.offered_tools and self.skip_special_tokens is None:
             # Some families' call markers are special tokens (Llama's <|python_tag|>); the
             # parser must see them, as SGLang's server keeps them whenever tools are offered.
@@ -562,42 +847,23 @@ class ChatCompletionRequest(_Request):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def grammar(self) -> dict[str, str]:
-        grammars = super().grammar()
         forced = self.forced_tools
-        if forced is not None:
-            if grammars or (self.response_format and self.response_format.type != "text"):
-                raise bad_request(
-                    "tool_choice 'required' or a named function cannot be combined with "
-                    "response_format, json_schema, regex or ebnf.",
-                    code="invalid_value",
-                    param="tool_choice",
-                )
-            functions = [Function(t.function.name, t.function.parameters or {}) for t in forced]
-            try:
-                calls = call_schema(functions, parallel=self.parallel_tool_calls is not False)
-            except ValueError as exc:
-                raise bad_request(str(exc) + ".", code="invalid_value", param="tools") from exc
-            return {"json_schema": orjson.dumps(calls).decode()}
-        response_format = self.response_format
-        if response_format is not None and response_format.type != "text":
-            if "json_schema" in grammars:
-                raise bad_request(
-                    "Give either response_format or json_schema, not both.",
-                    code="invalid_value",
-                    param="json_schema",
-                )
-            schema: Any = {"type": "object"}
-            if response_format.json_schema is not None:
-                schema = response_format.json_schema.schema_ or {"type": "object"}
-            grammars["json_schema"] = orjson.dumps(schema).decode()
-        return grammars
-
-    @field_validator("response_format")
-    @classmethod
-    def _response_schema(cls, format_: ResponseFormat | None) -> ResponseFormat | None:
-        if format_ is not None and format_.json_schema and format_.json_schema.schema_ is not None:
-            check_json_schema(format_.json_schema.schema_, "response_format.json_schema.schema")
-        return format_
+        if forced is None:
+            return super().grammar()
+        given = self.constraints()
+        if given:
+            raise bad_request(
+                "tool_choice 'required' or a named function cannot be combined with another "
+                f"output constraint ({', '.join(field for field, _, _ in given)}).",
+                code="invalid_value",
+                param="tool_choice",
+            )
+        functions = [Function(t.function.name, t.function.parameters or {}) for t in forced]
+        try:
+            calls = call_schema(functions, parallel=self.parallel_tool_calls is not False)
+        except ValueError as exc:
+            raise bad_request(str(exc) + ".", code="invalid_value", param="tools") from exc
+        return {"json_schema": orjson.dumps(calls).decode()}
 
 
 PromptList = list[str] | list[int] | list[list[int]]
@@ -613,6 +879,14 @@ class CompletionRequest(_Request):
     logprobs: int | None = FIELD_BOUNDS["logprobs"].field()
     best_of: int | None = FIELD_BOUNDS["best_of"].field()
     suffix: str | None = None
+    add_special_tokens: Annotated[  # vLLM's
+        bool | None,
+        _only(
+            True,
+            "a prompt's text is encoded with the tokenizer's special tokens, as SGLang encodes "
+            "it; send token ids for any other encoding",
+        ),
+    ] = None
 
     @field_validator("prompt")
     @classmethod
@@ -669,7 +943,7 @@ class CompletionRequest(_Request):
         return self.logprobs
 
     @property
-    def prompt_logprobs(self) -> bool:
+    def scores_prompt(self) -> bool:
         """Whether the prompt's own tokens are scored: ``echo`` with ``logprobs``."""
         return bool(self.echo) and self.logprobs is not None
 
@@ -751,12 +1025,15 @@ def _raw_schemas(raw: dict[str, Any], tools: Any) -> Iterator[tuple[str, Any]]:
         json_schema = response_format.get("json_schema")
         if isinstance(json_schema, dict):
             yield "response_format.json_schema.schema", json_schema.get("schema")
-    text = raw.get("json_schema")
-    if isinstance(text, str) and len(text) <= MAX_GRAMMAR_CHARS:
-        try:
-            yield "json_schema", orjson.loads(text)
-        except orjson.JSONDecodeError:
-            pass  # the field's validator refuses it
+    for field in ("json_schema", "guided_json"):
+        text = raw.get(field)
+        if isinstance(text, str) and len(text) <= MAX_GRAMMAR_CHARS:
+            try:
+                yield field, orjson.loads(text)
+            except orjson.JSONDecodeError:
+                pass  # the field's validator refuses it
+        elif isinstance(text, dict):
+            yield field, text
     for index, tool in enumerate(tools if isinstance(tools, list) else ()):
         function = tool.get("function") if isinstance(tool, dict) else None
         if isinstance(function, dict):
@@ -791,9 +1068,10 @@ def _validation_error(exc: ValidationError) -> APIError:
     if kind in ("model_type", "model_attributes_type") and not error["loc"]:
         return bad_request("Request body must be a JSON object.", code="invalid_json")
     if kind == "extra_forbidden":
-        if param in RESERVED_FIELDS:
+        why = RESERVED_FIELDS.get(param) if param is not None else None
+        if why is not None:
             return bad_request(
-                f"'{param}' is set by the gateway and may not be supplied by a client.",
+                f"'{param}' may not be supplied by a client: {why}.",
                 code="reserved_parameter",
                 param=param,
             )
@@ -826,7 +1104,9 @@ def utf8_length(text: str) -> int:
 
 # ---- responses ------------------------------------------------------------------------
 
-FinishReason = Literal["stop", "length", "tool_calls"]
+# "abort": the engine ended the generation early without an error (an operator's abort), as
+# SGLang's own server reports it.
+FinishReason = Literal["stop", "length", "tool_calls", "abort"]
 
 
 @dataclass(slots=True)
@@ -1037,6 +1317,10 @@ class ChatCompletionChunk(_Response):
     created: int
     model: str
     choices: Annotated[list[ChatChunkChoice], Field(min_length=1, max_length=1)]
+    usage: Usage | None = Field(
+        default=None,
+        description="With stream_options.continuous_usage_stats: the choice's tokens so far.",
+    )
 
 
 class CompletionChunkChoice(_Response):
@@ -1055,6 +1339,10 @@ class CompletionChunk(_Response):
     created: int
     model: str
     choices: Annotated[list[CompletionChunkChoice], Field(min_length=1, max_length=1)]
+    usage: Usage | None = Field(
+        default=None,
+        description="With stream_options.continuous_usage_stats: the choice's tokens so far.",
+    )
 
 
 # usage_chunk()
