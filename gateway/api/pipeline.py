@@ -147,6 +147,7 @@ async def handle_generation(
             n=candidates,
             top_logprobs=parsed.top_logprobs_num,
             prompt_logprobs=isinstance(parsed, CompletionRequest) and parsed.scores_prompt,
+            stream=streaming,
             output=output_spec(parsed, model)
             if isinstance(parsed, ChatCompletionRequest)
             else None,

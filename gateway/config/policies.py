@@ -77,6 +77,12 @@ class WorkerPool(_Strict):
     # The same while more than one tenant holds or wants slots of the pair: lower, so that a
     # tenant's request does not share the engine's batch with a flood of another's.
     max_in_flight_per_pair_contended: int | None = Field(default=None, gt=0)
+    # The most of a pair one request may hold at once: this fraction of its slots (sequences
+    # in flight: each generation of ``n``, ``best_of`` and a list of prompts is one) and of its
+    # KV pool (one generation alone is bounded by the pool only). A whole answer with more runs
+    # them a bounded number at a time; a stream, whose generations run together, past it is a
+    # 400.
+    max_request_share: float = Field(default=0.5, gt=0, le=1)
 
 
 class ModelPolicy(_Strict):

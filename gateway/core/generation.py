@@ -36,18 +36,20 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Protocol, TypeVar
 
-from gateway.common.errors import APIError, unavailable
+from gateway.common.errors import APIError, bad_request, unavailable
 from gateway.common.ids import new_generation_id, tenant_cache_salt
-from gateway.config.policies import ModelPolicy, Policies, TenantLimits
+from gateway.config.policies import ModelPolicy, Policies, Share, TenantLimits
 from gateway.core.admission import (
     CONTEXT_LENGTH_EXCEEDED,
+    Claim,
     ClaimLedger,
     PromptLimit,
     context_length_exceeded,
     refuse_if_over,
 )
+from gateway.core.fair_queue import OUTPUT_TOKEN_COST, Slot, generation_cost
 from gateway.core.held import Held
-from gateway.core.pair_queues import PairQueues
+from gateway.core.pair_queues import PairQueues, RequestBound
 from gateway.core.routing import Candidates, RoutingCache
 from gateway.observability.metrics import Metrics
 from gateway.openai.protocol import PromptLogprobs, TokenLogprob, utf8_length
@@ -127,6 +129,8 @@ class GenerationAsk:
     pair: WorkerPair | None = None
     # The content check, where it is not the gateway's scanner (the canary's own-marker check).
     scanner: ContentScanner | None = None
+    # Streamed: every generation runs at once (a whole answer's may run a few at a time).
+    stream: bool = False
 
 
 class Catalog(Protocol):
@@ -147,6 +151,7 @@ class Choice:
     prompt_index: int
     request: EngineRequest
     expected: Expectation
+    need: int = 0  # KV tokens it may occupy: prompt + max_tokens + the margin
 
 
 @dataclass(slots=True)
@@ -159,6 +164,11 @@ class Admitted:
     lease: LimitLease | None
     tokenizer: ModelTokenizer
     output: OutputSpec | None = None
+    # The queue's grant: every choice's, or with ``metered`` the first choice's alone.
+    slot: Slot | None = None
+    # A whole answer whose choices past the first wait their own turns (see ``_Metered``).
+    metered: _Metered | None = None
+    max_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -321,33 +331,55 @@ class GenerationCore:
         prompt_lengths = [len(ids) for ids in counted for _ in range(ask.n)]
         trace.prompt_tokens = prompt_total = sum(prompt_lengths)
 
-        pair = candidates.choose_for_all(self._ledger, prompt_lengths, max_tokens, margin)
+        generations = len(prompt_lengths)
+        # A tenant's whole answer of several generations runs them a bounded number at a
+        # time, each waiting its own turn (``_Metered``): only one of them need fit now.
+        metered = ask.limits is not None and not ask.stream and generations > 1
+        needed_now = (max(prompt_lengths),) if metered else prompt_lengths
+        pair = candidates.choose_for_all(self._ledger, needed_now, max_tokens, margin)
+        if pair is None and ask.limits is not None:
+            # No room now: a tenant's request waits its turn in the queue of a pair that can
+            # hold it at all, rather than being refused.
+            pair = _pair_to_wait_on(candidates, max(prompt_lengths), max_tokens, margin)
         if pair is None:
             raise _capacity_busy()
         trace.pair = pair
 
         # The pair's fair queue: a tenant's traffic waits its turn, not the others' (the
-        # canary, not a tenant's traffic, goes straight on). The claims are taken as the
-        # request leaves the queue holding its slot; all three are released with ``held``.
-        lease = None
+        # canary, not a tenant's traffic, goes straight on). Each generation is a slot and
+        # its KV tokens, charged what it costs; the claims are taken as the request leaves the
+        # queue holding its grant; all are released with ``held``.
+        lease = slot = metered_by = None
+        first_need = need = prompt_total + (max_tokens + margin) * generations
         if ask.limits is not None:
             share = self._catalog.policies.share(ask.tenant_id)
-            queues, cost = self._queues, len(prompt_lengths)
-            slot = queues.take_free(model, pair, share, cost) or await queues.wait_turn(
-                model, pair, share, cost
-            )
+            queues = self._queues
+            slots, cost = generations, generation_cost(prompt_total, max_tokens * generations)
+            if generations > 1:
+                bound = queues.request_bound(model, pair)
+                if metered:
+                    slots, first_need = 1, prompt_lengths[0] + max_tokens + margin
+                    cost = generation_cost(prompt_lengths[0], max_tokens)
+                else:
+                    _refuse_stream_over(pair.pool, bound, generations, need)
+            slot = queues.take_free(model, pair, share, slots, first_need, cost)
+            if slot is None:
+                slot = await queues.wait_turn(model, pair, share, slots, first_need, cost)
             held.push(slot.release)
-            reserved = prompt_total + max_tokens * len(prompt_lengths)
+            reserved = prompt_total + max_tokens * generations
             if ask.lease is not None:
                 lease = ask.lease
                 await lease.reserve(reserved)
             else:
                 lease = await self._limiter.acquire(ask.tenant_id, ask.limits, reserved)
                 held.push(lease.release)
-        need = prompt_total + (max_tokens + margin) * len(prompt_lengths)
-        if not self._ledger.has_room(pair, need):
+        if not self._ledger.has_room(pair, first_need):
             raise _capacity_busy()  # taken by others while this one waited
-        held.push(self._ledger.claim(pair.urls, need).release)
+        claim = self._ledger.claim(pair.urls, first_need)
+        held.push(claim.release)
+        if metered:
+            assert slot is not None  # a tenant's request: granted by the queue
+            metered_by = _Metered(model, share, bound, first_need, slot, claim)
 
         cache_salt = tenant_cache_salt(self._cache_salt_secret, ask.tenant_id)
         choices: list[Choice] = []
@@ -373,8 +405,21 @@ class GenerationCore:
                     ask.top_logprobs,
                     tokenizer.vocab_size,
                 )
-                choices.append(Choice(len(choices), prompt_index, request, expected))
-        return Admitted(pair, choices, ask.scanner or self._scanner, lease, tokenizer, ask.output)
+                if slot is not None and (metered_by is None or not choices):
+                    request.priority = slot.priority  # the others take their own grant's
+                need_each = len(input_ids) + max_tokens + margin
+                choices.append(Choice(len(choices), prompt_index, request, expected, need_each))
+        return Admitted(
+            pair,
+            choices,
+            ask.scanner or self._scanner,
+            lease,
+            tokenizer,
+            ask.output,
+            slot,
+            metered_by,
+            max_tokens,
+        )
 
     def _encoding(
         self,
@@ -400,17 +445,27 @@ class GenerationCore:
 
     async def complete(self, admitted: Admitted, trace: Trace) -> list[Completion]:
         """Every choice's whole answer, checked; one failed choice fails them all (the others
-        are cancelled); the tenant's token count settled."""
+        are cancelled); the tenant's token count settled, in its limits and in its queue."""
+        metered = admitted.metered
         if len(admitted.choices) == 1:  # without a coroutine of its own, one frame less to resume
             choice = admitted.choices[0]
             output = await self._dispatcher.generate(admitted.pair, choice.request)
             only = self._checked(admitted, choice, output)
             completions, completion_tokens = [only], only.completion_tokens
+        elif metered is not None:
+            completions = await _all_or_nothing(
+                [self._complete_metered(admitted, metered, choice) for choice in admitted.choices]
+            )
+            completion_tokens = sum([c.completion_tokens for c in completions])
         else:
             completions = await _all_or_nothing(
                 [self._complete_one(admitted, choice) for choice in admitted.choices]
             )
             completion_tokens = sum([c.completion_tokens for c in completions])
+        if admitted.slot is not None and metered is None:
+            # Charged for max_tokens of each; what was not produced is given back.
+            unmade = admitted.max_tokens * len(completions) - completion_tokens
+            admitted.slot.refund(OUTPUT_TOKEN_COST * unmade)
         trace.completion_tokens = completion_tokens
         if admitted.lease is not None:
             await admitted.lease.settle((trace.prompt_tokens or 0) + completion_tokens)
@@ -419,6 +474,42 @@ class GenerationCore:
     async def _complete_one(self, admitted: Admitted, choice: Choice) -> Completion:
         output = await self._dispatcher.generate(admitted.pair, choice.request)
         return self._checked(admitted, choice, output)
+
+    async def _complete_metered(
+        self, admitted: Admitted, metered: _Metered, choice: Choice
+    ) -> Completion:
+        """One choice of a whole answer whose choices run a bounded number at a time: each
+        past the first waits for room in the request's bound, then for its own turn in the
+        pair's queue, and gives its slot and tokens back as soon as it ends."""
+        pair, need = admitted.pair, choice.need
+        if choice.index == 0:  # granted and claimed at admission
+            slot, claim = metered.first_slot, metered.first_claim
+        else:
+            await metered.enter(need)
+            try:
+                cost = generation_cost(choice.expected.prompt_tokens, admitted.max_tokens)
+                queues, model, share = self._queues, metered.model, metered.share
+                grant = queues.take_free(model, pair, share, 1, need, cost)
+                slot = grant or await queues.wait_turn(model, pair, share, 1, need, cost)
+            except BaseException:
+                metered.leave(need)
+                raise
+            claim = None
+        try:
+            if claim is None:
+                if not self._ledger.has_room(pair, need):
+                    raise _capacity_busy()
+                claim = self._ledger.claim(pair.urls, need)
+            choice.request.priority = slot.priority
+            output = await self._dispatcher.generate(pair, choice.request)
+            completion = self._checked(admitted, choice, output)
+            slot.refund(OUTPUT_TOKEN_COST * (admitted.max_tokens - completion.completion_tokens))
+            return completion
+        finally:
+            if claim is not None:
+                claim.release()
+            slot.release()
+            metered.leave(need)
 
     def _checked(self, admitted: Admitted, choice: Choice, output: dict[str, Any]) -> Completion:
         """One choice's answer from decode, once it has passed every check."""
@@ -471,7 +562,7 @@ class GenerationCore:
                 [self._open_one(admitted, choice) for choice in admitted.choices],
                 on_abandon=CheckedStream.aclose,
             )
-        return ChoiceStreams(streams, trace, admitted.lease)
+        return ChoiceStreams(streams, trace, admitted.lease, admitted.slot, admitted.max_tokens)
 
     async def _open_one(self, admitted: Admitted, choice: Choice) -> CheckedStream:
         batches = self._dispatcher.stream(admitted.pair, choice.request)
@@ -672,11 +763,18 @@ class ChoiceStreams:
     """
 
     def __init__(
-        self, streams: list[CheckedStream], trace: Trace, lease: LimitLease | None
+        self,
+        streams: list[CheckedStream],
+        trace: Trace,
+        lease: LimitLease | None,
+        slot: Slot | None = None,
+        max_tokens: int = 0,
     ) -> None:
         self.streams = streams
         self._trace = trace
         self._lease = lease
+        self._slot = slot
+        self._max_tokens = max_tokens
 
     @property
     def prompt_tokens(self) -> int:
@@ -697,6 +795,9 @@ class ChoiceStreams:
                     completion_tokens += item.completion_tokens
                 yield stream, item
         self._trace.completion_tokens = completion_tokens
+        if self._slot is not None:  # charged for max_tokens of each: the rest given back
+            unmade = self._max_tokens * len(self.streams) - completion_tokens
+            self._slot.refund(OUTPUT_TOKEN_COST * unmade)
         if self._lease is not None:
             await self._lease.settle(self.prompt_tokens + completion_tokens)
 
@@ -768,6 +869,89 @@ def _first_failure(tasks: Sequence[asyncio.Future[Any]]) -> BaseException | None
         if task.done() and not task.cancelled() and (failure := task.exception()) is not None:
             return failure
     return None
+
+
+class _Metered:
+    """A whole answer's choices past the first: at most ``bound`` of them (slots, and KV tokens
+    together, or one alone whatever its size) hold grants at once, each waiting its own turn
+    in the pair's queue, as the work of a request of its own would."""
+
+    __slots__ = (
+        "_waiting",
+        "bound",
+        "first_claim",
+        "first_slot",
+        "model",
+        "running",
+        "running_kv",
+        "share",
+    )
+
+    def __init__(
+        self,
+        model: ModelPolicy,
+        share: Share,
+        bound: RequestBound,
+        first_need: int,
+        first_slot: Slot,
+        first_claim: Claim,
+    ) -> None:
+        self.model = model
+        self.share = share
+        self.bound = bound
+        self.first_slot = first_slot
+        self.first_claim = first_claim
+        self.running = 1  # the first choice, granted at admission
+        self.running_kv = first_need
+        self._waiting: list[asyncio.Future[None]] = []
+
+    def _fits(self, need: int) -> bool:
+        return self.running == 0 or (
+            self.running < self.bound.slots and self.running_kv + need <= self.bound.kv
+        )
+
+    async def enter(self, need: int) -> None:
+        while not self._fits(need):
+            woken = asyncio.get_running_loop().create_future()
+            self._waiting.append(woken)
+            try:
+                await woken
+            finally:
+                self._waiting.remove(woken)
+        self.running += 1
+        self.running_kv += need
+
+    def leave(self, need: int) -> None:
+        self.running -= 1
+        self.running_kv -= need
+        for woken in self._waiting:  # each looks again (a smaller one may fit now)
+            if not woken.done():
+                woken.set_result(None)
+
+
+def _pair_to_wait_on(
+    candidates: Candidates, longest: int, max_tokens: int, margin: int
+) -> WorkerPair | None:
+    """The first candidate pair whose limits admit the prompt at all (room aside)."""
+    limits = candidates.limits(max_tokens, margin)
+    for pair, limit in zip(candidates.pairs, limits, strict=True):
+        if longest <= limit.tokens:
+            return pair
+    return None
+
+
+def _refuse_stream_over(pool: str, bound: RequestBound, generations: int, need: int) -> None:
+    """A request whose generations all run at once (a stream) and could never fit one
+    request's bound is a 400; one within it waits its turn."""
+    if generations > bound.slots or need > bound.kv:
+        raise bad_request(
+            f"A streamed request runs all its {generations} generations (n, best_of, each "
+            f"prompt) at once, needing {need} KV tokens; one request may hold at most "
+            f"{bound.slots} generations and {bound.kv} KV tokens of pool '{pool}' at once. "
+            "Ask for fewer generations or tokens, or without stream.",
+            code="request_too_large",
+            param="n",
+        )
 
 
 def _capacity_busy() -> APIError:

@@ -13,8 +13,15 @@ With several gateway replicas each one holds ``ceil(cap / replicas)`` of each: t
 within the cap, and each replica shares its part fairly among the tenants it sees
 (docs/operations.md).
 
-The KV tokens a request needs are not counted here: they are claimed on the ledger as the
-request leaves the queue (``gateway.core.admission``), and a pair whose pool is full refuses there.
+The KV pool is the queue's second resource: a grant holds the tokens its generations may
+occupy (prompt + ``max_tokens`` + the margin, each), and waits while the pool (the smaller of
+the two workers', ``ceil``-divided among replicas as the cap is) has not room for them, rather
+than being refused. They are claimed on the ledger too as the grant leaves the queue
+(``gateway.core.admission``): the ledger also counts what the workers report in use, and a
+pair whose live pool is full of others' work refuses there.
+
+One request's share (``RequestBound``): at most the pool's ``max_request_share`` of the
+pair's cap (slots) and of its KV pool (tokens), so that no one request takes the whole pair.
 """
 
 from __future__ import annotations
@@ -54,17 +61,36 @@ def pair_cap(
     return max(1, math.ceil(cap / max(1, replicas)))
 
 
+@dataclass(frozen=True, slots=True)
+class RequestBound:
+    """The most of one pair a single request may hold at once."""
+
+    slots: int
+    kv: int
+
+
+def kv_share(pool_tokens: int, replicas: int = 1) -> int:
+    """The KV tokens this replica lets be claimed on a pair whose smaller pool is
+    ``pool_tokens``."""
+    return max(1, math.ceil(pool_tokens / max(1, replicas)))
+
+
 class _PairQueue:
     """A pair's queue and what its caps were derived from, to derive them again only when
-    that changes (the policy reloaded, or the engine reported another limit)."""
+    that changes (the policy reloaded, or the engine reported another limit or pool size)."""
 
-    __slots__ = ("decode_limit", "model", "prefill_limit", "queue")
+    __slots__ = ("decode_limit", "kv_pool", "model", "prefill_limit", "queue")
 
     def __init__(
-        self, model: ModelPolicy, limits: tuple[int | None, int | None], queue: FairQueue
+        self,
+        model: ModelPolicy,
+        limits: tuple[int | None, int | None],
+        kv_pool: int,
+        queue: FairQueue,
     ) -> None:
         self.model = model
         self.prefill_limit, self.decode_limit = limits
+        self.kv_pool = kv_pool
         self.queue = queue
 
 
@@ -79,31 +105,49 @@ class PairQueues:
     def queue(self, model: ModelPolicy, pair: WorkerPair) -> FairQueue:
         """The pair's queue, its caps brought up to date with the pool's policy and what the
         engine reports now."""
-        prefill_limit = pair.prefill_state.max_running_requests
-        decode_limit = pair.decode_state.max_running_requests
+        prefill, decode = pair.prefill_state, pair.decode_state
+        prefill_limit = prefill.max_running_requests
+        decode_limit = decode.max_running_requests
+        kv_pool = min(prefill.max_total_num_tokens, decode.max_total_num_tokens)
         entry = self._queues.get(pair.urls)
         if (
             entry is not None
             and entry.model is model
             and entry.prefill_limit == prefill_limit
             and entry.decode_limit == decode_limit
+            and entry.kv_pool == kv_pool
         ):
             return entry.queue
         cap, contended = self.caps_of(model, pair)
+        kv = kv_share(kv_pool, self._settings.replicas)
         if entry is None:
             queue = FairQueue(
                 cap,
                 contended_capacity=contended,
                 linger_s=self._settings.contention_linger_s,
                 max_queued_per_tenant=self._settings.max_queued_per_tenant,
+                kv_capacity=kv,
                 observer=self._metrics.queue_observer(pair.pool),
             )
         else:
             queue = entry.queue
             if queue.capacity != cap or queue.contended_capacity != contended:
                 queue.set_capacity(cap, contended)
-        self._queues[pair.urls] = _PairQueue(model, (prefill_limit, decode_limit), queue)
+            if queue.kv_capacity != kv:
+                queue.set_kv_capacity(kv)
+        self._queues[pair.urls] = _PairQueue(model, (prefill_limit, decode_limit), kv_pool, queue)
         return queue
+
+    def request_bound(self, model: ModelPolicy, pair: WorkerPair) -> RequestBound:
+        """The most of ``pair`` one request may hold at once (see the module doc)."""
+        queue = self.queue(model, pair)
+        pool = next((p for p in model.pools if p.name == pair.pool), None)
+        share = pool.max_request_share if pool is not None else 1.0
+        kv = queue.kv_capacity
+        return RequestBound(
+            max(1, math.floor(queue.capacity * share)),
+            int(kv * share) if math.isfinite(kv) else 2**62,
+        )
 
     def caps_of(self, model: ModelPolicy, pair: WorkerPair) -> tuple[int, int]:
         """The pair's cap, and its cap while several tenants contend (never above the first)."""
@@ -132,20 +176,21 @@ class PairQueues:
         return cap, min(cap, contended)
 
     def take_free(
-        self, model: ModelPolicy, pair: WorkerPair, share: Share, cost: int
+        self, model: ModelPolicy, pair: WorkerPair, share: Share, slots: int, kv: int, cost: float
     ) -> Slot | None:
-        """A slot of ``pair`` for one request at once, if nobody waits and there is room; else
-        None, and ``wait_turn``. Not a coroutine: most requests find room."""
-        return self.queue(model, pair).take_free(share, cost)
+        """A grant of ``slots`` and ``kv`` tokens of ``pair``, charged ``cost``, at once if there
+        is room and it need not queue; else None, and ``wait_turn``. Not a coroutine: most
+        requests find room."""
+        return self.queue(model, pair).take_free(share, slots, kv=kv, cost=cost)
 
     async def wait_turn(
-        self, model: ModelPolicy, pair: WorkerPair, share: Share, cost: int
+        self, model: ModelPolicy, pair: WorkerPair, share: Share, slots: int, kv: int, cost: float
     ) -> Slot:
-        """A slot of ``pair`` once the request's turn comes, waiting at most ``max_wait_s``;
-        then a refusal in OpenAI's terms: 429 for a tenant over its share, 503 for a full
-        pair."""
+        """The grant once its turn comes, waiting at most ``max_wait_s``; then a refusal in
+        OpenAI's terms: 429 for a tenant over its share, 503 for a full pair."""
+        queue = self.queue(model, pair)
         try:
-            return await self.queue(model, pair).wait_turn(share, self._settings.max_wait_s, cost)
+            return await queue.wait_turn(share, self._settings.max_wait_s, slots, kv=kv, cost=cost)
         except WaitExpired as expired:
             raise queue_refusal(expired, pair.pool) from None
 

@@ -56,6 +56,9 @@ class EngineRequest:
     top_logprobs: int | None = None
     # The prompt's tokens scored too (``echo``): prefill computes them, so prefill is asked.
     prompt_logprobs: bool = False
+    # SGLang's scheduling priority (larger first), the fair queue's order passed on
+    # (gateway.core.fair_queue.engine_priority); None: the workers' default.
+    priority: int | None = None
 
 
 def generate_body(
@@ -72,6 +75,10 @@ def generate_body(
         "bootstrap_port": bootstrap_port,
         "bootstrap_room": bootstrap_room(request.generation_id),
     }
+    if request.priority is not None:
+        # Both roles: prefill orders its waiting queue by it, decode its queues and which
+        # requests it retracts first when its KV pool runs out.
+        body["priority"] = request.priority
     if request.top_logprobs is not None:
         # The completion's; the prompt's only from prefill, and only when asked for (from
         # position 0), since only prefill runs the prompt through the model.

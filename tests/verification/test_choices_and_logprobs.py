@@ -183,16 +183,22 @@ def test_choices_answered_with_each_others_ids_fail_the_whole_response(
     assert "Hello" not in response.text
 
 
-def test_more_choices_than_the_pool_holds_are_refused_as_a_whole(
+def test_more_choices_than_one_request_may_hold_run_in_turns_or_a_stream_is_refused(
     stack: LyingStack, tenant_key: str
 ) -> None:
+    """Each choice alone fits the pool; the eight together are past what one request may hold
+    at once (the pool's max_request_share): a whole answer runs them in turns, a stream (whose
+    choices all run at once) is refused before any worker is asked."""
     before = len(stack.decode.requests)
     with stack.client(tenant_key) as client:
-        # Each choice alone fits the pool; the eight together do not.
-        response = client.post("/v1/chat/completions", json=chat(n=8, max_tokens=1024))
-    assert response.status_code == 503, response.text
-    assert response.json()["error"]["code"] == "capacity_busy"
-    assert len(stack.decode.requests) == before
+        streamed = client.post("/v1/chat/completions", json=chat(n=8, max_tokens=1024, stream=True))
+        assert len(stack.decode.requests) == before
+        whole = client.post("/v1/chat/completions", json=chat(n=8, max_tokens=1024))
+    assert streamed.status_code == 400, streamed.text
+    assert streamed.json()["error"]["code"] == "request_too_large"
+    assert whole.status_code == 200, whole.text
+    assert len(whole.json()["choices"]) == 8
+    assert len(stack.decode.requests) == before + 8
 
 
 def test_answers_carry_openais_rate_limit_headers(stack: LyingStack, tenant_key: str) -> None:

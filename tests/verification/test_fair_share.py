@@ -10,6 +10,7 @@ the tests wait for states (the queue's length, the decode's requests), never for
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 from collections import Counter
 from collections.abc import Iterator
@@ -50,6 +51,7 @@ class GatedStack:
     gate: threading.Event
     gateways: list[GatewayProcess]  # replicas sharing one store, one policy and the workers
     keys: dict[str, str]
+    prefill: StandInWorker | None = None
 
     @property
     def gateway(self) -> GatewayProcess:
@@ -122,7 +124,7 @@ def gated_stack(
             stack.callback(gateways[-1].stop)
         stack.callback(gate.set)  # nothing left hanging in the stand-in when the stack goes
         keys = {tenant: gateways[0].create_tenant(tenant)[1] for tenant in TENANTS}
-        yield GatedStack(decode, gate, gateways, keys)
+        yield GatedStack(decode, gate, gateways, keys, prefill)
 
 
 @pytest.fixture(scope="module")
@@ -353,24 +355,99 @@ def test_replicas_together_stay_within_the_cap_and_keep_the_shares(replicated: G
     assert replicated.claimed_tokens() == 0
 
 
-def test_while_a_second_tenant_waits_the_pair_takes_no_more_than_its_contended_cap(
+def test_a_tenant_within_its_share_starts_at_once_and_the_engine_is_told_the_order(
     tmp_path: Path,
 ) -> None:
-    """Cap 3, contended cap 1: heavy alone gets 2 onto the pair at once; light's request then
-    waits (2 in flight, over the contended cap) although the pair has room under its cap, and
-    so does heavy's next one; once the pair is free, both go one at a time."""
+    """Cap 3, contended cap 1: heavy alone gets 2 onto the pair (the first within its share of
+    the contended cap, the second beyond it); light's request then starts at once, without
+    waiting for either of heavy's to end, and heavy's next one waits. Each /generate body
+    carries the SGLang priority of its place in that order, to prefill and decode alike."""
     with gated_stack(tmp_path, max_wait_s=600, pool_cap=3, pool_contended_cap=1) as stack:
         stack.gate.clear()
         results: list[Any] = []
         threads = _in_threads([lambda: _send(stack, "heavy", results) for _ in range(2)])
         assert wait_until(lambda: len(stack.decode.requests) == 2, 30), "heavy not on the pair"
         threads += _in_threads([lambda: _send(stack, "light", results)])
-        assert wait_until(lambda: _queued(stack) == 1, 30), _queued(stack)
+        assert wait_until(lambda: len(stack.decode.requests) == 3, 30), "light waited"
         threads += _in_threads([lambda: _send(stack, "heavy", results)])
-        assert wait_until(lambda: _queued(stack) == 2, 30), _queued(stack)
-        assert len(stack.decode.requests) == 2  # room under the cap of 3, none taken
+        assert wait_until(lambda: _queued(stack) == 1, 30), _queued(stack)
+        on_the_pair = [
+            (r["_headers"]["x-isolation-tenant"], r["priority"]) for r in stack.decode.requests
+        ]
+        assert sorted(on_the_pair) == [("heavy", 200), ("heavy", 250), ("light", 250)]
+        assert on_the_pair[2] == ("light", 250)
+        # Prefill was told the same as decode, request by request.
+        assert stack.prefill is not None
+        by_rid = {r["rid"]: r["priority"] for r in stack.prefill.requests}
+        assert all(by_rid[r["rid"]] == r["priority"] for r in stack.decode.requests)
         stack.gate.set()
         for thread in threads:
             thread.join(60)
         assert [status for status, _ in results] == [200] * 4
-        assert stack.served_tenants()[2] == "light"  # next by its start tag, not by arrival
+
+
+def _completion(stack: GatedStack, tenant: str, results: list[Any], **fields: Any) -> None:
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, **fields}
+    with stack.client(tenant) as client:
+        response = client.post("/v1/completions", json=body)
+    results.append((response.status_code, response.json()))
+
+
+def test_each_generation_of_a_request_waits_its_own_turn_and_is_charged(
+    patient: GatedStack,
+) -> None:
+    """A request of two prompts x n=2 is four generations: on a pair of one slot they go one
+    at a time, each in its turn, alternating with another tenant's four requests of one
+    generation each (equal weights, equal costs), not all four together."""
+    results: list[Any] = []
+    threads = _hold_the_pair(patient, results)
+    threads += _in_threads(
+        [lambda: _completion(patient, "heavy", results, prompt=["hi", "ho"], n=2)]
+    )
+    assert wait_until(lambda: _queued(patient) == 1, 30), _queued(patient)
+    threads += _in_threads([lambda: _send(patient, "light", results) for _ in range(4)])
+    # heavy's first generation and light's four: heavy's others wait for its first to end.
+    assert wait_until(lambda: _queued(patient) == 5, 30), _queued(patient)
+    patient.gate.set()
+    for thread in threads:
+        thread.join(60)
+    assert [status for status, _ in results] == [200] * 6
+    whole = next(body for _, body in results if body and len(body.get("choices", [])) == 4)
+    assert sorted(choice["index"] for choice in whole["choices"]) == [0, 1, 2, 3]
+    served = patient.served_tenants()[1:]
+    assert served.count("heavy") == 4
+    # Never two of heavy's generations in a row while light still waited.
+    light_done = max(i for i, tenant in enumerate(served) if tenant == "light")
+    pairs = itertools.pairwise(served[: light_done + 1])
+    assert not any(a == b == "heavy" for a, b in pairs), served
+    assert patient.claimed_tokens() == 0
+
+
+def test_best_of_candidates_are_generations_of_their_own(patient: GatedStack) -> None:
+    results: list[Any] = []
+    patient.gate.set()
+    patient.decode.requests.clear()
+    _completion(patient, "heavy", results, best_of=3, n=1, logprobs=1)
+    assert results[0][0] == 200 and len(results[0][1]["choices"]) == 1
+    assert len(patient.decode.requests) == 3
+    assert patient.claimed_tokens() == 0
+
+
+def test_a_stream_whose_generations_could_never_fit_one_requests_share_is_refused(
+    patient: GatedStack,
+) -> None:
+    """The pool's cap is one slot: one request may hold one generation at once. A whole answer
+    of two runs them in turn; a stream, whose generations all run at once, is a 400 that says
+    why, before any worker is asked."""
+    patient.gate.set()
+    patient.decode.requests.clear()
+    with patient.client("light") as client:
+        refused = client.post("/v1/chat/completions", json={**_body(True), "n": 2})
+        whole = client.post("/v1/chat/completions", json={**_body(), "n": 2})
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert error["code"] == "request_too_large" and error["param"] == "n"
+    assert "at most 1 generations" in error["message"]
+    assert whole.status_code == 200 and len(whole.json()["choices"]) == 2
+    assert len(patient.decode.requests) == 2  # the whole answer's two; nothing of the stream's
+    assert patient.claimed_tokens() == 0
