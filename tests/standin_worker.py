@@ -71,6 +71,8 @@ class Behaviour:
     # A stream sends its first chunk, then holds the rest until the test sets this: chunks
     # that must reach the gateway apart do, however busy the machine.
     rest_of_stream: threading.Event | None = None
+    # The last chunk's (or the answer's) finish_reason; None: length, at the last chunk.
+    finish: dict[str, Any] | None = None
 
 
 class _DroppedConnection(Response):
@@ -100,6 +102,9 @@ class StandInWorker:
     # The rids of the aborts it was sent (SGLang's ``/abort_request``).
     aborted: list[str] = field(default_factory=list)
     polls: int = 0
+    # How long an idle connection stays open (uvicorn's keep-alive): a test looking for
+    # connections the gateway never gave back keeps them open long enough to be counted.
+    keep_alive_s: int = 5
     _previous: dict[str, Any] | None = None
     _server: uvicorn.Server | None = None
     _thread: threading.Thread | None = None
@@ -221,7 +226,7 @@ class StandInWorker:
             "prompt_tokens": len(body.get("input_ids", [])) + (b.prompt_tokens_delta if lie else 0),
             "completion_tokens": completion_tokens + (b.extra_completion_tokens if lie else 0),
             "cached_tokens": 0,
-            "finish_reason": {"type": "length", "length": total}
+            "finish_reason": (b.finish or {"type": "length", "length": total})
             if completion_tokens == total
             else None,
         }
@@ -259,7 +264,12 @@ class StandInWorker:
 
     def start(self) -> StandInWorker:
         config = uvicorn.Config(
-            self.app(), host="127.0.0.1", port=self.port, log_level="warning", lifespan="off"
+            self.app(),
+            host="127.0.0.1",
+            port=self.port,
+            log_level="warning",
+            lifespan="off",
+            timeout_keep_alive=self.keep_alive_s,
         )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, daemon=True)

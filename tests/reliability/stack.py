@@ -85,16 +85,25 @@ def standin_stack(
     port: int | None = None,
     max_output_tokens: int = 1024,
     default_limits: dict[str, int] | None = None,
+    worker_keep_alive_s: int = 5,
 ) -> Iterator[StandInStack]:
     """Start the stack; stop every part of it on the way out, whatever happened."""
     model_dir = ensure_tiny_model(DEFAULT_MODEL_DIR)
     with contextlib.ExitStack() as stack:
         prefill = stack.enter_context(
-            StandInWorker("prefill", Behaviour(pool_tokens=STANDIN_POOL_TOKENS), port=range_port())
+            StandInWorker(
+                "prefill",
+                Behaviour(pool_tokens=STANDIN_POOL_TOKENS),
+                port=range_port(),
+                keep_alive_s=worker_keep_alive_s,
+            )
         )
         decode = stack.enter_context(
             StandInWorker(
-                "decode", behaviour or Behaviour(pool_tokens=STANDIN_POOL_TOKENS), port=range_port()
+                "decode",
+                behaviour or Behaviour(pool_tokens=STANDIN_POOL_TOKENS),
+                port=range_port(),
+                keep_alive_s=worker_keep_alive_s,
             )
         )
         policies = write_policies(
