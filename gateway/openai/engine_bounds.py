@@ -28,6 +28,9 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # SGLang's "the whole vocabulary" (``sampling_params.TOP_K_ALL``): the top_k that every request
 # without one carries in the int32 top_k tensor, so the largest a client may ask for too.
 TOP_K_ALL = 1 << 30
+# SGLang's sampling epsilon (``sampling_params._SAMPLING_EPS``): a temperature below it is
+# greedy decoding; the smallest value it treats as a factor of the logits.
+SAMPLING_EPS = 1e-6
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -152,11 +155,14 @@ FIELD_BOUNDS: Mapping[str, Bound] = {
     "repetition_penalty": Bound(
         engine_name="repetition_penalty",
         kind=float,
-        low=0.0,
-        low_open=True,
+        low=SAMPLING_EPS,
         high=2.0,
         carried_as=_FLOAT32,
-        why="SGLang verify: (0, 2]",
+        why=(
+            "SGLang verify takes (0, 2], then divides a seen token's positive logit by it in "
+            "float32: near 0 (0 in float32 from 1e-45 down) the logit is infinite, the "
+            "probabilities NaN, and the sampler's multinomial kills the scheduler"
+        ),
     ),
     "min_tokens": Bound(
         engine_name="min_new_tokens",
