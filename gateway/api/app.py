@@ -12,18 +12,25 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 from starlette.routing import Match, Router
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.api.admin_routes import admin_routes
 from gateway.api.audit_routes import audit_routes
 from gateway.api.openai_routes import GENERATION_PATHS, openai_routes
 from gateway.api.pipeline import handle_generation
 from gateway.common.errors import APIError
+from gateway.common.ids import PREFIX as GENERATION_PREFIX
+from gateway.common.ids import new_generation_id
 from gateway.config.settings import Settings
+from gateway.server.http_server import HEADER_LINES_EXTENSION
 from gateway.service.components import build_components, close_components
 from gateway.service.reload import PolicyReloader
 
 log = logging.getLogger(__name__)
+
+# A request that is not a generation is answered with an ID of its own: a generation ID's
+# form under this prefix (it names no audit event).
+REQUEST_ID_PREFIX = "req_"
 
 
 def create_app(settings: Settings | None = None) -> Gateway:
@@ -79,7 +86,28 @@ class Gateway:
                 response = await handle_generation(self.state.components, scope, receive, kind)
                 await response(scope, receive, send)
                 return
+        if scope["type"] == "http":
+            send = _with_request_id(send)
         await self.app(scope, receive, send)
+
+
+def _with_request_id(send: Send) -> Send:
+    """``send``, adding an ``x-request-id`` to a response that has none: a fresh ID for each
+    request that is not a generation (a generation's answer carries its generation ID)."""
+
+    async def sending(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            headers = list(message.get("headers") or ())
+            lines = message.get(HEADER_LINES_EXTENSION) or b""
+            if b"x-request-id: " not in lines and not any(
+                name.lower() == b"x-request-id" for name, _ in headers
+            ):
+                request_id = REQUEST_ID_PREFIX + new_generation_id()[len(GENERATION_PREFIX) :]
+                headers.append((b"x-request-id", request_id.encode()))
+                message = {**message, "headers": headers}
+        await send(message)
+
+    return sending
 
 
 def _slash_redirect(router: Router) -> ASGIApp:

@@ -18,6 +18,7 @@ from gateway.api import tokenize_routes
 from gateway.api.answers import Kind
 from gateway.api.openapi import openapi_json
 from gateway.api.pipeline import handle_generation
+from gateway.api.unsupported import unsupported_routes
 from gateway.common.errors import APIError
 from gateway.config.policies import ModelPolicy
 from gateway.openai import protocol
@@ -182,4 +183,6 @@ def openai_routes() -> list[BaseRoute]:
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/openapi.json", openapi_json, methods=["GET"]),
+        # OpenAI's endpoints not served here: a 404 that names each (``unsupported``).
+        *unsupported_routes(),
     ]

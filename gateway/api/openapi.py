@@ -34,6 +34,7 @@ from gateway.api.tokenize_routes import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from gateway.api.unsupported import SERVED, UNSUPPORTED_ENDPOINTS
 from gateway.openai.protocol import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -544,6 +545,25 @@ def _paths() -> dict[str, Any]:
     }
 
 
+def _unsupported_paths() -> dict[str, Any]:
+    """OpenAI's endpoints not served here (``gateway.api.unsupported``): each answers 404
+    ``unsupported_endpoint`` naming it, to any method, at its path and every path below."""
+    return {
+        path: {
+            "post": {
+                "summary": f"Not served: OpenAI's {name} (any method, any path below it)",
+                "responses": {
+                    "404": {
+                        "description": f"unsupported_endpoint: this gateway serves {SERVED}.",
+                        "content": _json_content(_ERROR),
+                    }
+                },
+            }
+        }
+        for path, name in UNSUPPORTED_ENDPOINTS.items()
+    }
+
+
 @functools.cache
 def openapi_document() -> dict[str, Any]:
     return {
@@ -554,7 +574,7 @@ def openapi_document() -> dict[str, Any]:
             "description": "OpenAI-compatible, multi-tenant gateway in front of SGLang "
             "prefill/decode clusters that checks tenant isolation end to end.",
         },
-        "paths": _paths(),
+        "paths": {**_paths(), **_unsupported_paths()},
         "components": {
             "schemas": _schemas(),
             "securitySchemes": {

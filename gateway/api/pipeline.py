@@ -73,6 +73,8 @@ log = logging.getLogger("isogate.request")
 
 # On every generation response, errors included: a client can find any request's audit event.
 GENERATION_ID_HEADER = "X-Generation-Id"
+# The same ID under the name the OpenAI SDK reads (``_request_id``); on every response.
+REQUEST_ID_HEADER = "X-Request-Id"
 
 
 async def handle_generation(
@@ -88,7 +90,10 @@ async def handle_generation(
         try:
             trace.principal = principal = await _authenticate(components, scope, headers)
         except APIError as error:
-            return error.response()
+            # Not audited, so no generation ID: the request's ID alone.
+            response = error.response()
+            response.headers[REQUEST_ID_HEADER] = trace.generation_id
+            return response
         if principal.is_admin:
             raise APIError(
                 403,
@@ -276,6 +281,7 @@ async def _authenticate(components: Components, scope: Scope, headers: ClientHea
 
 def _with_generation_id(response: Response, trace: Trace) -> Response:
     response.headers[GENERATION_ID_HEADER] = trace.generation_id
+    response.headers[REQUEST_ID_HEADER] = trace.generation_id
     return response
 
 
@@ -419,7 +425,8 @@ class JSONBodyResponse(Response):
         self.status_code = 200
         self.background = None
         self.body = body
-        self._lines = _SERVED_HEAD % (len(body), generation_id.encode()) + extra_lines
+        id_ = generation_id.encode()
+        self._lines = _SERVED_HEAD % (len(body), id_, id_) + extra_lines
 
     @property
     def raw_headers(self) -> list[tuple[bytes, bytes]]:
@@ -437,10 +444,16 @@ class JSONBodyResponse(Response):
 
 
 # A stream's own header lines (its type is Starlette's): no caching or proxy buffering, and
-# its generation ID.
-_STREAM_HEAD = b"cache-control: no-cache\r\nx-accel-buffering: no\r\nx-generation-id: %s\r\n"
-# The served answer's own header lines: its type, length and generation ID.
-_SERVED_HEAD = b"content-type: application/json\r\ncontent-length: %d\r\nx-generation-id: %s\r\n"
+# its generation ID (twice: as the request's ID too).
+_STREAM_HEAD = (
+    b"cache-control: no-cache\r\nx-accel-buffering: no\r\n"
+    b"x-generation-id: %s\r\nx-request-id: %s\r\n"
+)
+# The served answer's own header lines: its type, length and generation ID (as the request's).
+_SERVED_HEAD = (
+    b"content-type: application/json\r\ncontent-length: %d\r\n"
+    b"x-generation-id: %s\r\nx-request-id: %s\r\n"
+)
 
 
 def _max_tokens(parsed: ChatCompletionRequest | CompletionRequest, model: ModelPolicy) -> int:
@@ -492,7 +505,8 @@ class GuardedStream(StreamingResponse):
         self._guarded_events = self._guarded(events)
         super().__init__(self._guarded_events, media_type="text/event-stream")
         # The rest of the head as header lines (as ``JSONBodyResponse`` makes them).
-        self._lines = _STREAM_HEAD % trace.generation_id.encode() + extra_lines
+        id_ = trace.generation_id.encode()
+        self._lines = _STREAM_HEAD % (id_, id_) + extra_lines
         self._lines_offered = False
         self._core = core
         self._trace = trace

@@ -107,7 +107,7 @@ def test_a_body_the_server_refused_mid_way_is_that_refusal_not_a_disconnect() ->
     assert refused.value.status == 408
 
 
-def test_a_served_response_declares_its_length_type_and_generation_id() -> None:
+def test_a_served_response_declares_its_length_type_and_generation_id_as_the_request_id() -> None:
     sent: list[dict[str, Any]] = []
 
     async def send(message: dict[str, Any]) -> None:
@@ -119,6 +119,7 @@ def test_a_served_response_declares_its_length_type_and_generation_id() -> None:
         b"content-type": b"application/json",
         b"content-length": b"14",
         b"x-generation-id": b"gen_1",
+        b"x-request-id": b"gen_1",  # what the OpenAI SDK reads as _request_id
     }
     assert sent[1]["body"] == b'{"id":"gen_1"}'
 
@@ -140,6 +141,7 @@ def test_a_served_response_gives_the_gateways_server_its_head_as_lines() -> None
             (b"content-type", b"application/json"),
             (b"content-length", b"2"),
             (b"x-generation-id", b"gen_1"),
+            (b"x-request-id", b"gen_1"),
             (b"x-ratelimit-limit-requests", b"60"),
         ]
     )
