@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import orjson
 
-from gateway.core.generation import ChoiceStreams, Completion, StreamEnd, Trace
+from gateway.core.generation import ChoiceStreams, Completion, StreamEnd, StreamStep, Trace
 from gateway.openai.protocol import (
     CompletionRequest,
     PromptLogprobs,
@@ -103,13 +103,29 @@ def _calls(calls: list[ToolCall] | None) -> list[dict[str, Any]] | None:
 
 
 async def sse_events(
-    trace: Trace, streams: ChoiceStreams, kind: Kind, include_usage: bool
+    trace: Trace,
+    streams: ChoiceStreams,
+    kind: Kind,
+    include_usage: bool,
+    continuous_usage: bool = False,
 ) -> AsyncGenerator[bytes]:
     """The client's SSE events, written together when they are ready together: what is checked
-    goes out before the next wait on decode, the end of the stream with its last text."""
+    goes out before the next wait on decode, the end of the stream with its last text.
+
+    ``continuous_usage`` (``stream_options.continuous_usage_stats``, vLLM's and SGLang's): every
+    chunk carries its choice's usage so far, as theirs do; the last usage chunk is unchanged."""
     model, gid, created = trace.model or "", trace.generation_id, now()
     offsets: dict[int, int] = {}  # characters sent per choice (completions' text_offset)
     calls_sent: dict[int, int] = {}  # tool calls sent per choice
+    # Per choice: its prompt's tokens, and its completion and cached tokens so far.
+    progress: dict[int, tuple[int, int, int]] = {
+        stream.index: (stream.choice.expected.prompt_tokens, 0, 0) for stream in streams.streams
+    }
+
+    def sse_chunk(chunk: dict[str, Any], index: int) -> bytes:
+        if continuous_usage:
+            chunk["usage"] = usage_of(*progress[index])
+        return sse_event(chunk)
 
     def content(
         index: int,
@@ -126,7 +142,7 @@ async def sse_events(
             offset = offsets.get(index, 0)
             offsets[index] = offset + len(delta)
             chunk = completion_chunk(gid, model, created, delta, None, index, logprobs, offset)
-        return sse_event(chunk)
+        return sse_chunk(chunk, index)
 
     def _chat_fields(
         index: int,
@@ -142,7 +158,9 @@ async def sse_events(
             fields["content"] = delta
         out = []
         if fields or logprobs:
-            out.append(sse_event(chat_chunk(gid, model, created, fields, None, index, logprobs)))
+            out.append(
+                sse_chunk(chat_chunk(gid, model, created, fields, None, index, logprobs), index)
+            )
         for call in calls:
             number = calls_sent.get(index, 0)
             calls_sent[index] = number + 1
@@ -150,7 +168,7 @@ async def sse_events(
                 if "id" not in piece:
                     piece = {"index": number, "function": piece["function"]}
                 chunk = chat_chunk(gid, model, created, {"tool_calls": [piece]}, None, index)
-                out.append(sse_event(chunk))
+                out.append(sse_chunk(chunk, index))
         return b"".join(out)
 
     events: list[bytes] = []
@@ -158,10 +176,13 @@ async def sse_events(
         role = {"role": "assistant", "content": ""}
         for stream in streams.streams:
             chunk = chat_chunk(gid, model, created, role, None, stream.index)
-            events.append(sse_event(chunk))
+            events.append(sse_chunk(chunk, stream.index))
     ended: list[StreamEnd] = []
     async for stream, item in streams.events():
         index = stream.index
+        if continuous_usage:
+            prompt_tokens = progress[index][0]
+            progress[index] = (prompt_tokens, *_so_far(item))
         if isinstance(item, StreamEnd):
             ended.append(item)
             if item.tail or item.logprobs or item.reasoning or item.tool_calls:
@@ -172,7 +193,7 @@ async def sse_events(
                 chunk = chat_chunk(gid, model, created, {}, item.finish_reason, index)
             else:
                 chunk = completion_chunk(gid, model, created, "", item.finish_reason, index)
-            events.append(sse_event(chunk))
+            events.append(sse_chunk(chunk, index))
             continue
         if item.delta or item.logprobs or item.reasoning or item.tool_calls:
             events.append(
@@ -197,6 +218,14 @@ async def sse_events(
 
 def sse_event(payload: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+def _so_far(item: StreamStep | StreamEnd) -> tuple[int, int]:
+    """A choice's completion and cached tokens as of a step (the engine's running counts,
+    checked with the step) or its end."""
+    if isinstance(item, StreamEnd):
+        return item.completion_tokens, item.cached_tokens
+    return item.meta.get("completion_tokens", 0), item.meta.get("cached_tokens", 0)
 
 
 # ---- the answer's parts, as OpenAI's API writes them -----------------------------------

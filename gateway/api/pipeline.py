@@ -165,7 +165,9 @@ async def handle_generation(
             limit_lines = admitted.lease.header_lines() if admitted.lease is not None else b""
             if streaming:
                 streams = await core.open_stream(admitted, trace)
-                events = answers.sse_events(trace, streams, kind, parsed.include_usage)
+                events = answers.sse_events(
+                    trace, streams, kind, parsed.include_usage, parsed.continuous_usage
+                )
                 # From here the stream listens for the disconnect itself.
                 return GuardedStream(core, trace, events, streams, held.pop_all(), limit_lines)
             generated = completions = await core.complete(admitted, trace)
@@ -471,8 +473,22 @@ def _max_tokens(parsed: ChatCompletionRequest | CompletionRequest, model: ModelP
 
 def _prompts(parsed: ChatCompletionRequest | CompletionRequest) -> list[Prompt]:
     if isinstance(parsed, ChatCompletionRequest):
-        turns = [ChatTurn(m.role, m.text(), m.template_fields()) for m in parsed.messages]
-        return [ChatPrompt(turns, template_tools(parsed))]
+        messages = parsed.messages
+        continuation = parsed.continuation()
+        if continuation is not None:  # the final assistant message is continued, not rendered
+            messages = messages[:-1]
+        turns = [ChatTurn(m.role, m.text(), m.template_fields()) for m in messages]
+        return [
+            ChatPrompt(
+                turns,
+                template_tools(parsed),
+                template_kwargs=parsed.template_kwargs(),
+                # As SGLang: a continuation always follows the generation prompt.
+                generation_prompt=parsed.add_generation_prompt is not False
+                or continuation is not None,
+                continuation=continuation,
+            )
+        ]
     return [
         TextPrompt(prompt) if isinstance(prompt, str) else TokenPrompt(prompt)
         for prompt in parsed.prompts()

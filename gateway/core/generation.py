@@ -83,9 +83,16 @@ class ChatPrompt:
     turns: list[ChatTurn]
     # The request's tool definitions, for the template (None: no tools offered).
     tools: list[dict[str, Any]] | None = None
+    # The request's variables for the template (``chat_template_kwargs``), the generation
+    # prompt (vLLM's ``add_generation_prompt``), and the final assistant text the answer
+    # continues (``continue_final_message``): see ``ModelTokenizer.encode_chat``.
+    template_kwargs: dict[str, Any] | None = None
+    generation_prompt: bool = True
+    continuation: str | None = None
 
     def utf8_bytes(self) -> int:
-        return sum(utf8_length(turn.content) for turn in self.turns)
+        total = sum(utf8_length(turn.content) for turn in self.turns)
+        return total if self.continuation is None else total + utf8_length(self.continuation)
 
 
 @dataclass(slots=True)
@@ -437,7 +444,12 @@ class GenerationCore:
             raise context_length_exceeded(f"at least {at_least}", limit, ask.max_tokens)
         if isinstance(prompt, ChatPrompt):
             return tokenizer.encode_chat(
-                prompt.turns, control_text=ask.model.chat_control_text, tools=prompt.tools
+                prompt.turns,
+                control_text=ask.model.chat_control_text,
+                tools=prompt.tools,
+                template_kwargs=prompt.template_kwargs,
+                generation_prompt=prompt.generation_prompt,
+                continuation=prompt.continuation,
             )
         return tokenizer.encode_text(prompt.text, control_text=ask.model.prompt_control_text)
 
@@ -526,7 +538,8 @@ class GenerationCore:
         finish_reason = finish_reason_of(meta)
         reasoning = calls = None
         if admitted.output is not None:
-            parsed = read_output(admitted.output.parser(), text, final=True)
+            cut = cut_short(meta, choice.request.sampling_params)
+            parsed = read_output(admitted.output.parser(), text, final=True, cut=cut)
             check_parsed(admitted.scanner, parsed, expected.tenant_id)
             text, calls = parsed.text, parsed.calls
             reasoning = parsed.reasoning if admitted.output.reasoning is not None else None
@@ -570,7 +583,10 @@ class GenerationCore:
         shaper = None
         if admitted.output is not None:
             shaper = OutputShaper(
-                admitted.output.parser(), admitted.scanner, choice.expected.tenant_id
+                admitted.output.parser(),
+                admitted.scanner,
+                choice.expected.tenant_id,
+                admitted.output.stream_reasoning,
             )
         stream = CheckedStream(choice, batches, guard, admitted.tokenizer, shaper)
         try:
@@ -747,7 +763,7 @@ class CheckedStream:
             logprobs,
         )
         if self._shaper is not None:
-            self._shaper.end(end)
+            self._shaper.end(end, cut_short(meta, self.choice.request.sampling_params))
         return end
 
     async def aclose(self) -> None:
@@ -1012,28 +1028,73 @@ def _mean_logprob(completion: Completion) -> float:
     return sum(e.logprob for e in entries) / len(entries) if entries else float("-inf")
 
 
+# How engine_patch's refusals (an isolation check inside the engine) begin their message.
+ENGINE_ISOLATION_REFUSAL = "isolation check failed"
+
+
 def finish_reason_of(meta: dict[str, Any]) -> str:
-    """The OpenAI finish reason of an engine answer; an abort is a failure, never content."""
+    """The OpenAI finish reason of an engine answer. An abort is what it says it is: refused
+    by the engine's own isolation check (engine_patch), an isolation failure; with an error
+    status (an engine error SGLang streams as an abort), that error; without one (an abort an
+    operator or client asked for), a normal end, "abort", as SGLang's own server reports it."""
     reason = meta.get("finish_reason")
     kind = reason.get("type") if isinstance(reason, dict) else reason
     if kind == "abort":
-        # An engine abort reported with 200 is a failure (see ARCHITECTURE: the 0.5.23 abort
-        # with status_code=None answers 200).
-        # The engine's reason is for operators (logged); clients see the gateway's own.
-        message = reason.get("message") if isinstance(reason, dict) else None
-        log.warning("engine aborted a request", extra={"engine_message": str(message)[:500]})
-        raise IsolationFailure("engine aborted the request")
+        return _abort(reason if isinstance(reason, dict) else {})
     return "length" if kind == "length" else "stop"
+
+
+def _abort(reason: dict[str, Any]) -> str:
+    # The engine's reason is for operators (logged); clients see the gateway's own.
+    message, status = str(reason.get("message") or ""), reason.get("status_code")
+    log.warning(
+        "engine aborted a request", extra={"engine_message": message[:500], "status": status}
+    )
+    if message.startswith(ENGINE_ISOLATION_REFUSAL):
+        raise IsolationFailure("the engine's own isolation check refused the request")
+    if not isinstance(status, int) or isinstance(status, bool):
+        return "abort"
+    if 400 <= status < 500 and status not in (408, 429):
+        raise APIError(
+            400,
+            "The decode worker refused the request.",
+            "invalid_request_error",
+            "engine_rejected",
+        )
+    if status == 503:
+        raise unavailable("The decode worker is unavailable.", code="worker_unavailable")
+    raise APIError(
+        502, f"The decode worker failed (HTTP {status}).", "upstream_error", "upstream_error"
+    )
+
+
+def cut_short(meta: dict[str, Any], sampling_params: Mapping[str, Any]) -> bool:
+    """Whether the engine stopped at a limit the client set (``max_tokens``, one of its stop
+    sequences or stop token ids, an abort) rather than at the output's own end, which is the
+    only place constrained decoding lets an output stop (a stop sequence kept in the output
+    with ``no_stop_trim`` comes after that end)."""
+    reason = meta.get("finish_reason")
+    kind = reason.get("type") if isinstance(reason, dict) else reason
+    if kind != "stop":
+        return True
+    matched = reason.get("matched") if isinstance(reason, dict) else None
+    if isinstance(matched, str):  # a stop string: only the client's are sent
+        return True
+    return bool(sampling_params.get("no_stop_trim")) or (
+        isinstance(matched, int) and matched in (sampling_params.get("stop_token_ids") or ())
+    )
 
 
 # ---- reading outputs: reasoning, text, tool calls --------------------------------------------
 
 
-def read_output(parser: OutputParser, text: str, final: bool) -> ParsedOutput:
+def read_output(parser: OutputParser, text: str, final: bool, cut: bool = False) -> ParsedOutput:
     """``text`` through ``parser``; output that broke the constraint it was decoded under is a
-    failed check (fail closed: never an answer without the calls that were promised)."""
+    failed check (fail closed: never an answer without the calls that were promised). Output
+    ``cut`` short by the client's own limit (``cut_short``) is not a broken constraint: what it
+    holds of the promised calls comes back, the rest as text, with its finish reason."""
     try:
-        return parser.parse(text) if final else parser.feed(text)
+        return parser.parse(text, cut) if final else parser.feed(text)
     except InvalidToolOutput as exc:
         raise IsolationFailure(f"tool-call output broke its constraint: {exc}") from None
 
@@ -1053,25 +1114,40 @@ class OutputShaper:
     the raw text is: answer and reasoning through their own hold-back guard, each call whole
     before it is handed out."""
 
-    def __init__(self, parser: OutputParser, scanner: ContentScanner, tenant_id: str) -> None:
+    def __init__(
+        self,
+        parser: OutputParser,
+        scanner: ContentScanner,
+        tenant_id: str,
+        stream_reasoning: bool = True,
+    ) -> None:
         self._parser = parser
         self._scanner = scanner
         self._tenant_id = tenant_id
         self._text = StreamGuard(scanner, tenant_id)
         self._reasoning = StreamGuard(scanner, tenant_id)
         self.calls_made = 0
+        # SGLang's ``stream_reasoning`` false: the reasoning goes out whole once it ends.
+        self._stream_reasoning = stream_reasoning
+        self._reasoning_held = ""
 
     def step(self, delta: str, meta: dict[str, Any]) -> StreamStep:
         parsed = read_output(self._parser, delta, final=False)
         text, reasoning = self._released(parsed)
+        if not self._stream_reasoning:
+            self._reasoning_held += reasoning
+            answering = bool(parsed.text or parsed.calls)  # the reasoning has ended
+            reasoning, self._reasoning_held = (
+                (self._reasoning_held, "") if answering else ("", self._reasoning_held)
+            )
         return StreamStep(text, meta, None, reasoning, parsed.calls or None)
 
-    def end(self, end: StreamEnd) -> None:
+    def end(self, end: StreamEnd, cut: bool = False) -> None:
         """Completes ``end`` (whose ``tail`` is the raw text's last part) with what the fields
-        held back."""
+        held back; ``cut``: the engine stopped at the client's limit (``cut_short``)."""
         parsed = read_output(self._parser, end.tail, final=False)
         try:
-            last = self._parser.finish()
+            last = self._parser.finish(cut)
         except InvalidToolOutput as exc:
             raise IsolationFailure(f"tool-call output broke its constraint: {exc}") from None
         merged = ParsedOutput(
@@ -1079,7 +1155,8 @@ class OutputShaper:
         )
         text, reasoning = self._released(merged)
         end.tail = text + self._text.finish()
-        end.reasoning = reasoning + self._reasoning.finish()
+        end.reasoning = self._reasoning_held + reasoning + self._reasoning.finish()
+        self._reasoning_held = ""
         end.tool_calls = merged.calls or None
         if self.calls_made and end.finish_reason == "stop":
             end.finish_reason = "tool_calls"

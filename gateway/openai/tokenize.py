@@ -21,14 +21,14 @@ import asyncio
 import json
 import re
 from collections import deque
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
 import anyio.to_thread
-from jinja2 import Template
+from jinja2 import Template, meta
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
@@ -76,6 +76,8 @@ class ModelTokenizer:
         if isinstance(template, list):  # named templates: take "default"
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
         self._template = _compile_template(template) if template else None
+        # The variables the template reads that a request may set (chat_template_kwargs).
+        self._template_variables = _settable_variables(template) if template else frozenset()
         self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
         self.max_token_bytes = _longest_token_bytes(self._tokenizer)
         self._thread_min_chars = thread_min_chars
@@ -92,22 +94,30 @@ class ModelTokenizer:
     # -- encoding --------------------------------------------------------------------------
 
     def render_chat(
-        self, turns: Sequence[ChatTurn], tools: Sequence[dict[str, Any]] | None = None
+        self,
+        turns: Sequence[ChatTurn],
+        tools: Sequence[dict[str, Any]] | None = None,
+        *,
+        template_kwargs: Mapping[str, Any] | None = None,
+        generation_prompt: bool = True,
     ) -> str:
         """The conversation as the template renders it, with ``tools`` (the request's tool
-        definitions) and each message's own fields, as Hugging Face's ``apply_chat_template``
-        passes them."""
+        definitions), each message's own fields and ``template_kwargs`` (a request's
+        ``chat_template_kwargs``: only the variables the template reads, ``template_variables``),
+        as Hugging Face's ``apply_chat_template`` passes them."""
         if self._template is None:
             raise bad_request(
                 "This model has no chat template; use /v1/completions.", code="no_chat_template"
             )
+        variables = self.template_variables(template_kwargs) if template_kwargs else {}
         try:
             return self._template.render(
+                variables,
                 messages=[
                     {"role": t.role, "content": t.content, **(t.fields or {})} for t in turns
                 ],
                 tools=tools or None,
-                add_generation_prompt=True,
+                add_generation_prompt=generation_prompt,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
             )
@@ -116,19 +126,72 @@ class ModelTokenizer:
                 f"The chat template rejected the messages: {exc}", code="invalid_messages"
             ) from exc
 
+    def template_variables(self, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        """A request's ``chat_template_kwargs`` as the template may be given them: the
+        variables it reads, and nothing else (a name it does not read has no effect, as in
+        SGLang, so it is not passed). A 400 for a variable the gateway sets itself (messages,
+        tools, bos_token...) and for text holding a control token's text, which the template
+        would place as its own and so as the control token itself."""
+        reserved = sorted(_GATEWAY_VARIABLES.intersection(kwargs))
+        if reserved:
+            raise bad_request(
+                f"chat_template_kwargs may not set '{reserved[0]}': the gateway sets it.",
+                code="invalid_value",
+                param="chat_template_kwargs",
+            )
+        variables = {k: v for k, v in kwargs.items() if k in self._template_variables}
+        if variables and self._controls.found_in(list(_texts_in(variables))):
+            raise _control_text_refused("chat_template_kwargs")
+        return variables
+
     async def encode_chat(
         self,
         turns: Sequence[ChatTurn],
         *,
         control_text: ControlText = "plain",
         tools: Sequence[dict[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+        generation_prompt: bool = True,
+        continuation: str | None = None,
     ) -> list[int]:
         """The rendered conversation's ids. Control-token texts inside messages are plain text
         (``control_text="plain"``) or refused (``"refuse"``); ``"recognise"`` is the library's
         default, which lets a message forge turns. In tool definitions and a message's other
-        fields (tool calls), whose text the template may rewrite, such text is refused."""
+        fields (tool calls), whose text the template may rewrite, such text is refused.
+
+        ``continuation`` (``continue_final_message``): the final assistant message's text, left
+        out of the rendering and its tokens appended after it, as SGLang's server does."""
+        ids = await self._encode_conversation(
+            turns, control_text, tools, template_kwargs, generation_prompt
+        )
+        if continuation is None:
+            return ids
+        return ids + await self._continuation_ids(continuation, control_text)
+
+    async def _continuation_ids(self, text: str, control_text: ControlText) -> list[int]:
+        """The text's ids as SGLang appends them: encoded with special tokens, less a leading
+        BOS; control-token texts in it as in any message."""
+        tokenizer = None
+        if control_text != "recognise" and await self._holds_control_text([text]):
+            if control_text == "refuse":
+                raise _control_text_refused("messages")
+            tokenizer = self._controls.plain
+        ids = await self._encode(text, add_special_tokens=True, tokenizer=tokenizer)
+        bos = self._tokenizer.token_to_id(self.bos_token) if self.bos_token else None
+        return ids[1:] if ids and bos is not None and ids[0] == bos else ids
+
+    async def _encode_conversation(
+        self,
+        turns: Sequence[ChatTurn],
+        control_text: ControlText,
+        tools: Sequence[dict[str, Any]] | None,
+        template_kwargs: Mapping[str, Any] | None,
+        generation_prompt: bool,
+    ) -> list[int]:
         # The template places BOS/EOS itself; adding special tokens again would double them.
-        rendered = self.render_chat(turns, tools)
+        rendered = self.render_chat(
+            turns, tools, template_kwargs=template_kwargs, generation_prompt=generation_prompt
+        )
         if control_text != "recognise":
             structured = [json.dumps(t.fields, ensure_ascii=False) for t in turns if t.fields]
             if tools:
@@ -141,7 +204,7 @@ class ModelTokenizer:
             return await self._encode(rendered, add_special_tokens=False)
         if control_text == "refuse":
             raise _control_text_refused("messages")
-        pieces = self._structure(turns, rendered, tools)
+        pieces = self._structure(turns, rendered, tools, template_kwargs, generation_prompt)
         if pieces is None:
             # The template rewrites content (trims it, splits it...), so where a message's text
             # lies in the rendering is unknown: refuse rather than guess.
@@ -213,6 +276,8 @@ class ModelTokenizer:
         turns: Sequence[ChatTurn],
         rendered: str,
         tools: Sequence[dict[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+        generation_prompt: bool = True,
     ) -> list[str | int] | None:
         """``rendered`` as text pieces and the ids of the template's own control tokens, or None
         where the template's text cannot be told from the messages'.
@@ -227,6 +292,8 @@ class ModelTokenizer:
                 for index, turn in enumerate(turns)
             ],
             tools,
+            template_kwargs=template_kwargs,
+            generation_prompt=generation_prompt,
         )
         pieces: list[str | int] = []
         text: list[str] = []  # the piece being gathered
@@ -435,7 +502,33 @@ def _control_text_refused(param: str) -> Exception:
     )
 
 
-def _compile_template(source: str) -> Template:
+# The variables the gateway gives every rendering (beside the environment's globals): a
+# request's chat_template_kwargs may not set them.
+_RENDER_VARIABLES = frozenset(
+    {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}
+)
+
+
+def _settable_variables(source: str) -> frozenset[str]:
+    """The variables ``source`` reads from its context, less those the gateway sets."""
+    env = _environment()
+    return frozenset(meta.find_undeclared_variables(env.parse(source))) - _GATEWAY_VARIABLES
+
+
+def _texts_in(value: Any) -> Iterator[str]:
+    """Every string in a JSON value, keys included."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield str(key)
+            yield from _texts_in(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _texts_in(item)
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
     def raise_exception(message: str) -> None:
         raise TemplateError(message)
 
@@ -448,6 +541,14 @@ def _compile_template(source: str) -> Template:
     )
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
+    return env
+
+
+_GATEWAY_VARIABLES = _RENDER_VARIABLES | frozenset(_environment().globals)
+
+
+def _compile_template(source: str) -> Template:
+    env = _environment()
     try:
         return env.from_string(source)
     except TemplateError as exc:

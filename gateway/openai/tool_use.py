@@ -26,7 +26,9 @@ def output_spec(parsed: ChatCompletionRequest, model: ModelPolicy) -> OutputSpec
             code="unsupported_parameter",
             param="tools",
         )
-    if not offered and model.reasoning_parser is None:
+    # SGLang's ``separate_reasoning`` false: the thinking stays in the answer's text.
+    reasoning = model.reasoning_parser if parsed.separate_reasoning is not False else None
+    if not offered and reasoning is None:
         return None
     forced = parsed.forced_tools
     functions = {
@@ -34,10 +36,11 @@ def output_spec(parsed: ChatCompletionRequest, model: ModelPolicy) -> OutputSpec
         for tool in (forced if forced is not None else offered)
     }
     return OutputSpec(
-        reasoning=model.reasoning_parser,
+        reasoning=reasoning,
         tool_format=model.tool_call_parser if offered else None,
         functions=functions,
         constrained=forced is not None,
+        stream_reasoning=parsed.stream_reasoning is not False,
     )
 
 

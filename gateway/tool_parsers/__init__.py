@@ -99,16 +99,18 @@ class OutputParser:
         reasoned = self._reasoning.feed(delta)
         return self._answer(reasoned.reasoning, reasoned.text, final=False)
 
-    def finish(self) -> ParsedOutput:
+    def finish(self, cut: bool = False) -> ParsedOutput:
+        """What the output's end adds. ``cut``: the engine stopped at a limit the client set
+        (``max_tokens``, a stop sequence), so a constrained output may end unfinished."""
         reasoning, text = "", ""
         if self._reasoning is not None:
             reasoned = self._reasoning.finish()
             reasoning, text = reasoned.reasoning, reasoned.text
-        return self._answer(reasoning, text, final=True)
+        return self._answer(reasoning, text, final=True, cut=cut)
 
-    def parse(self, text: str) -> ParsedOutput:
+    def parse(self, text: str, cut: bool = False) -> ParsedOutput:
         """The whole output at once."""
-        first, last = self.feed(text), self.finish()
+        first, last = self.feed(text), self.finish(cut)
         calls = first.calls + last.calls
         answer = first.text + last.text
         # Around calls, whitespace is the tags' layout, not the answer's (as SGLang trims it).
@@ -116,12 +118,13 @@ class OutputParser:
             first.reasoning + last.reasoning, answer.strip() if calls else answer, calls
         )
 
-    def _answer(self, reasoning: str, text: str, final: bool) -> ParsedOutput:
+    def _answer(self, reasoning: str, text: str, final: bool, cut: bool = False) -> ParsedOutput:
         if self._tools is None:
             return ParsedOutput(reasoning, text)
         parsed = self._tools.feed(text) if text else Parsed()
         if final:
-            last = self._tools.finish()
+            tools = self._tools
+            last = tools.finish(cut) if isinstance(tools, CallArrayStream) else tools.finish()
             parsed = Parsed(parsed.text + last.text, parsed.calls + last.calls)
         return ParsedOutput(reasoning, parsed.text, parsed.calls)
 
@@ -135,6 +138,8 @@ class OutputSpec:
     tool_format: str | None
     functions: Functions
     constrained: bool = False
+    # Streamed reasoning as it comes (SGLang's ``stream_reasoning``), or whole once it ends.
+    stream_reasoning: bool = True
 
     def parser(self) -> OutputParser:
         return OutputParser(

@@ -1,7 +1,10 @@
 """Output decoded under the JSON schema of ``tool_choice`` required or named: the whole output
 is an array of ``{"name": ..., "parameters": {...}}``. Constrained decoding promised that, so
 anything else (text around it, an unclosed array, a function nobody offered) is
-``InvalidToolOutput``, never an answer."""
+``InvalidToolOutput``, never an answer; except that an output cut short by a limit the client
+set (``max_tokens``, one of its stop sequences) is the promised output's beginning: its
+complete calls are calls, and what follows the last of them comes back as text, as a
+truncated answer of any other kind does (``finish(cut=True)``)."""
 
 from __future__ import annotations
 
@@ -59,16 +62,25 @@ class CallArrayStream:
         items, _closed, _end = json_items(self._text, start)
         return Parsed("", self._calls(items[self._sent :]))
 
-    def finish(self) -> Parsed:
+    def finish(self, cut: bool = False) -> Parsed:
+        """The calls not yet emitted. With ``cut`` (the engine stopped at the client's limit,
+        not at the output's end) the array may be unfinished: its complete calls, then the
+        rest of the output as text; every complete call is still held to the constraint."""
         text = self._text
         start = text.find("[")
         if start < 0 or text[:start].strip():
+            if cut and not text[: max(start, 0)].strip():
+                return Parsed(text.strip())  # cut before the array began
             raise InvalidToolOutput("the output is not a JSON array of calls")
         items, closed, end = json_items(text, start)
+        if closed and not items:
+            raise InvalidToolOutput("the output holds no call")
+        if cut and (not closed or text[end:].strip()):
+            # Unfinished, or followed by the stop sequence the client asked to keep.
+            rest = text[end:] if items else text
+            return Parsed(rest.strip(), self._calls(items[self._sent :]))
         if not closed or text[end:].strip():
             raise InvalidToolOutput("the calls' JSON array is not complete valid JSON")
-        if not items:
-            raise InvalidToolOutput("the output holds no call")
         return Parsed("", self._calls(items[self._sent :]))
 
     def _calls(self, items: list[Any]) -> list[ToolCall]:

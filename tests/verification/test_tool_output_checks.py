@@ -3,7 +3,8 @@
 A canary marker the model wrote JSON-escaped inside a call's arguments is invisible to the scan
 of the raw text; the scan of the arguments as handed out finds it, and the answer is withheld.
 Under ``tool_choice`` required the engine promised a JSON array of calls: output that is not
-one is a failed check (502, or one error event in a stream), never a 200 without calls.
+one where the model stopped by itself is a failed check (502, or one error event in a stream),
+never a 200 without calls.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def key(stack: LyingStack) -> str:
 
 def _say(stack: LyingStack, *chunks: str) -> None:
     stack.decode.behaviour = replace(
-        stack.decode.behaviour, text_chunks=chunks, pool_tokens=POOL_TOKENS
+        stack.decode.behaviour, text_chunks=chunks, pool_tokens=POOL_TOKENS, finish=None
     )
 
 
@@ -154,7 +155,10 @@ def test_a_foreign_marker_escaped_in_call_arguments_is_withheld(
 def test_output_that_is_not_the_promised_calls_fails_closed(
     stack: LyingStack, key: str, stream: bool
 ) -> None:
-    _say(stack, '[{"name": "get_weather", "parameters": {"city": "Pa')  # cut off
+    # Unfinished where the model itself stopped (EOS), which the grammar allows only after a
+    # complete array. (Cut short by max_tokens it is a normal finish: test_isolation_alarms.)
+    _say(stack, '[{"name": "get_weather", "parameters": {"city": "Pa')
+    stack.decode.behaviour = replace(stack.decode.behaviour, finish={"type": "stop", "matched": 1})
     with stack.client(key) as client:
         response = client.post("/v1/chat/completions", json=_body(stream, "required"))
     sent = stack.decode.requests[-1]

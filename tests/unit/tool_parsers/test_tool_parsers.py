@@ -148,7 +148,7 @@ def test_constrained_output_is_calls_and_anything_else_fails() -> None:
     )
     assert [c.arguments for c in _streamed(parser, ok).calls] == ['{"city": "Rome"}']
     for bad in (
-        '[{"name": "get_weather", "parameters": {"city": "Ro',  # cut off by max_tokens
+        '[{"name": "get_weather", "parameters": {"city": "Ro',  # unfinished, not cut short
         '[{"name": "other", "parameters": {}}]',
         "[]",
         'text [{"name": "get_weather", "parameters": {}}]',
