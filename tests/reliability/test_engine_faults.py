@@ -64,11 +64,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDCluster]:
     # timeouts, and the session pair cannot have them (a first request with penalty sampling
     # kept the session prefill busy ~28 s on a loaded machine; decode gave up at 15 s and
     # test_openai_matrix failed).
-    deadline = time.monotonic() + 600
-    while _available_gib() < MIN_AVAILABLE_GIB:  # the shared machine's rule for starting a pair
-        if time.monotonic() > deadline:
-            pytest.fail(f"less than {MIN_AVAILABLE_GIB} GiB available for 10 minutes")
-        time.sleep(30)
+    # The shared machine's rule for starting a pair: the memory for it, awaited.
+    if not wait_until(lambda: _available_gib() >= MIN_AVAILABLE_GIB, timeout_s=600, interval_s=1):
+        pytest.fail(f"less than {MIN_AVAILABLE_GIB} GiB available for 10 minutes")
     spec = default_cluster_spec(
         log_dir=tmp_path_factory.mktemp("engine-fault-logs"),
         prefill_port=PREFILL_PORT,
@@ -279,7 +277,16 @@ def test_prefill_killed_during_transfers_fails_those_requests_cleanly_and_in_tim
         killed_at = time.monotonic()
         _kill_group(cluster.prefill)
         dead_at = time.monotonic()  # the whole group is gone
-        time.sleep(UPSTREAM_TIMEOUT_S / 3)
+        # Each victim thread sends one request after another: once each has an answer to one
+        # sent after the death, every request in flight at the kill has ended too.
+        assert wait_until(
+            lambda: all(
+                any(a.started_at >= dead_at for a in list(group.answers))
+                for group in (victims, *extra)
+            ),
+            timeout_s=2 * (UPSTREAM_TIMEOUT_S + SLACK_S),
+            interval_s=0.2,
+        ), "a victim thread got no answer to a request sent after prefill died"
     finally:
         victim_answers = [a for load in (victims, *extra) for a in load.stop()]
         answers = bystanders.stop()
