@@ -67,6 +67,15 @@ SET_STARTUP_TIME = HookTarget(
     "sglang.srt.entrypoints.engine.Engine._set_startup_time",
     ("tokenizer_manager", "scheduler_init_result", "startup_tic"),
 )
+# A decode retraction's host backup (``cpu_tensor``) and its restore.
+OFFLOAD_KV = HookTarget(
+    "sglang.srt.managers.schedule_batch.Req.offload_kv_cache",
+    ("self", "req_to_token_pool", "token_to_kv_pool_allocator"),
+)
+LOAD_KV = HookTarget(
+    "sglang.srt.managers.schedule_batch.Req.load_kv_cache",
+    ("self", "req_to_token_pool", "token_to_kv_pool_allocator"),
+)
 PREPARE_ABORT = HookTarget(
     "sglang.srt.disaggregation.utils.prepare_abort", ("req", "error_message", "status_code")
 )
@@ -85,6 +94,8 @@ REQUIRED_TARGETS = (
     COMMIT,
     VERIFY_CHECKSUMS,
     PREPARE_DECODE,
+    OFFLOAD_KV,
+    LOAD_KV,
     WORKER_INFO,
     SET_STARTUP_TIME,
     PREPARE_ABORT,

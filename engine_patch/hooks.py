@@ -30,6 +30,9 @@ def install_hooks(settings: EngineSettings) -> None:
             compat.VERIFY_CHECKSUMS.path, page_tags.check_pages_before_first_decode, HookType.AROUND
         )
         register(compat.PREPARE_DECODE.path, page_tags.mark_decode_writes, HookType.AFTER)
+        # Retraction: the backup must be the request's own pages, the restore is tagged.
+        register(compat.OFFLOAD_KV.path, page_tags.check_before_backup, HookType.AROUND)
+        register(compat.LOAD_KV.path, page_tags.mark_restored, HookType.AFTER)
     # Pool against context length.
     if settings.startup_gate:
         register(

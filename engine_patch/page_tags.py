@@ -6,6 +6,13 @@ token lands in. Before a request's first decode step every page it is about to
 read is checked: the transferred part must carry its own generation, a prefix
 reused from decode's radix cache must carry its own tenant. Anything else --
 a page never written for it, or overwritten since -- fails the request.
+
+A request retracted (decode's KV pool ran out; with priority scheduling, the
+lowest priority goes first) is checked the same way on its way out and back:
+the pages copied to its host backup must be its own, the pages its backup is
+restored into are tagged as its own, and it is checked again before its first
+decode step after the restore. A backup of pages that were not its own fails
+it there.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ import torch
 from sglang.srt.disaggregation.utils import _is_fake_transfer, prepare_abort
 from sglang.srt.mem_cache.common import release_kv_cache
 
-from engine_patch.events import DECISIONS
+from engine_patch.events import DECISIONS, LOG_PREFIX, logger
 from engine_patch.identity import req_fingerprints
 
 _TABLE_ATTRIBUTE = "isogate_page_owners"
@@ -81,8 +88,16 @@ def table_for(allocator: Any, *, create: bool) -> PageOwnerTable | None:
 
 
 def _pages(scheduler: Any, req: Any, start: int, end: int) -> torch.Tensor:
-    page_size = int(scheduler.token_to_kv_pool_allocator.page_size)
-    slots: torch.Tensor = scheduler.req_to_token_pool.req_to_token[req.kv.req_pool_idx, start:end]
+    return _pages_in(
+        scheduler.req_to_token_pool, scheduler.token_to_kv_pool_allocator, req, start, end
+    )
+
+
+def _pages_in(
+    req_to_token_pool: Any, allocator: Any, req: Any, start: int, end: int
+) -> torch.Tensor:
+    page_size = int(allocator.page_size)
+    slots: torch.Tensor = req_to_token_pool.req_to_token[req.kv.req_pool_idx, start:end]
     return slots.to(torch.int64) // page_size
 
 
@@ -117,21 +132,78 @@ def mark_decode_writes(result: Any, batch: Any) -> Any:
 
 def foreign_page_problem(scheduler: Any, req: Any, table: PageOwnerTable | None) -> str | None:
     """Why ``req`` must not read its pages, or None when every page is its own."""
-    seq_len = int(req.kv.kv_committed_len)
+    return _problem(
+        scheduler.req_to_token_pool,
+        scheduler.token_to_kv_pool_allocator,
+        req,
+        table,
+        int(req.kv.kv_committed_len),
+    )
+
+
+def _problem(
+    req_to_token_pool: Any, allocator: Any, req: Any, table: PageOwnerTable | None, seq_len: int
+) -> str | None:
+    """Why the pages of ``req``'s positions [0, seq_len) are not all its own, or None."""
     prefix_len = min(int(req.kv.cache_protected_len), seq_len)
     if table is None:
         return f"no page was tagged on this worker, {seq_len} positions unverified"
     generation, tenant = req_fingerprints(req)
-    foreign = table.pages_not_written_by(_pages(scheduler, req, prefix_len, seq_len), generation)
+    pages = _pages_in(req_to_token_pool, allocator, req, prefix_len, seq_len)
+    foreign = table.pages_not_written_by(pages, generation)
     if foreign:
         return (
             f"{foreign} of the positions [{prefix_len},{seq_len}) sit in pages last written by "
             "another generation"
         )
-    other_tenant = table.pages_not_of_tenant(_pages(scheduler, req, 0, prefix_len), tenant)
+    prefix = _pages_in(req_to_token_pool, allocator, req, 0, prefix_len)
+    other_tenant = table.pages_not_of_tenant(prefix, tenant)
     if other_tenant:
         return f"{other_tenant} reused prefix positions sit in pages of another tenant"
     return None
+
+
+def problem_before_first_decode(
+    scheduler: Any, req: Any, table: PageOwnerTable | None
+) -> str | None:
+    """Why ``req`` must not take its first decode step (after its transfer, or after a
+    restore from its retraction backup), or None."""
+    backup_problem: str | None = getattr(req, "isogate_backup_problem", None)
+    return backup_problem or foreign_page_problem(scheduler, req, table)
+
+
+def check_before_backup(
+    original: Any, req: Any, req_to_token_pool: Any, allocator: Any, *args: Any, **kwargs: Any
+) -> Any:
+    """AROUND Req.offload_kv_cache (a decode retraction's host backup, ``cpu_tensor``).
+
+    The positions it copies, [0, seqlen - 1), must still sit in the request's own pages: a
+    backup of another generation's KV would come back as this one's on restore. A problem is
+    kept on the request and fails it before its next decode step (the retraction itself is
+    SGLang's to finish)."""
+    table = table_for(allocator, create=False)
+    if table is not None and not _is_fake_transfer(req):
+        problem = _problem(req_to_token_pool, allocator, req, table, int(req.seqlen) - 1)
+        if problem is not None:
+            req.isogate_backup_problem = f"retraction backup: {problem}"
+    return original(req, req_to_token_pool, allocator, *args, **kwargs)
+
+
+def mark_restored(
+    result: Any, req: Any, req_to_token_pool: Any, allocator: Any, *args: Any, **kwargs: Any
+) -> Any:
+    """AFTER Req.load_kv_cache (a retracted request resumed from its host backup): the pages
+    the restore wrote, [0, seqlen - 1), hold this request's own KV; it is checked again
+    before its next decode step, as a newly transferred one is."""
+    table = table_for(allocator, create=False)
+    if table is not None and not _is_fake_transfer(req):
+        if getattr(req, "isogate_backup_problem", None) is None:
+            generation, tenant = req_fingerprints(req)
+            pages = _pages_in(req_to_token_pool, allocator, req, 0, int(req.seqlen) - 1)
+            table.mark(pages, generation, tenant)
+        req.isogate_pages_checked = False
+        req.isogate_restored = True
+    return result
 
 
 def check_pages_before_first_decode(original: Any, scheduler: Any, batch: Any) -> None:
@@ -148,11 +220,15 @@ def check_pages_before_first_decode(original: Any, scheduler: Any, batch: Any) -
     for i, req in enumerate(batch.reqs):
         if getattr(req, "isogate_pages_checked", False) or _is_fake_transfer(req):
             continue
-        problem = foreign_page_problem(scheduler, req, table)
+        problem = problem_before_first_decode(scheduler, req, table)
         req.isogate_pages_checked = True
         if problem is not None:
             failed[i] = 1
             _fail_with_pages_released(scheduler, req, problem)
+        elif getattr(req, "isogate_restored", False):
+            # A line of its own, not a second count of verified requests.
+            req.isogate_restored = False
+            logger.info("%s reverified rid=%s after retraction", LOG_PREFIX, req.rid)
     if any(failed):
         batch.filter_batch(keep_indices=[i for i, bad in enumerate(failed) if not bad])
     return None

@@ -61,6 +61,14 @@ CPU_SERVER_ARGS: tuple[str, ...] = (
     # Structured output (xgrammar, the default backend) as compact JSON: with any whitespace
     # allowed, a random-weight model's indentation alone fills max_tokens.
     "--constrained-json-disable-any-whitespace",
+    # The gateway's fair queue sends each request's place as its priority
+    # (gateway.core.fair_queue.engine_priority): prefill's waiting queue and decode's queues
+    # are ordered by it, and decode retracts the lowest first when its KV pool runs out. A
+    # request without one (SGLang's health check) is normal work beyond its share
+    # (fair_queue.ENGINE_DEFAULT_PRIORITY).
+    "--enable-priority-scheduling",
+    "--default-priority-value", "200",
+    "--retraction-policy", "priority",
 )  # fmt: skip
 
 

@@ -44,7 +44,7 @@ def run_load_plugins(prelude: str, tmp_path: Path) -> subprocess.CompletedProces
 def test_plugin_loads_through_sglang_and_applies_its_hooks(tmp_path: Path) -> None:
     done = run_load_plugins("", tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "PATCHED 13" in done.stdout
+    assert "PATCHED 15" in done.stdout  # 13, and the retraction backup and restore
 
 
 def test_plugin_refuses_to_load_when_a_pd_door_lost_the_admission_fix(tmp_path: Path) -> None:
