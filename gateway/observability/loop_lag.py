@@ -1,36 +1,92 @@
 """How late the event loop runs: one task that sleeps a short interval and records how much
-later than asked it woke.
+later than asked it woke, and how much of that the loop was held by this process.
 
-Whatever holds the loop (a body parsed, a schema validated, a prompt tokenized on it) delays
-every request of every tenant this process serves by as long, and nothing else in the gateway
-sees it. The probe's wake-ups go to ``Metrics.loop_lag`` (the ``isogate_event_loop_lag_*``
-series); the fuzzing tests read them after every case. A wake-up is late by at least the time
-the loop was held, less one interval (the hold may begin just after a wake-up), so the interval
-is short; a wake-up is a timer and a subtraction, nothing per request.
+Whatever holds the loop (a body parsed, a schema validated, a prompt tokenized on it, a
+blocking call) delays every request of every tenant this process serves by as long, and
+nothing else in the gateway sees it. A wake-up is late by at least the time the loop was held,
+less one interval (the hold may begin just after a wake-up), so the interval is short; a
+wake-up costs a timer, a subtraction and one read of the thread's scheduler counters.
+
+Lateness is also the time the loop's thread, runnable, waited for a CPU that other processes
+held: on a busy host that alone reaches tens of milliseconds with the loop idle. The kernel
+counts that wait per thread (``/proc/thread-self/schedstat``), so the part of a wake-up's
+lateness the process itself caused (its own work or blocking calls on the loop, its other
+threads holding the GIL) is the lateness less that wait: the *held* time. Where the counters
+are missing (not Linux), held is the whole lateness.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Callable
+from typing import Protocol
 
 PROBE_INTERVAL_S = 0.02
+_SCHEDSTAT = "/proc/thread-self/schedstat"
+
+
+class WaitClock(Protocol):
+    """Seconds the loop's thread has waited for a CPU, as a running total."""
+
+    def __call__(self) -> float: ...
+
+    def close(self) -> None: ...
+
+
+class RunQueueWait:
+    """Seconds the calling thread has waited, runnable, for a CPU since it started (the second
+    field of its schedstat); 0.0 where the kernel does not count it. Opened by the thread it
+    measures (``/proc/thread-self`` is the opener's)."""
+
+    def __init__(self) -> None:
+        try:
+            self._fd: int | None = os.open(_SCHEDSTAT, os.O_RDONLY)
+        except OSError:
+            self._fd = None
+
+    def __call__(self) -> float:
+        if self._fd is None:
+            return 0.0
+        return int(os.pread(self._fd, 128, 0).split()[1]) / 1e9
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 class LoopLagProbe:
     """Sleeps ``interval_s`` again and again on the running loop and passes each wake-up's
-    lateness (seconds, never negative) to ``observe``; runs until cancelled."""
+    lateness and held time (seconds, never negative) to ``observe``; runs until cancelled.
+
+    ``run_queue_wait`` makes the clock of CPU waits, on the loop's thread (a test gives its
+    own).
+    """
 
     def __init__(
-        self, observe: Callable[[float], None], *, interval_s: float = PROBE_INTERVAL_S
+        self,
+        observe: Callable[[float, float], None],
+        *,
+        interval_s: float = PROBE_INTERVAL_S,
+        run_queue_wait: Callable[[], WaitClock] = RunQueueWait,
     ) -> None:
         self._observe = observe
         self._interval_s = interval_s
+        self._run_queue_wait = run_queue_wait
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
-        while True:
-            due = loop.time() + self._interval_s
-            await asyncio.sleep(self._interval_s)
-            # The loop may run a timer up to its clock's resolution early: not negative lag.
-            self._observe(max(0.0, loop.time() - due))
+        waited = self._run_queue_wait()
+        try:
+            before = waited()
+            while True:
+                due = loop.time() + self._interval_s
+                await asyncio.sleep(self._interval_s)
+                # The loop may run a timer up to its clock's resolution early: not negative lag.
+                late = max(0.0, loop.time() - due)
+                now = waited()
+                self._observe(late, max(0.0, late - (now - before)))
+                before = now
+        finally:
+            waited.close()

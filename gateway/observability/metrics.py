@@ -148,9 +148,10 @@ class PerRequestSeries:
 
 class LoopLagSeries:
     """The event loop's lateness (``gateway.observability.loop_lag``): every wake-up of the
-    probe into a histogram, and the largest since the last scrape as a gauge.
+    probe into a histogram, and the largest lateness and the largest held time (lateness not
+    spent waiting for a CPU) since the last scrape as gauges.
 
-    The gauge is reset when read, so each scrape (or test) sees the worst stall since the one
+    The gauges are reset when read, so each scrape (or test) sees the worst stall since the one
     before, which a histogram's buckets cannot say. Scrapes run in a worker thread
     (``asyncio.to_thread``) while the probe writes on the loop: the lock keeps a wake-up from
     being lost between the read and the reset.
@@ -159,26 +160,31 @@ class LoopLagSeries:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._lag = LatencyBuckets()
-        self._max_since_read = 0.0
+        self._max_lag = 0.0
+        self._max_held = 0.0
 
-    def observe(self, seconds: float) -> None:
+    def observe(self, lag_s: float, held_s: float) -> None:
         with self._lock:
-            self._lag.observe(seconds)
-            if seconds > self._max_since_read:
-                self._max_since_read = seconds
+            self._lag.observe(lag_s)
+            if lag_s > self._max_lag:
+                self._max_lag = lag_s
+            if held_s > self._max_held:
+                self._max_held = held_s
 
     def describe(self) -> Iterator[Metric]:
         # Without it the registry collects once to learn the names, and that read resets.
         yield HistogramMetricFamily("isogate_event_loop_lag_seconds", "")
         yield GaugeMetricFamily("isogate_event_loop_lag_max_seconds", "")
+        yield GaugeMetricFamily("isogate_event_loop_held_max_seconds", "")
 
     def collect(self) -> Iterator[Metric]:
         with self._lock:
             buckets, total = self._lag.cumulative(), self._lag.total
-            largest, self._max_since_read = self._max_since_read, 0.0
+            largest, held = self._max_lag, self._max_held
+            self._max_lag = self._max_held = 0.0
         lag = HistogramMetricFamily(
             "isogate_event_loop_lag_seconds",
-            "How late the event loop ran a timer: the time it was held by other work.",
+            "How late the event loop ran a timer: the time it was held, or waited for a CPU.",
         )
         lag.add_metric([], buckets, total)
         yield lag
@@ -186,6 +192,12 @@ class LoopLagSeries:
             "isogate_event_loop_lag_max_seconds",
             "The largest event loop lag since the last scrape (reset when read).",
             value=largest,
+        )
+        yield GaugeMetricFamily(
+            "isogate_event_loop_held_max_seconds",
+            "The largest event loop lag since the last scrape that the gateway's own work "
+            "caused, not a wait for a CPU held by other processes (reset when read).",
+            value=held,
         )
 
 

@@ -1,5 +1,5 @@
-"""The loop lag probe sees a loop held by blocking work, and the series expose the worst stall
-since the last scrape once."""
+"""The loop lag probe sees a loop held by blocking work, tells it from a wait for a CPU, and the
+series expose the worst stall since the last scrape once."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.observability.loop_lag import LoopLagProbe
+from gateway.observability.loop_lag import LoopLagProbe, RunQueueWait, WaitClock
 from gateway.observability.metrics import Metrics
 
 BLOCK_S = 0.3
@@ -23,53 +23,114 @@ def _lag_samples(metrics: Metrics) -> dict[tuple[str, str], float]:
     return {
         (sample.name, sample.labels.get("le", "")): sample.value
         for family in text_string_to_metric_families(text)
-        if family.name.startswith("isogate_event_loop_lag")
+        if family.name.startswith("isogate_event_loop")
         for sample in family.samples
     }
 
 
-async def _probe_across_a_block(observe: Callable[[float], None], block_s: float) -> None:
+class _Waits:
+    """A wait clock that reports ``waits_s`` more CPU wait once ``blocked`` is set: what the
+    kernel would count if the block had been a wait for a CPU."""
+
+    def __init__(self, waits_s: float) -> None:
+        self.waits_s = waits_s
+        self.blocked = False
+        self.closed = False
+
+    def __call__(self) -> float:
+        return self.waits_s if self.blocked else 0.0
+
+    def block(self) -> None:
+        self.blocked = True
+
+    def close(self) -> None:
+        self.closed = True
+
+
+async def _probe_across_a_block(
+    observe: Callable[[float, float], None],
+    block_s: float,
+    clock: Callable[[], WaitClock] = RunQueueWait,
+    on_block: Callable[[], None] = lambda: None,
+) -> None:
     """Runs the probe with ``observe``, holds the loop with a blocking callback, and returns once
     the probe has woken after it."""
     woke = asyncio.Event()
 
-    def observed(seconds: float) -> None:
-        observe(seconds)
+    def observed(late: float, held: float) -> None:
+        observe(late, held)
         woke.set()
 
-    task = asyncio.create_task(LoopLagProbe(observed, interval_s=INTERVAL_S).run())
+    def block() -> None:
+        on_block()
+        time.sleep(block_s)
+
+    task = asyncio.create_task(
+        LoopLagProbe(observed, interval_s=INTERVAL_S, run_queue_wait=clock).run()
+    )
     await woke.wait()  # the probe runs and is asleep again
     woke.clear()
-    asyncio.get_running_loop().call_soon(time.sleep, block_s)
+    asyncio.get_running_loop().call_soon(block)
     await asyncio.sleep(0)  # the blocking callback runs here
     await woke.wait()  # the first wake-up after the block
     task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
 
 
-def test_a_callback_that_blocks_the_loop_shows_up_as_lag_of_the_block_less_one_interval() -> None:
-    observed: list[float] = []
-    asyncio.run(_probe_across_a_block(observed.append, BLOCK_S))
-    assert max(observed) >= BLOCK_S - INTERVAL_S
+def test_a_callback_that_blocks_the_loop_shows_up_as_lag_and_held_time() -> None:
+    observed: list[tuple[float, float]] = []
+    asyncio.run(_probe_across_a_block(lambda *wake: observed.append(wake), BLOCK_S))
+    late, held = max(observed)
+    # At least the block less one interval (it may start just after a wake-up); sleeping on
+    # the loop is not a wait for a CPU, so all of it was held.
+    assert late >= BLOCK_S - INTERVAL_S
+    assert held >= BLOCK_S - INTERVAL_S
 
 
-def test_the_largest_lag_is_exposed_once_and_every_wake_up_stays_in_the_histogram() -> None:
+def test_lateness_spent_waiting_for_a_cpu_is_not_held_time() -> None:
+    observed: list[tuple[float, float]] = []
+    waits = _Waits(waits_s=BLOCK_S + 1.0)
+    probed = _probe_across_a_block(
+        lambda *wake: observed.append(wake), BLOCK_S, clock=lambda: waits, on_block=waits.block
+    )
+    asyncio.run(probed)
+    late, held = max(observed)
+    assert late >= BLOCK_S - INTERVAL_S
+    assert held == 0.0
+    assert waits.closed  # the probe closes its clock when cancelled
+
+
+def test_gauges_hold_the_worst_since_the_last_scrape_the_histogram_every_lag() -> None:
     metrics = Metrics()
-    for seconds in (0.001, 0.4, 0.03):
-        metrics.loop_lag.observe(seconds)
+    for late, held in ((0.001, 0.001), (0.4, 0.05), (0.03, 0.03)):
+        metrics.loop_lag.observe(late, held)
 
     first = _lag_samples(metrics)
     assert first[("isogate_event_loop_lag_max_seconds", "")] == 0.4
+    assert first[("isogate_event_loop_held_max_seconds", "")] == 0.05
     assert first[("isogate_event_loop_lag_seconds_count", "")] == 3
     assert first[("isogate_event_loop_lag_seconds_bucket", "0.1")] == 2
     assert first[("isogate_event_loop_lag_seconds_sum", "")] == pytest.approx(0.431)
 
     second = _lag_samples(metrics)
     assert second[("isogate_event_loop_lag_max_seconds", "")] == 0.0
+    assert second[("isogate_event_loop_held_max_seconds", "")] == 0.0
     assert second[("isogate_event_loop_lag_seconds_count", "")] == 3
 
 
-def test_a_blocked_loop_reaches_the_scraped_gauge() -> None:
+def test_a_blocked_loop_reaches_the_scraped_gauges() -> None:
     metrics = Metrics()
     asyncio.run(_probe_across_a_block(metrics.loop_lag.observe, BLOCK_S))
-    largest = _lag_samples(metrics)[("isogate_event_loop_lag_max_seconds", "")]
-    assert largest >= BLOCK_S - INTERVAL_S
+    samples = _lag_samples(metrics)
+    assert samples[("isogate_event_loop_lag_max_seconds", "")] >= BLOCK_S - INTERVAL_S
+    assert samples[("isogate_event_loop_held_max_seconds", "")] >= BLOCK_S - INTERVAL_S
+
+
+def test_the_run_queue_wait_clock_reads_this_threads_counter_and_never_goes_back() -> None:
+    clock = RunQueueWait()
+    try:
+        first = clock()
+        second = clock()
+    finally:
+        clock.close()
+    assert 0.0 <= first <= second
