@@ -60,7 +60,9 @@ async def completions(request: Request) -> Response:
 async def models(request: Request) -> Response:
     components = _components(request)
     principal = await components.authenticator.authenticate(request.headers.get("authorization"))
-    cards = [_card(components, principal, m) for m in components.policies.models.values()]
+    policies = components.policies
+    tenant = None if principal.is_admin else principal.tenant_id
+    cards = [_card(components, principal, m) for m in policies.visible_models(tenant)]
     return _json(protocol.model_list(cards))
 
 
@@ -68,7 +70,9 @@ async def retrieve_model(request: Request) -> Response:
     """One model's card, as ``/v1/models`` lists it; 404 ``model_not_found`` as OpenAI's."""
     components = _components(request)
     principal = await components.authenticator.authenticate(request.headers.get("authorization"))
-    found = tokenize_routes.model_named(components.policies, request.path_params["model"])
+    name, policies = request.path_params["model"], components.policies
+    # The admin sees every model; a tenant what it may call, as the generation routes find it.
+    found = policies.resolve_model(None if principal.is_admin else principal.tenant_id, name)
     return _json(_card(components, principal, found))
 
 

@@ -29,7 +29,7 @@ from starlette.types import Receive, Scope, Send
 
 from gateway.api import answers
 from gateway.api.answers import Kind
-from gateway.common.errors import APIError, bad_request, not_found
+from gateway.common.errors import APIError, bad_request
 from gateway.common.ids import new_generation_id
 from gateway.config.policies import ModelPolicy
 from gateway.core.generation import (
@@ -128,11 +128,7 @@ async def handle_generation(
         trace.stream = streaming = parsed.streaming
         trace.model = name = parsed.model
         policies = components.policies
-        model = policies.models.get(name)
-        if model is None:
-            raise not_found(
-                f"The model '{name}' does not exist.", code="model_not_found", param="model"
-            )
+        model = policies.resolve_model(principal.tenant_id, name)
         # max_tokens 0 (an echoed prompt only scored): one token is generated, since a PD
         # pair always decodes one, and dropped.
         max_tokens = max(_max_tokens(parsed, model), 1)

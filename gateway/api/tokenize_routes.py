@@ -47,7 +47,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope
 
 from gateway.api.pipeline import ClientHeaders, read_large_body
-from gateway.common.errors import APIError, bad_request, not_found
+from gateway.common.errors import APIError, bad_request
 from gateway.config.policies import ModelPolicy, Policies
 from gateway.core.admission import PromptLimit
 from gateway.core.generation import ChatPrompt
@@ -287,7 +287,7 @@ async def serve(
                 body, DetokenizeRequest, functools.partial(check_detokenize, bounds)
             )
             answer, tokens = await detokenize(
-                components, asked, lease=lease, policies=policies, tokenizers=tokenizers
+                components, tenant_id, asked, lease=lease, policies=policies, tokenizers=tokenizers
             )
         if tokens >= _JSON_IN_THREAD_MIN_TOKENS:
             payload = await asyncio.to_thread(orjson.dumps, answer)
@@ -322,7 +322,7 @@ async def tokenize(
     the fewest the text can be before tokenizing, the count after)."""
     policies = policies or components.policies
     tokenizers = tokenizers or components.tokenizers
-    model = model_named(policies, ask.model)
+    model = policies.resolve_model(tenant_id, ask.model)
     tokenizer = tokenizers[model.name]
     max_tokens = ask.max_tokens if ask.max_tokens is not None else 1
     if max_tokens > model.max_output_tokens:
@@ -385,6 +385,7 @@ async def tokenize(
 
 async def detokenize(
     components: Components,
+    tenant_id: str,
     ask: DetokenizeRequest,
     *,
     lease: LimitLease | None = None,
@@ -394,7 +395,7 @@ async def detokenize(
     """The answer, and how many ids it decoded (charged to ``lease`` where there is one)."""
     policies = policies or components.policies
     tokenizers = tokenizers or components.tokenizers
-    model = model_named(policies, ask.model)
+    model = policies.resolve_model(tenant_id, ask.model)
     tokenizer = tokenizers[model.name]
     bound = ModelBounds(model.max_context_tokens, tokenizer.max_token_bytes)
     check_detokenize({model.name: bound}, ask)
@@ -426,16 +427,6 @@ async def _charge_after(lease: LimitLease | None, tokens: int) -> None:
     await lease.settle(tokens)
     if lease.left is not None:
         lease.left.tokens -= overshoot
-
-
-def model_named(policies: Policies, name: str) -> ModelPolicy:
-    """The model of that name; 404 ``model_not_found`` (OpenAI's answer) when there is none."""
-    model = policies.models.get(name)
-    if model is None:
-        raise not_found(
-            f"The model '{name}' does not exist.", code="model_not_found", param="model"
-        )
-    return model
 
 
 def _limit_now(

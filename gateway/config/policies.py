@@ -17,6 +17,7 @@ from typing import Literal, TypeVar, overload
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from gateway.common.errors import model_not_found
 from gateway.tool_parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 
 IsolationClass = Literal["shared", "dedicated"]
@@ -160,6 +161,9 @@ class TenantPolicy(_Strict):
     weight: float = Field(default=1.0, gt=0, le=1000)
     # Strict classes: "low" is served only while no "normal" or "high" request waits.
     priority: Priority = "normal"
+    # The models (their policy names in models.yaml) the tenant may call, each with its
+    # aliases; absent: every model. Any other is answered as a model that does not exist.
+    models: tuple[str, ...] | None = None
 
 
 class TenantsFile(_Strict):
@@ -179,6 +183,31 @@ class Policies:
 
     def tenant(self, tenant_id: str) -> TenantPolicy:
         return self.tenants.get(tenant_id, self.tenant_defaults)
+
+    def may_use(self, tenant_id: str | None, model: ModelPolicy) -> bool:
+        """Whether the tenant may call the model (``None``: the admin, who may see all)."""
+        if tenant_id is None:
+            return True
+        allowed = self.tenant(tenant_id).models
+        return allowed is None or model.name in allowed
+
+    def resolve_model(self, tenant_id: str | None, name: str) -> ModelPolicy:
+        """The model a tenant's request names: every route looks models up here. A model that
+        does not exist and one the tenant may not use are the same 404 ``model_not_found``
+        (the body says nothing more: a tenant cannot probe which models exist); the error's
+        ``audit_detail`` says which it was."""
+        model = self.models.get(name)
+        if model is None:
+            raise model_not_found(name)
+        if not self.may_use(tenant_id, model):
+            error = model_not_found(name)
+            error.audit_detail = f"tenant {tenant_id!r} may not use model {model.name!r}"
+            raise error
+        return model
+
+    def visible_models(self, tenant_id: str | None) -> list[ModelPolicy]:
+        """The models ``/v1/models`` lists: the tenant's (``None``, the admin: all)."""
+        return [model for model in self.models.values() if self.may_use(tenant_id, model)]
 
     def share(self, tenant_id: str) -> Share:
         """The tenant's claim on a contended pair (its weight and priority class): one object
@@ -206,6 +235,14 @@ def load_policies(directory: Path) -> Policies:
             model.tokenizer if model.tokenizer.is_absolute() else directory / model.tokenizer
         )
         models[model.name] = model.model_copy(update={"tokenizer": tokenizer.resolve()})
+    tenants_path = directory / "tenants.yaml"
+    for tenant_id, policy in [("defaults", tenants_file.defaults), *tenants_file.tenants.items()]:
+        unknown = [name for name in policy.models or () if name not in models]
+        if unknown:
+            where = "defaults" if tenant_id == "defaults" else f"tenants.{tenant_id}"
+            raise PolicyError(
+                f"{tenants_path}: {where}.models: no such model {unknown[0]!r} in models.yaml"
+            )
     for tenant_id, policy in tenants_file.tenants.items():
         if policy.isolation == "dedicated" and not any(
             tenant_id in pool.dedicated_to for model in models.values() for pool in model.pools

@@ -255,7 +255,7 @@ class Outcome:
             outcome = "upstream_error"
         else:
             outcome = "rejected"
-        return cls(outcome, error.status, error.code, error.message[:300])
+        return cls(outcome, error.status, error.code, (error.audit_detail or error.message)[:300])
 
     @classmethod
     def of_failure(cls, failure: IsolationFailure, status: int = 502) -> Outcome:

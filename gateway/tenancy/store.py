@@ -692,7 +692,9 @@ def audit_row_json(row: dict[str, Any], *, admin: bool) -> dict[str, object]:
         "stream": bool(row["stream"]),
         "latency_ms": row["latency_ms"],
         "created_at": rfc3339(row["created_at"]),
-        "detail": row["detail"],
+        # Why a model was not found (absent, or not the tenant's) is the admin's to read: a
+        # tenant told which would learn that a model it may not use exists.
+        "detail": row["detail"] if admin or row["code"] != "model_not_found" else None,
     }
 
 

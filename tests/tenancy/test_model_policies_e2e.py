@@ -1,0 +1,68 @@
+"""The platform team's model policies on a running gateway (issue 45): model access per
+tenant, aliases, limits per model and per (tenant, model), token budgets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tests.tenancy.policy_stack import MODEL, OTHER_MODEL, chat, policy_stack
+from tests.verification.stack import wait_until
+
+
+def _only_tiny_llama(models: dict[str, Any], tenants: dict[str, Any]) -> None:
+    tenants["tenants"]["narrow"] = {"models": [MODEL]}
+
+
+def test_a_tenant_without_access_gets_the_unknown_models_404_and_its_audit_says_why(
+    tmp_path: Path,
+) -> None:
+    with policy_stack(tmp_path, _only_tiny_llama, redis=False) as stack:
+        narrow, wide = stack.key("narrow"), stack.key("wide")
+        with stack.client(narrow) as client:
+            listed = [card["id"] for card in client.get("/v1/models").json()["data"]]
+            assert listed == [MODEL]
+            assert client.post("/v1/chat/completions", json=chat(MODEL)).status_code == 200
+
+            refused = client.post("/v1/chat/completions", json=chat(OTHER_MODEL))
+            # A model of the same name length that does not exist: the bodies differ only
+            # by the name.
+            absent = client.post("/v1/chat/completions", json=chat("absent-mode"))
+            assert refused.status_code == absent.status_code == 404
+            assert refused.json()["error"] == {
+                **absent.json()["error"],
+                "message": f"The model '{OTHER_MODEL}' does not exist.",
+            }
+            assert absent.json()["error"]["code"] == "model_not_found"
+            # Every route that names a model answers the same.
+            for path, body in (
+                ("/v1/tokenize", {"model": OTHER_MODEL, "prompt": "hi"}),
+                ("/v1/detokenize", {"model": OTHER_MODEL, "tokens": [1]}),
+            ):
+                answer = client.post(path, json=body)
+                assert answer.status_code == 404
+                assert answer.json()["error"]["code"] == "model_not_found"
+            card = client.get(f"/v1/models/{OTHER_MODEL}")
+            assert card.status_code == 404
+            assert card.json()["error"]["code"] == "model_not_found"
+            tenant_view = wait_until(
+                lambda: [
+                    e
+                    for e in client.get("/v1/audit/events").json()["data"]
+                    if e["model"] == OTHER_MODEL
+                ],
+                timeout_s=10,
+            )
+            # The tenant's own view does not say whether the model exists.
+            assert tenant_view[0]["detail"] is None
+
+        with stack.client(wide) as client:
+            listed = [card["id"] for card in client.get("/v1/models").json()["data"]]
+            assert listed == [MODEL, OTHER_MODEL]
+            assert client.post("/v1/chat/completions", json=chat(OTHER_MODEL)).status_code == 200
+
+        (event,) = [e for e in stack.audit(tenant="narrow") if e["model"] == OTHER_MODEL]
+        assert (event["status"], event["code"]) == (404, "model_not_found")
+        assert event["detail"] == f"tenant 'narrow' may not use model '{OTHER_MODEL}'"
+        (unknown,) = [e for e in stack.audit(tenant="narrow") if e["model"] == "absent-mode"]
+        assert unknown["detail"] == "The model 'absent-mode' does not exist."
