@@ -62,7 +62,7 @@ async def models(request: Request) -> Response:
     principal = await components.authenticator.authenticate(request.headers.get("authorization"))
     policies = components.policies
     tenant = None if principal.is_admin else principal.tenant_id
-    cards = [_card(components, principal, m) for m in policies.visible_models(tenant)]
+    cards = [_card(components, principal, m, name) for name, m in policies.public_names(tenant)]
     return _json(protocol.model_list(cards))
 
 
@@ -73,10 +73,13 @@ async def retrieve_model(request: Request) -> Response:
     name, policies = request.path_params["model"], components.policies
     # The admin sees every model; a tenant what it may call, as the generation routes find it.
     found = policies.resolve_model(None if principal.is_admin else principal.tenant_id, name)
-    return _json(_card(components, principal, found))
+    return _json(_card(components, principal, found, name))
 
 
-def _card(components: Components, principal: Principal, model: ModelPolicy) -> dict[str, Any]:
+def _card(
+    components: Components, principal: Principal, model: ModelPolicy, name: str
+) -> dict[str, Any]:
+    """The card of a model under the name it is called by (its own or an alias)."""
     max_context: int | None = None
     bound: str | None = None
     try:
@@ -87,7 +90,7 @@ def _card(components: Components, principal: Principal, model: ModelPolicy) -> d
         max_context, bound = limit.tokens + 1, limit.bound
     except APIError:
         pass  # no fresh pair now: the card says so with nulls rather than guessing
-    return protocol.model_card(model.name, 0, max_context, bound)
+    return protocol.model_card(name, 0, max_context, bound)
 
 
 async def tokenize(request: Request) -> Response:

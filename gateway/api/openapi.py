@@ -176,6 +176,7 @@ class AuditEvent(_Body):
     latency_ms: float  # never null: the column is NOT NULL
     created_at: AwareDatetime
     detail: str | None
+    policy_model: str | None  # the model ``model`` (an alias) named; null before it was found
 
 
 class AuditEventList(_Body):

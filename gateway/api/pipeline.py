@@ -129,10 +129,12 @@ async def handle_generation(
         trace.model = name = parsed.model
         policies = components.policies
         model = policies.resolve_model(principal.tenant_id, name)
+        # Served under the name asked for (an alias), audited under both.
+        trace.policy_model = model.name
         # max_tokens 0 (an echoed prompt only scored): one token is generated, since a PD
         # pair always decodes one, and dropped.
         max_tokens = max(_max_tokens(parsed, model), 1)
-        tokenizer = components.tokenizers[name]
+        tokenizer = components.tokenizers[model.name]
         parsed.check_against(tokenizer.vocab_size, max_tokens)
         # Completions per prompt: ``best_of`` of them where a completion request asks for more
         # than it returns.
@@ -175,7 +177,7 @@ async def handle_generation(
             completions = await answers.echoed(parsed, completions, tokenizer)
             if parsed.max_tokens == 0:  # the tokens generated anyway are not the client's
                 generated = [dataclasses.replace(c, completion_tokens=0) for c in generated]
-        fingerprint = answers.system_fingerprint(name, str(model.tokenizer))
+        fingerprint = answers.system_fingerprint(model.name, str(model.tokenizer))
         result = answers.whole_answer(kind, trace, name, fingerprint, completions, generated)
         core.record(trace, SERVED)
         return JSONBodyResponse(orjson.dumps(result), trace.generation_id, limit_lines)

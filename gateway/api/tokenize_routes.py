@@ -168,10 +168,13 @@ class ModelBounds:
 def bounds_of(
     policies: Policies, tokenizers: Mapping[str, ModelTokenizer]
 ) -> dict[str, ModelBounds]:
-    return {
+    bounds = {
         name: ModelBounds(model.max_context_tokens, tokenizers[name].max_token_bytes)
         for name, model in policies.models.items()
     }
+    # An alias is bounded as its model (a name not here is left to the handler's 404).
+    bounds.update({alias: bounds[target] for alias, target in policies.aliases.items()})
+    return bounds
 
 
 def check_tokenize(bounds: Mapping[str, ModelBounds], ask: TokenizeRequest) -> None:
@@ -344,7 +347,7 @@ async def tokenize(
     # The bounds: checked where the body was parsed already; again here for a caller that
     # parsed it itself (cheap: a length per prompt).
     bound = ModelBounds(model.max_context_tokens, tokenizer.max_token_bytes)
-    check_tokenize({model.name: bound}, ask)
+    check_tokenize({ask.model: bound}, ask)
 
     if ask.messages is not None:
         # What ``gateway.api.pipeline`` asks the core for: the same turns, the same template.
@@ -398,7 +401,7 @@ async def detokenize(
     model = policies.resolve_model(tenant_id, ask.model)
     tokenizer = tokenizers[model.name]
     bound = ModelBounds(model.max_context_tokens, tokenizer.max_token_bytes)
-    check_detokenize({model.name: bound}, ask)
+    check_detokenize({ask.model: bound}, ask)
     # Validated strictly as one arm of the union or the other: the first item says which.
     lists = ask.tokens if ask.tokens and isinstance(ask.tokens[0], list) else None
     total = sum(map(len, lists)) if lists is not None else len(ask.tokens)

@@ -138,12 +138,25 @@ class ModelPolicy(_Strict):
 
 class ModelsFile(_Strict):
     models: tuple[ModelPolicy, ...] = Field(min_length=1)
+    # Public names served as a model of this file (``gpt-4o-mini: tiny-llama``), so that
+    # clients written for another provider need no change.
+    aliases: dict[str, str] = {}
 
     @model_validator(mode="after")
     def _model_names_unique(self) -> ModelsFile:
         names = [model.name for model in self.models]
         if len(set(names)) != len(names):
             raise ValueError(f"model names must be unique: {names}")
+        return self
+
+    @model_validator(mode="after")
+    def _aliases_name_models(self) -> ModelsFile:
+        names = {model.name for model in self.models}
+        for alias, target in self.aliases.items():
+            if alias in names:
+                raise ValueError(f"aliases.{alias}: shadows the model of that name")
+            if target not in names:
+                raise ValueError(f"aliases.{alias}: no such model {target!r}")
         return self
 
 
@@ -177,6 +190,8 @@ class Policies:
     tenant_defaults: TenantPolicy
     tenants: dict[str, TenantPolicy]
     source: Path
+    # Public name -> the model's name in models.yaml.
+    aliases: dict[str, str] = field(default_factory=dict)
 
     # Each tenant's ``Share``, made on first use: these policies never change.
     _shares: dict[str, Share] = field(default_factory=dict, compare=False, repr=False)
@@ -196,7 +211,7 @@ class Policies:
         does not exist and one the tenant may not use are the same 404 ``model_not_found``
         (the body says nothing more: a tenant cannot probe which models exist); the error's
         ``audit_detail`` says which it was."""
-        model = self.models.get(name)
+        model = self.models.get(self.aliases.get(name, name))
         if model is None:
             raise model_not_found(name)
         if not self.may_use(tenant_id, model):
@@ -208,6 +223,18 @@ class Policies:
     def visible_models(self, tenant_id: str | None) -> list[ModelPolicy]:
         """The models ``/v1/models`` lists: the tenant's (``None``, the admin: all)."""
         return [model for model in self.models.values() if self.may_use(tenant_id, model)]
+
+    def public_names(self, tenant_id: str | None) -> list[tuple[str, ModelPolicy]]:
+        """Each name the tenant may call a model by, with the model: the models, then the
+        aliases of those models."""
+        visible = self.visible_models(tenant_id)
+        names = [(model.name, model) for model in visible]
+        names += [
+            (alias, self.models[target])
+            for alias, target in self.aliases.items()
+            if self.may_use(tenant_id, self.models[target])
+        ]
+        return names
 
     def share(self, tenant_id: str) -> Share:
         """The tenant's claim on a contended pair (its weight and priority class): one object
@@ -251,7 +278,13 @@ def load_policies(directory: Path) -> Policies:
                 f"{directory / 'tenants.yaml'}: tenant {tenant_id!r} is dedicated "
                 "but no model has a pool dedicated to it"
             )
-    return Policies(models, tenants_file.defaults, dict(tenants_file.tenants), directory)
+    return Policies(
+        models,
+        tenants_file.defaults,
+        dict(tenants_file.tenants),
+        directory,
+        dict(models_file.aliases),
+    )
 
 
 _File = TypeVar("_File", bound="_Strict")

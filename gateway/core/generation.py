@@ -206,7 +206,8 @@ class Trace:
     started: float
     stream: bool = False
     principal: Principal | None = None
-    model: str | None = None
+    model: str | None = None  # as the client named it (an alias, or the model's own name)
+    policy_model: str | None = None  # the model of models.yaml it named, once found
     pair: WorkerPair | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
@@ -235,6 +236,7 @@ class Trace:
             created_at=self.created_at,
             detail=outcome.detail,
             pool=pool,
+            policy_model=self.policy_model,
         )
 
 
@@ -640,7 +642,8 @@ class GenerationCore:
             )
         tenant = trace.principal.tenant_id if trace.principal else ""
         # A model name the client made up is not a label value: clients could grow the series.
-        model = trace.model if trace.model in self._catalog.policies.models else ""
+        # The policy's name: an alias's traffic is its model's.
+        model = trace.policy_model
         self._metrics.observe_request(
             model or "", tenant, outcome.outcome, time.perf_counter() - trace.started
         )

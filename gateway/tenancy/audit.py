@@ -89,6 +89,9 @@ class AuditEvent:
     created_at: datetime  # UTC, request start
     detail: str | None = None  # short reason for failures; never prompt or completion text
     pool: str | None = None  # the worker pool that served it (what its tenant is shown)
+    # The model of models.yaml that ``model`` (the name the client used) resolved to: differs
+    # from it where the client used an alias.
+    policy_model: str | None = None
 
     def values(self) -> AuditValues:
         """The event's values in ``AUDIT_COLUMNS`` order: the row as the log writes it."""

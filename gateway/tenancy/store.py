@@ -149,6 +149,7 @@ audit_events = Table(
     Column("latency_ms", Float, nullable=False),
     Column("created_at", UTCDateTime, nullable=False),
     Column("detail", Text),
+    Column("policy_model", String(200)),
     Index("uq_audit_generation_id", "generation_id", unique=True),
     Index("ix_audit_tenant_time", "tenant_id", "created_at", "generation_id"),
     Index("ix_audit_time", "created_at", "generation_id"),
@@ -172,6 +173,7 @@ AUDIT_COLUMNS = (
     "latency_ms",
     "created_at",
     "detail",
+    "policy_model",
 )
 
 
@@ -198,7 +200,7 @@ _PG_UNNEST_INSERT = (
 # the driver's statement cache always hits. A text per slice length missed it whenever a batch
 # came in a length not seen yet, and preparing a statement of tens of rows costs more than
 # inserting them.
-_SQLITE_ROWS_PER_INSERT = 64  # x 16 columns, well under SQLite's 32,766 variables
+_SQLITE_ROWS_PER_INSERT = 64  # x 17 columns, well under SQLite's 32,766 variables
 
 
 def _sqlite_audit_insert(rows: int) -> str:
@@ -695,6 +697,8 @@ def audit_row_json(row: dict[str, Any], *, admin: bool) -> dict[str, object]:
         # Why a model was not found (absent, or not the tenant's) is the admin's to read: a
         # tenant told which would learn that a model it may not use exists.
         "detail": row["detail"] if admin or row["code"] != "model_not_found" else None,
+        # Where ``model`` is an alias, the model that served it.
+        "policy_model": row.get("policy_model"),
     }
 
 

@@ -66,3 +66,51 @@ def test_a_tenant_without_access_gets_the_unknown_models_404_and_its_audit_says_
         assert event["detail"] == f"tenant 'narrow' may not use model '{OTHER_MODEL}'"
         (unknown,) = [e for e in stack.audit(tenant="narrow") if e["model"] == "absent-mode"]
         assert unknown["detail"] == "The model 'absent-mode' does not exist."
+
+
+ALIAS = "gpt-4o-mini"
+
+
+def _alias(models: dict[str, Any], tenants: dict[str, Any]) -> None:
+    models["aliases"] = {ALIAS: MODEL}
+
+
+def test_an_alias_is_served_under_its_name_and_audited_under_both(tmp_path: Path) -> None:
+    with policy_stack(tmp_path, _alias, redis=False) as stack:
+        key = stack.key("aliased")
+        with stack.client(key) as client:
+            listed = [card["id"] for card in client.get("/v1/models").json()["data"]]
+            assert listed == [MODEL, OTHER_MODEL, ALIAS]
+            assert client.get(f"/v1/models/{ALIAS}").json()["id"] == ALIAS
+            whole = client.post("/v1/chat/completions", json=chat(ALIAS))
+            assert whole.status_code == 200, whole.text
+            assert whole.json()["model"] == ALIAS
+            streamed = client.post("/v1/chat/completions", json={**chat(ALIAS), "stream": True})
+            chunks = [
+                line.removeprefix("data: ")
+                for line in streamed.text.splitlines()
+                if line.startswith("data: {")
+            ]
+            assert chunks and all(f'"model":"{ALIAS}"' in chunk for chunk in chunks)
+            counted = client.post("/v1/tokenize", json={"model": ALIAS, "prompt": "hi"})
+            assert counted.status_code == 200, counted.text
+            own = client.post("/v1/chat/completions", json=chat(MODEL)).json()
+        events = wait_until(
+            lambda: (
+                [e for e in stack.audit(tenant="aliased") if e["outcome"] == "served"]
+                if len(stack.audit(tenant="aliased")) >= 3
+                else None
+            ),
+            timeout_s=10,
+        )
+        by_id = {e["generation_id"]: e for e in events}
+        assert (by_id[whole.json()["id"]]["model"], by_id[whole.json()["id"]]["policy_model"]) == (
+            ALIAS,
+            MODEL,
+        )
+        assert (by_id[own["id"]]["model"], by_id[own["id"]]["policy_model"]) == (MODEL, MODEL)
+        assert sorted((e["model"], e["policy_model"]) for e in events) == [
+            (ALIAS, MODEL),
+            (ALIAS, MODEL),
+            (MODEL, MODEL),
+        ]

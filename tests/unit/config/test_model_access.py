@@ -143,3 +143,41 @@ def test_why_a_model_was_not_found_is_shown_to_the_admin_only() -> None:
     assert audit_row_json(row, admin=False)["detail"] is None
     other = _event("invalid_value", "max_tokens is too large")
     assert audit_row_json(other, admin=False)["detail"] == "max_tokens is too large"
+
+
+# ---- aliases (models.yaml ``aliases``) ------------------------------------------------------
+
+
+def test_an_alias_resolves_to_its_model_and_is_listed_with_the_tenants_models(
+    tmp_path: Path,
+) -> None:
+    policies = load_policies(
+        write(
+            tmp_path,
+            tenants={"acme": {"models": ["small"]}},
+            aliases={"gpt-4o-mini": "small", "gpt-4o": "large"},
+        )
+    )
+    assert policies.resolve_model("acme", "gpt-4o-mini").name == "small"
+    names = [(name, model.name) for name, model in policies.public_names("acme")]
+    assert names == [("small", "small"), ("gpt-4o-mini", "small")]
+    # An alias of a model the tenant may not use is as unknown as the model itself.
+    refused = _refusal(lambda: policies.resolve_model("acme", "gpt-4o"))
+    assert refused.body()["error"]["message"] == "The model 'gpt-4o' does not exist."
+    assert refused.audit_detail == "tenant 'acme' may not use model 'large'"
+
+
+@pytest.mark.parametrize(
+    ("aliases", "reason"),
+    [
+        ({"large": "small"}, "aliases.large: shadows the model of that name"),
+        ({"gpt-4o": "huge"}, "aliases.gpt-4o: no such model 'huge'"),
+    ],
+)
+def test_an_alias_that_shadows_a_model_or_names_none_is_refused(
+    tmp_path: Path, aliases: dict[str, str], reason: str
+) -> None:
+    with pytest.raises(PolicyError) as raised:
+        load_policies(write(tmp_path, aliases=aliases))
+    assert "models.yaml" in str(raised.value)
+    assert reason in str(raised.value)
