@@ -27,7 +27,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
-from gateway.common.errors import APIError, bad_request, not_found, unavailable
+from gateway.common.errors import APIError, bad_request, not_found, quoted, unavailable
 from gateway.tenancy.store import StoreConflict, StoreNotFound
 
 TENANT_ID_PATTERN = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
@@ -122,7 +122,7 @@ async def list_keys(request: Request) -> Response:
     unknown = set(request.query_params) - {"tenant"}
     if unknown:
         raise bad_request(
-            f"Unknown query parameter {sorted(unknown)[0]!r}.", param=sorted(unknown)[0]
+            f"Unknown query parameter {quoted(sorted(unknown)[0])}.", param=sorted(unknown)[0]
         )
     keys = await _call(components.store.list_keys, request.query_params.get("tenant"))
     return _json({"object": "list", "data": [k.to_json() for k in keys]})
@@ -172,7 +172,7 @@ async def _json_object(request: Request, *, allowed: set[str]) -> dict[str, Any]
     unknown = set(body) - allowed
     if unknown:
         field = sorted(unknown)[0]
-        raise bad_request(f"Unknown field {field!r}.", param=field)
+        raise bad_request(f"Unknown field {quoted(field)}.", param=field)
     return body
 
 

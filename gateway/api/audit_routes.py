@@ -31,7 +31,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
-from gateway.common.errors import bad_request, forbidden, not_found, unavailable
+from gateway.common.errors import bad_request, forbidden, not_found, quoted, unavailable
 from gateway.tenancy.store import OUTCOMES, AuditQuery, audit_row_json, decode_cursor
 
 MAX_LIMIT = 1000
@@ -52,10 +52,10 @@ async def list_events(request: Request) -> Response:
     params = request.query_params
     for name in params:
         if name not in _PARAMETERS:
-            raise bad_request(f"Unknown query parameter {name!r}.", param=name)
+            raise bad_request(f"Unknown query parameter {quoted(name)}.", param=name)
     for name in _PARAMETERS:
         if len(params.getlist(name)) > 1:
-            raise bad_request(f"Query parameter {name!r} given more than once.", param=name)
+            raise bad_request(f"Query parameter {quoted(name)} given more than once.", param=name)
     tenant = params.get("tenant")
     if principal.is_admin:
         tenant_id = tenant or None
@@ -96,7 +96,7 @@ async def get_event(request: Request) -> Response:
     )
     rows, _ = await _query(components, query)
     if not rows:
-        raise not_found(f"No audit event {generation_id!r}.", param="generation_id")
+        raise not_found(f"No audit event {quoted(generation_id)}.", param="generation_id")
     return _json(audit_row_json(rows[0], admin=principal.is_admin))
 
 

@@ -80,3 +80,19 @@ def test_a_redirect_never_carries_the_clients_host(
     )
     assert response.status_code == 307
     assert response.headers["location"] == location
+
+
+@pytest.mark.parametrize(
+    ("path", "status"),
+    [
+        ("/v1/audit/events?" + "q" * 16_000 + "=1", 400),  # an unknown query parameter
+        ("/v1/audit/events/" + "g" * 16_000, 404),  # no such event
+    ],
+    ids=["unknown parameter", "unknown event"],
+)
+def test_the_audit_routes_quote_a_prefix_of_a_name(
+    client: httpx.Client, path: str, status: int
+) -> None:
+    response = client.get(path)
+    assert response.status_code == status
+    assert len(response.json()["error"]["message"]) < 2 * QUOTE_CHARS
