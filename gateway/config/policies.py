@@ -174,6 +174,9 @@ class TenantPolicy(_Strict):
     weight: float = Field(default=1.0, gt=0, le=1000)
     # Strict classes: "low" is served only while no "normal" or "high" request waits.
     priority: Priority = "normal"
+    # How long a stored response (the Responses API's ``store``) is kept, in days: past it,
+    # no read returns it and the sweep deletes it (gateway.tenancy.stored_responses).
+    response_retention_days: float = Field(default=30, gt=0, le=3650)
     # The models (their policy names in models.yaml) the tenant may call, each with its
     # aliases; absent: every model. Any other is answered as a model that does not exist.
     models: tuple[str, ...] | None = None

@@ -100,6 +100,8 @@ class Settings(BaseSettings):
     cache_salt_secret: str = Field(default="dev-insecure-cache-salt-secret", min_length=16)
     audit_spool_dir: Path = REPO_ROOT / ".run" / "audit-spool"
     audit_batch_size: int = 500
+    # How often expired stored responses are deleted (each is unreadable from its expiry on).
+    response_sweep_interval_s: float = Field(default=300.0, gt=0)
     # Short on purpose: a batch is inserted on the event loop's core (SQLite: on the loop, 64
     # rows per turn), so a long interval means a long burst (260 rows, ~4 ms at 1,300 req/s)
     # that requests arriving meanwhile wait out. 20 ms keeps bursts under ~0.5 ms; a hard kill

@@ -280,10 +280,22 @@ class Metrics:
             ["kind"],
             registry=self.registry,
         )
+        self.stored_responses = Gauge(
+            "isogate_stored_responses",
+            "Stored responses (Responses API) not yet expired, per tenant, as of the last sweep.",
+            ["tenant"],
+            registry=self.registry,
+        )
         self.per_request = PerRequestSeries()
         self.registry.register(self.per_request)
         self.loop_lag = LoopLagSeries()
         self.registry.register(self.loop_lag)
+
+    def stored_response_counts(self, counts: dict[str, int]) -> None:
+        """Each tenant's stored responses; a tenant with none left drops out of the series."""
+        self.stored_responses.clear()
+        for tenant, count in counts.items():
+            self.stored_responses.labels(tenant).set(count)
 
     def unauthenticated(self, code: str) -> None:
         self.unauthenticated_requests.labels(code).inc()

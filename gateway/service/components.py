@@ -28,6 +28,7 @@ from gateway.tenancy.auth import Authenticator, UnauthenticatedClients
 from gateway.tenancy.limits import TenantLimiter
 from gateway.tenancy.revocations import Revocations
 from gateway.tenancy.store import Store, create_store
+from gateway.tenancy.stored_responses import ResponseStore
 from gateway.verification.scanner import CanaryScanner, alert_on_hit
 from gateway.verification.verify import ContentScanner, NoScanner
 from gateway.workers.capacity import CapacityRegistry, Role
@@ -59,8 +60,11 @@ class Components:
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
     core: GenerationCore = field(init=False)
     revocations: Revocations = field(init=False)
+    # The Responses API's stored responses (in the store's database).
+    responses: ResponseStore = field(init=False)
 
     def __post_init__(self) -> None:
+        self.responses = ResponseStore(self.store)
         self.revocations = Revocations(
             self.authenticator,
             self.redis,
@@ -192,6 +196,14 @@ async def build_components(settings: Settings) -> Components:
     )
     components.tasks.append(
         asyncio.create_task(LoopLagProbe(metrics.loop_lag.observe).run(), name="loop-lag-probe")
+    )
+    components.tasks.append(
+        asyncio.create_task(
+            components.responses.run_sweeper(
+                settings.response_sweep_interval_s, metrics.stored_response_counts
+            ),
+            name="stored-responses-sweeper",
+        )
     )
     start_canaries(components)
     return components
