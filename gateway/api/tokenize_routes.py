@@ -57,7 +57,7 @@ from gateway.openai.protocol import ChatMessage, utf8_length
 from gateway.openai.tokenize import ChatTurn, ModelTokenizer
 from gateway.server.http_server import header_pairs
 from gateway.service.components import Components
-from gateway.tenancy.limits import LimitLease
+from gateway.tenancy.limits import LimitLease, LimitScope, model_scopes
 
 # At most this many prompts in one ``prompt`` list (each is a separate count, like SGLang's),
 # and messages in ``messages``: a completion's and a chat's own bounds (``protocol.check_counts``
@@ -348,18 +348,20 @@ async def tokenize(
     # parsed it itself (cheap: a length per prompt).
     bound = ModelBounds(model.max_context_tokens, tokenizer.max_token_bytes)
     check_tokenize({ask.model: bound}, ask)
+    scopes = model_scopes(policies, tenant_id, model)
 
     if ask.messages is not None:
         # What ``gateway.api.pipeline`` asks the core for: the same turns, the same template.
         chat = ChatPrompt([ChatTurn(m.role, m.text(), m.template_fields()) for m in ask.messages])
-        await _charge_before(lease, bound.min_tokens(chat.utf8_bytes()))
+        await _charge_before(lease, bound.min_tokens(chat.utf8_bytes()), scopes)
         tokens: list[int] | list[list[int]] = await tokenizer.encode_chat(
             chat.turns, control_text=model.chat_control_text
         )
         counts: list[int] = [len(tokens)]
     else:
         texts = [ask.prompt] if isinstance(ask.prompt, str) else list(ask.prompt or [])
-        await _charge_before(lease, sum(bound.min_tokens(utf8_length(t)) for t in texts))
+        at_least = sum(bound.min_tokens(utf8_length(t)) for t in texts)
+        await _charge_before(lease, at_least, scopes)
         encoded = await tokenizer.encode_texts(
             texts,
             add_special_tokens=ask.add_special_tokens,
@@ -405,7 +407,7 @@ async def detokenize(
     # Validated strictly as one arm of the union or the other: the first item says which.
     lists = ask.tokens if ask.tokens and isinstance(ask.tokens[0], list) else None
     total = sum(map(len, lists)) if lists is not None else len(ask.tokens)
-    await _charge_before(lease, total)
+    await _charge_before(lease, total, model_scopes(policies, tenant_id, model))
     texts = await tokenizer.decode_lists(
         lists if lists is not None else [cast(list[int], ask.tokens)],
         skip_special_tokens=ask.skip_special_tokens,
@@ -414,11 +416,14 @@ async def detokenize(
     return {"text": texts if lists is not None else texts[0]}, total
 
 
-async def _charge_before(lease: LimitLease | None, at_least: int) -> None:
+async def _charge_before(
+    lease: LimitLease | None, at_least: int, scopes: tuple[LimitScope, ...] = ()
+) -> None:
     """A concurrency slot and the fewest tokens the request can come to, before the work: 429
-    if the tenant has either no more (its requests were counted at entry)."""
+    if the tenant has either no more (its requests were counted at entry), or the model's
+    limits (``scopes``) have not."""
     if lease is not None:
-        await lease.reserve(at_least)
+        await lease.reserve(at_least, scopes)
 
 
 async def _charge_after(lease: LimitLease | None, tokens: int) -> None:

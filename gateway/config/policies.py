@@ -86,6 +86,26 @@ class WorkerPool(_Strict):
     max_request_share: float = Field(default=0.5, gt=0, le=1)
 
 
+# An unset limit of a model or of a tenant on a model: a bucket no traffic empties.
+UNBOUNDED = 1 << 40
+
+
+class ScopeLimits(_Strict):
+    """Limits on top of a tenant's own: a model's as a whole (every tenant's traffic to it
+    together) or a tenant's on one model. Each unset one does not bound."""
+
+    requests_per_minute: int | None = Field(default=None, gt=0)
+    tokens_per_minute: int | None = Field(default=None, gt=0)
+    max_concurrent: int | None = Field(default=None, gt=0)
+
+    def as_limits(self) -> TenantLimits:
+        return TenantLimits(
+            requests_per_minute=self.requests_per_minute or UNBOUNDED,
+            tokens_per_minute=self.tokens_per_minute or UNBOUNDED,
+            max_concurrent=self.max_concurrent or UNBOUNDED,
+        )
+
+
 class ModelPolicy(_Strict):
     name: str = Field(min_length=1)
     # Directory holding the model's own tokenizer.json and tokenizer_config.json
@@ -107,6 +127,9 @@ class ModelPolicy(_Strict):
     # tool_call_parser refuses requests with tools.
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    # Every tenant's traffic to this model together (protecting its pools), on top of each
+    # tenant's own limits; absent: none.
+    limits: ScopeLimits | None = None
 
     @field_validator("tool_call_parser")
     @classmethod
@@ -180,6 +203,8 @@ class TenantPolicy(_Strict):
     # The models (their policy names in models.yaml) the tenant may call, each with its
     # aliases; absent: every model. Any other is answered as a model that does not exist.
     models: tuple[str, ...] | None = None
+    # The tenant's limits on one model (by its name in models.yaml), on top of its own.
+    model_limits: dict[str, ScopeLimits] = {}
 
 
 class TenantsFile(_Strict):
@@ -198,9 +223,35 @@ class Policies:
 
     # Each tenant's ``Share``, made on first use: these policies never change.
     _shares: dict[str, Share] = field(default_factory=dict, compare=False, repr=False)
+    # The limits of each (tenant, model) and ("", model) scope, made on first use.
+    _limits: dict[tuple[str, str], TenantLimits] = field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     def tenant(self, tenant_id: str) -> TenantPolicy:
         return self.tenants.get(tenant_id, self.tenant_defaults)
+
+    def model_limits(self, model: ModelPolicy) -> TenantLimits | None:
+        """The model's limits as a whole (every tenant's traffic together), if it has any."""
+        return self._scope_limits(("", model.name), model.limits)
+
+    def tenant_model_limits(self, tenant_id: str, model: ModelPolicy) -> TenantLimits | None:
+        """The tenant's limits on the model, if it has any (from its policy: the defaults' for
+        a tenant tenants.yaml does not list)."""
+        return self._scope_limits(
+            (tenant_id, model.name), self.tenant(tenant_id).model_limits.get(model.name)
+        )
+
+    def _scope_limits(
+        self, key: tuple[str, str], limits: ScopeLimits | None
+    ) -> TenantLimits | None:
+        # Made once per (tenant, model): a pydantic model is not built per request.
+        if limits is None:
+            return None
+        made = self._limits.get(key)
+        if made is None:
+            made = self._limits[key] = limits.as_limits()
+        return made
 
     def may_use(self, tenant_id: str | None, model: ModelPolicy) -> bool:
         """Whether the tenant may call the model (``None``: the admin, who may see all)."""
@@ -267,6 +318,13 @@ def load_policies(directory: Path) -> Policies:
         models[model.name] = model.model_copy(update={"tokenizer": tokenizer.resolve()})
     tenants_path = directory / "tenants.yaml"
     for tenant_id, policy in [("defaults", tenants_file.defaults), *tenants_file.tenants.items()]:
+        unlimited = [name for name in policy.model_limits if name not in models]
+        if unlimited:
+            where = "defaults" if tenant_id == "defaults" else f"tenants.{tenant_id}"
+            raise PolicyError(
+                f"{tenants_path}: {where}.model_limits: no such model {unlimited[0]!r} "
+                "in models.yaml"
+            )
         unknown = [name for name in policy.models or () if name not in models]
         if unknown:
             where = "defaults" if tenant_id == "defaults" else f"tenants.{tenant_id}"

@@ -56,7 +56,7 @@ from gateway.openai.protocol import PromptLogprobs, TokenLogprob, utf8_length
 from gateway.openai.tokenize import ChatTurn, ModelTokenizer
 from gateway.tenancy.audit import AuditEvent, AuditLog
 from gateway.tenancy.auth import Principal
-from gateway.tenancy.limits import LimitLease, TenantLimiter
+from gateway.tenancy.limits import LimitLease, TenantLimiter, model_scopes
 from gateway.tool_parsers import InvalidToolOutput, OutputParser, OutputSpec, ParsedOutput, ToolCall
 from gateway.verification.verify import (
     ContentScanner,
@@ -376,11 +376,13 @@ class GenerationCore:
                 slot = await queues.wait_turn(model, pair, share, slots, first_need, cost)
             held.push(slot.release)
             reserved = prompt_total + max_tokens * generations
+            # The model's limits and the tenant's on it, on top of the tenant's own.
+            scopes = model_scopes(self._catalog.policies, ask.tenant_id, model)
             if ask.lease is not None:
                 lease = ask.lease
-                await lease.reserve(reserved)
+                await lease.reserve(reserved, scopes)
             else:
-                lease = await self._limiter.acquire(ask.tenant_id, ask.limits, reserved)
+                lease = await self._limiter.acquire(ask.tenant_id, ask.limits, reserved, scopes)
                 held.push(lease.release)
         if not self._ledger.has_room(pair, first_need):
             raise _capacity_busy()  # taken by others while this one waited

@@ -31,8 +31,8 @@ from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, TypeVar
 
-from gateway.common.errors import rate_limited
-from gateway.config.policies import TenantLimits
+from gateway.common.errors import APIError, rate_limited
+from gateway.config.policies import ModelPolicy, Policies, TenantLimits
 
 if TYPE_CHECKING:
     import redis.asyncio
@@ -72,54 +72,69 @@ local function refill(key, rpm, tpm, now)
 end
 """
 
-# KEYS: bucket hash, in-flight zset. ARGV: rpm, tpm, max_concurrent, reserved, lease id,
-# lease ttl (ms), and what to take: "all" (default), "count" (the request only, at entry) or
-# "rest" (the concurrency slot and tokens of a request counted already). Returns {0, 0,
-# requests left, tokens left} when admitted, else {which (1 concurrency, 2 rpm, 3 tpm),
-# retry after (ms)}.
+# KEYS: each scope's bucket hash and in-flight zset. ARGV: reserved, lease id, lease ttl (ms),
+# then each scope's rpm, tpm, max_concurrent and what to take of it: "all", "count" (the request
+# only, at entry) or "rest" (the concurrency slot and tokens of a request counted already).
+# Every scope is checked before any is taken from, so nothing is taken unless all pass. Returns
+# {0, 0, 0, then each scope's requests left and tokens left} when admitted, else {which (1
+# concurrency, 2 rpm, 3 tpm), retry after (ms), the refusing scope's index}.
 _ACQUIRE_BODY_LUA = """
-local rpm = tonumber(ARGV[1])
-local tpm = tonumber(ARGV[2])
-local max_concurrent = tonumber(ARGV[3])
-local reserved = tonumber(ARGV[4])
-local lease_ttl = tonumber(ARGV[6])
-local mode = ARGV[7] or 'all'
-local r, tokens = refill(KEYS[1], rpm, tpm, now)
-if mode ~= 'count' then
-  redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
-  if redis.call('ZCARD', KEYS[2]) >= max_concurrent then
-    return {1, 1000}
+local reserved = tonumber(ARGV[1])
+local lease_ttl = tonumber(ARGV[3])
+local scopes = #KEYS / 2
+local rs, ts = {}, {}
+for i = 1, scopes do
+  local rpm = tonumber(ARGV[4 * i])
+  local tpm = tonumber(ARGV[4 * i + 1])
+  local max_concurrent = tonumber(ARGV[4 * i + 2])
+  local mode = ARGV[4 * i + 3]
+  local r, tokens = refill(KEYS[2 * i - 1], rpm, tpm, now)
+  if mode ~= 'count' then
+    redis.call('ZREMRANGEBYSCORE', KEYS[2 * i], '-inf', now)
+    if redis.call('ZCARD', KEYS[2 * i]) >= max_concurrent then
+      return {1, 1000, i}
+    end
   end
-end
-local taken = 0
-if mode ~= 'rest' then
-  if r < 1 then
-    return {2, math.ceil((1 - r) * 60000 / rpm)}
+  if mode ~= 'rest' and r < 1 then
+    return {2, math.ceil((1 - r) * 60000 / rpm), i}
   end
-  taken = 1
+  if tokens < reserved then
+    return {3, math.ceil((reserved - tokens) * 60000 / tpm), i}
+  end
+  rs[i], ts[i] = r, tokens
 end
-if tokens < reserved then
-  return {3, math.ceil((reserved - tokens) * 60000 / tpm)}
+local left = {0, 0, 0}
+for i = 1, scopes do
+  local mode = ARGV[4 * i + 3]
+  local taken = 0
+  if mode ~= 'rest' then
+    taken = 1
+  end
+  redis.call('HSET', KEYS[2 * i - 1], 'r', rs[i] - taken, 't', ts[i] - reserved, 'ts', now)
+  redis.call('PEXPIRE', KEYS[2 * i - 1], 600000)
+  if mode ~= 'count' then
+    redis.call('ZADD', KEYS[2 * i], now + lease_ttl, ARGV[2])
+    redis.call('PEXPIRE', KEYS[2 * i], lease_ttl + 60000)
+  end
+  left[#left + 1] = math.floor(rs[i] - taken)
+  left[#left + 1] = math.floor(ts[i] - reserved)
 end
-redis.call('HSET', KEYS[1], 'r', r - taken, 't', tokens - reserved, 'ts', now)
-redis.call('PEXPIRE', KEYS[1], 600000)
-if mode ~= 'count' then
-  redis.call('ZADD', KEYS[2], now + lease_ttl, ARGV[5])
-  redis.call('PEXPIRE', KEYS[2], lease_ttl + 60000)
-end
-return {0, 0, math.floor(r - taken), math.floor(tokens - reserved)}
+return left
 """
 
-# KEYS: bucket hash. ARGV: rpm, tpm, tokens to give back (negative: to take). The bucket is
-# refilled first and the correction applied after, as in memory: giving back never fills it
-# past the limit, and an overshoot is taken from what the bucket holds now.
+# KEYS: each scope's bucket hash. ARGV: tokens to give back (negative: to take), then each
+# scope's rpm and tpm. Each bucket is refilled first and the correction applied after, as in
+# memory: giving back never fills it past the limit, and an overshoot is taken from what the
+# bucket holds now.
 _SETTLE_BODY_LUA = """
-local rpm = tonumber(ARGV[1])
-local tpm = tonumber(ARGV[2])
-local delta = tonumber(ARGV[3])
-local r, tokens = refill(KEYS[1], rpm, tpm, now)
-redis.call('HSET', KEYS[1], 'r', r, 't', math.min(tpm, tokens + delta), 'ts', now)
-redis.call('PEXPIRE', KEYS[1], 600000)
+local delta = tonumber(ARGV[1])
+for i = 1, #KEYS do
+  local rpm = tonumber(ARGV[2 * i])
+  local tpm = tonumber(ARGV[2 * i + 1])
+  local r, tokens = refill(KEYS[i], rpm, tpm, now)
+  redis.call('HSET', KEYS[i], 'r', r, 't', math.min(tpm, tokens + delta), 'ts', now)
+  redis.call('PEXPIRE', KEYS[i], 600000)
+end
 return 0
 """
 
@@ -163,6 +178,45 @@ class Allowance:
     tokens: int
 
 
+@dataclass(frozen=True, slots=True)
+class LimitScope:
+    """One set of limits a request counts against: its tenant's (always), its model's as a
+    whole (every tenant's traffic together), or its tenant's on its model. Each scope is one
+    bucket and one set of leases, in Redis or in memory."""
+
+    # The stem of its Redis keys (the hash tag in braces) and its in-memory bucket's name.
+    key: str
+    limits: TenantLimits
+    # How a refusal and the ``x-ratelimit-scope-*`` headers name it.
+    name: str = "tenant"
+
+
+def tenant_scope(tenant_id: str, limits: TenantLimits) -> LimitScope:
+    # The key it always had (``prefix:{tenant}:bucket``), so buckets survive an upgrade.
+    return LimitScope(f"{{{tenant_id}}}", limits)
+
+
+def model_scope(model: str, limits: TenantLimits) -> LimitScope:
+    return LimitScope(f"{{model:{model}}}", limits, f"model {model}")
+
+
+def tenant_model_scope(tenant_id: str, model: str, limits: TenantLimits) -> LimitScope:
+    return LimitScope(f"{{{tenant_id}}}:model:{model}", limits, f"tenant on model {model}")
+
+
+def model_scopes(policies: Policies, tenant_id: str, model: ModelPolicy) -> tuple[LimitScope, ...]:
+    """The scopes a request to ``model`` counts against past its tenant's: the model's as a
+    whole, then the tenant's on the model, each where the policies set one."""
+    scopes: tuple[LimitScope, ...] = ()
+    whole = policies.model_limits(model)
+    if whole is not None:
+        scopes += (model_scope(model.name, whole),)
+    own = policies.tenant_model_limits(tenant_id, model)
+    if own is not None:
+        scopes += (tenant_model_scope(tenant_id, model.name, own),)
+    return scopes
+
+
 # OpenAI's ``x-ratelimit-*`` headers as header lines, filled in by one format operation.
 _RATE_LIMIT_LINES = (
     b"x-ratelimit-limit-requests: %d\r\n"
@@ -172,14 +226,25 @@ _RATE_LIMIT_LINES = (
     b"x-ratelimit-reset-requests: %dms\r\n"
     b"x-ratelimit-reset-tokens: %dms\r\n"
 )
+# Which scope each figure is of, where a request counts against more than its tenant's.
+_SCOPE_LINES = b"x-ratelimit-scope-requests: %s\r\nx-ratelimit-scope-tokens: %s\r\n"
 
 
 def rate_limit_lines(limits: TenantLimits, left: Allowance) -> bytes:
     """OpenAI's ``x-ratelimit-*`` headers, as header lines (``name: value\\r\\n`` each): each
     limit, what is left of it, and how long until it is whole again (the buckets refill
     continuously over a minute)."""
-    rpm, tpm = limits.requests_per_minute, limits.tokens_per_minute
-    requests, tokens = left.requests, left.tokens
+    return _lines(limits, left, limits, left)
+
+
+def _lines(
+    request_limits: TenantLimits,
+    requests_left: Allowance,
+    token_limits: TenantLimits,
+    tokens_left: Allowance,
+) -> bytes:
+    rpm, tpm = request_limits.requests_per_minute, token_limits.tokens_per_minute
+    requests, tokens = requests_left.requests, tokens_left.tokens
     requests, tokens = (requests if requests > 0 else 0), (tokens if tokens > 0 else 0)
     return _RATE_LIMIT_LINES % (
         rpm,
@@ -192,7 +257,8 @@ def rate_limit_lines(limits: TenantLimits, left: Allowance) -> bytes:
 
 
 class LimitLease:
-    """One admitted request's hold on its tenant's limits."""
+    """One admitted request's hold on its tenant's limits, and on its model's where it has
+    any (``scopes``: the tenant's first)."""
 
     __slots__ = (
         "_id",
@@ -203,6 +269,8 @@ class LimitLease:
         "_settled",
         "left",
         "reserved_tokens",
+        "scope_left",
+        "scopes",
         "tenant_id",
     )
 
@@ -218,6 +286,9 @@ class LimitLease:
         self._settled = False
         self._released = False
         self.left: Allowance | None = None  # what the tenant may still send, when known
+        # The scopes past the tenant's, and what each has left once taken from.
+        self.scopes: tuple[LimitScope, ...] = ()
+        self.scope_left: list[Allowance] = []
 
     @property
     def lease_id(self) -> str:
@@ -227,26 +298,46 @@ class LimitLease:
             self._id = self._limiter._new_lease_id()
         return self._id
 
-    def header_lines(self) -> bytes:
-        """The rate-limit headers as header lines (``rate_limit_lines``); none until known."""
-        return b"" if self.left is None else rate_limit_lines(self._limits, self.left)
+    def all_scopes(self) -> tuple[LimitScope, ...]:
+        return (tenant_scope(self.tenant_id, self._limits), *self.scopes)
 
-    async def reserve(self, tokens: int) -> None:
+    def header_lines(self) -> bytes:
+        """The rate-limit headers as header lines (``rate_limit_lines``); none until known.
+        Where the request counts against more than its tenant's limits, each figure is the
+        binding one (the scope with the least left of it), and the scopes are named."""
+        left = self.left
+        if left is None:
+            return b""
+        if not self.scopes:
+            return rate_limit_lines(self._limits, left)
+        scopes = list(zip(self.all_scopes(), [left, *self.scope_left], strict=False))
+        by_requests = min(scopes, key=lambda pair: pair[1].requests)
+        by_tokens = min(scopes, key=lambda pair: pair[1].tokens)
+        return _lines(
+            by_requests[0].limits, by_requests[1], by_tokens[0].limits, by_tokens[1]
+        ) + _SCOPE_LINES % (by_requests[0].name.encode(), by_tokens[0].name.encode())
+
+    async def reserve(self, tokens: int, scopes: tuple[LimitScope, ...] = ()) -> None:
         """Take the concurrency slot and reserve the tokens of a request counted already
-        (``TenantLimiter.enter``); 429 if either is not there (the request stays counted)."""
+        (``TenantLimiter.enter``), and count it against ``scopes`` (its model's, known only once
+        its body is read) whole; 429 if any is not there (the request stays counted)."""
         reserved = max(0, tokens)
-        _refuse_if_too_large(reserved, self._limits)
+        for scope in (tenant_scope(self.tenant_id, self._limits), *scopes):
+            _refuse_if_too_large(reserved, scope)
+        self.scopes = scopes
         limiter = self._limiter
-        requests_left, tokens_left = (
+        lefts = (
             await limiter._take_shared(self, reserved, "rest")
             if limiter._shared(self, "rest")
             else limiter._take_local(self, reserved, "rest")
         )
+        requests_left, tokens_left = lefts[0]
         # Requests left as counted when this one was (the bucket has refilled a little since).
         if self.left is None:
             self.left = Allowance(requests_left, tokens_left)
         else:
             self.left.tokens = tokens_left
+        self.scope_left = [Allowance(r, t) for r, t in lefts[1:]]
         self.reserved_tokens = reserved
 
     async def settle(self, actual_tokens: int) -> None:
@@ -262,7 +353,7 @@ class LimitLease:
                 self._limiter._settle_local(self, delta)
 
     async def release(self) -> None:
-        """Give the concurrency slot back. Idempotent."""
+        """Give the concurrency slots back. Idempotent."""
         if self._released:
             return
         self._released = True
@@ -302,30 +393,38 @@ class TenantLimiter:
         self._lease_numbers = itertools.count()
 
     async def acquire(
-        self, tenant_id: str, limits: TenantLimits, reserved_tokens: int
+        self,
+        tenant_id: str,
+        limits: TenantLimits,
+        reserved_tokens: int,
+        scopes: tuple[LimitScope, ...] = (),
     ) -> LimitLease:
-        """Count the request, take a concurrency slot and reserve its tokens, all or nothing."""
+        """Count the request, take a concurrency slot and reserve its tokens, all or nothing,
+        in the tenant's limits and in ``scopes``."""
         reserved = max(0, reserved_tokens)
-        _refuse_if_too_large(reserved, limits)
+        for scope in (tenant_scope(tenant_id, limits), *scopes):
+            _refuse_if_too_large(reserved, scope)
         lease = LimitLease(self, tenant_id, limits, reserved)
-        requests_left, tokens_left = (
+        lease.scopes = scopes
+        lefts = (
             await self._take_shared(lease, reserved, "all")
             if self._shared(lease, "all")
             else self._take_local(lease, reserved, "all")
         )
-        lease.left = Allowance(requests_left, tokens_left)
+        lease.left = Allowance(*lefts[0])
+        lease.scope_left = [Allowance(r, t) for r, t in lefts[1:]]
         return lease
 
     async def enter(self, tenant_id: str, limits: TenantLimits) -> LimitLease:
         """Count one request, before anything about it is known but its key; its concurrency
         slot and tokens are taken later (``LimitLease.reserve``)."""
         lease = LimitLease(self, tenant_id, limits, 0)
-        requests_left, tokens_left = (
+        lefts = (
             await self._take_shared(lease, 0, "count")
             if self._shared(lease, "count")
             else self._take_local(lease, 0, "count")
         )
-        lease.left = Allowance(requests_left, tokens_left)
+        lease.left = Allowance(*lefts[0])
         return lease
 
     def _new_lease_id(self) -> str:
@@ -342,25 +441,29 @@ class TenantLimiter:
             and (mode != "rest" or lease._in_redis)
         )
 
-    # A take returns what is left of the requests and the tokens: a pair, not an ``Allowance``,
-    # since a request's second take only updates the tokens of the one its first take made.
-    async def _take_shared(self, lease: LimitLease, reserved: int, mode: _Mode) -> tuple[int, int]:
-        tenant_id, limits = lease.tenant_id, lease._limits
+    # A take returns what is left of the requests and the tokens of each scope (the tenant's
+    # first): pairs, not ``Allowance``s, since a request's second take only updates the tokens
+    # of the one its first take made. ``mode`` is the tenant's; the other scopes are taken
+    # from whole (they are first counted at the request's second take).
+    async def _take_shared(
+        self, lease: LimitLease, reserved: int, mode: _Mode
+    ) -> list[tuple[int, int]]:
+        scopes = lease.all_scopes()
         assert self._acquire_script is not None  # ``_shared`` said so
+        keys: list[str] = []
+        args: list[str | int] = [reserved, lease.lease_id, int(self._lease_ttl_ms)]
+        for index, scope in enumerate(scopes):
+            keys += [self._key(scope.key, "bucket"), self._key(scope.key, "inflight")]
+            limits = scope.limits
+            args += [
+                limits.requests_per_minute,
+                limits.tokens_per_minute,
+                limits.max_concurrent,
+                mode if index == 0 else "all",
+            ]
         try:
-            verdict, retry_ms, *left = await self._with_timeout(
-                self._acquire_script(
-                    keys=[self._key(tenant_id, "bucket"), self._key(tenant_id, "inflight")],
-                    args=[
-                        limits.requests_per_minute,
-                        limits.tokens_per_minute,
-                        limits.max_concurrent,
-                        reserved,
-                        lease.lease_id,
-                        int(self._lease_ttl_ms),
-                        mode,
-                    ],
-                )
+            verdict, retry_ms, refusing, *left = await self._with_timeout(
+                self._acquire_script(keys=keys, args=args)
             )
         except Exception as exc:
             if not _redis_unreachable(exc):
@@ -370,56 +473,68 @@ class TenantLimiter:
             if self._warned_fallback:
                 self._warned_fallback = False
                 log.warning("limits: Redis reachable again; limits are shared again")
-            _raise_if_refused(int(verdict), int(retry_ms) / 1000, limits)
+            if int(verdict):
+                _raise_if_refused(int(verdict), int(retry_ms) / 1000, scopes[int(refusing) - 1])
             lease._in_redis = True
-            return int(left[0]), int(left[1])
+            return [(int(left[i]), int(left[i + 1])) for i in range(0, len(left), 2)]
         return self._take_local(lease, reserved, mode)  # Redis unreachable: in memory
 
-    def _take_local(self, lease: LimitLease, reserved: int, mode: _Mode) -> tuple[int, int]:
-        """The script's decisions in memory, in its order: the concurrency slot (not when only
-        counting), the request (not for the rest of a counted one), the tokens (always: a
-        bucket left in debt by ``settle`` refuses even a request that reserves none)."""
+    def _take_local(self, lease: LimitLease, reserved: int, mode: _Mode) -> list[tuple[int, int]]:
+        """The script's decisions in memory, in its order: every scope checked (the concurrency
+        slot, not when only counting; the request, not for the rest of a counted one; the
+        tokens, always: a bucket left in debt by ``settle`` refuses even a request that
+        reserves none), then every scope taken from."""
         lease._in_redis = False
-        limits = lease._limits
         now = time.monotonic() * 1000
-        bucket = self._buckets.get(lease.tenant_id)
-        if bucket is None:
-            bucket = self._buckets[lease.tenant_id] = _Bucket(
-                limits.requests_per_minute, limits.tokens_per_minute, now
-            )
-        bucket.refill(limits, now)
-        counted = mode != "rest"
-        if mode != "count":
-            inflight = bucket.inflight
-            if len(inflight) >= limits.max_concurrent:
-                # Leases past their TTL no longer count; they can only matter at the limit, so
-                # they are looked for there, not on every request (and never exceed the limit
-                # in number).
-                for expired in [lid for lid, expiry in inflight.items() if expiry <= now]:
-                    del inflight[expired]
+        scopes = lease.all_scopes()
+        buckets: list[_Bucket] = []
+        for index, scope in enumerate(scopes):
+            limits = scope.limits
+            scope_mode = mode if index == 0 else "all"
+            bucket = self._buckets.get(scope.key)
+            if bucket is None:
+                bucket = self._buckets[scope.key] = _Bucket(
+                    limits.requests_per_minute, limits.tokens_per_minute, now
+                )
+            bucket.refill(limits, now)
+            if scope_mode != "count":
+                inflight = bucket.inflight
                 if len(inflight) >= limits.max_concurrent:
-                    _raise_if_refused(1, _CONCURRENCY_RETRY_S, limits)
-        if counted and bucket.requests < 1:
-            wait_ms = (1 - bucket.requests) * _WINDOW_MS / limits.requests_per_minute
-            _raise_if_refused(2, wait_ms / 1000, limits)
-        if bucket.tokens < reserved:
-            wait_ms = (reserved - bucket.tokens) * _WINDOW_MS / limits.tokens_per_minute
-            _raise_if_refused(3, wait_ms / 1000, limits)
-        if counted:
-            bucket.requests -= 1
-        bucket.tokens -= reserved
-        if mode != "count":
-            bucket.inflight[lease] = now + self._lease_ttl_ms
-        return _floor(bucket.requests), _floor(bucket.tokens)
+                    # Leases past their TTL no longer count; they can only matter at the limit,
+                    # so they are looked for there, not on every request (and never exceed the
+                    # limit in number).
+                    for expired in [lid for lid, expiry in inflight.items() if expiry <= now]:
+                        del inflight[expired]
+                    if len(inflight) >= limits.max_concurrent:
+                        _raise_if_refused(1, _CONCURRENCY_RETRY_S, scope)
+            if scope_mode != "rest" and bucket.requests < 1:
+                wait_ms = (1 - bucket.requests) * _WINDOW_MS / limits.requests_per_minute
+                _raise_if_refused(2, wait_ms / 1000, scope)
+            if bucket.tokens < reserved:
+                wait_ms = (reserved - bucket.tokens) * _WINDOW_MS / limits.tokens_per_minute
+                _raise_if_refused(3, wait_ms / 1000, scope)
+            buckets.append(bucket)
+        lefts: list[tuple[int, int]] = []
+        for index, bucket in enumerate(buckets):
+            scope_mode = mode if index == 0 else "all"
+            if scope_mode != "rest":
+                bucket.requests -= 1
+            bucket.tokens -= reserved
+            if scope_mode != "count":
+                bucket.inflight[lease] = now + self._lease_ttl_ms
+            lefts.append((_floor(bucket.requests), _floor(bucket.tokens)))
+        return lefts
 
     async def _settle_shared(self, lease: LimitLease, delta: int) -> None:
-        limits = lease._limits
         assert self._settle_script is not None  # a lease is in Redis only if it is configured
+        scopes = lease.all_scopes()
+        args: list[str | int] = [delta]
+        for scope in scopes:
+            args += [scope.limits.requests_per_minute, scope.limits.tokens_per_minute]
         try:
             await self._with_timeout(
                 self._settle_script(
-                    keys=[self._key(lease.tenant_id, "bucket")],
-                    args=[limits.requests_per_minute, limits.tokens_per_minute, delta],
+                    keys=[self._key(scope.key, "bucket") for scope in scopes], args=args
                 )
             )
         except Exception as exc:
@@ -428,32 +543,42 @@ class TenantLimiter:
             self._warn_fallback(exc)  # the reservation stands: conservative
 
     def _settle_local(self, lease: LimitLease, delta: int) -> None:
-        limits = lease._limits
-        bucket = self._buckets.get(lease.tenant_id)
-        if bucket is not None:
-            now = time.monotonic() * 1000
-            bucket.refill(limits, now)
-            bucket.tokens = min(limits.tokens_per_minute, bucket.tokens + delta)
+        now = time.monotonic() * 1000
+        for scope in lease.all_scopes():
+            bucket = self._buckets.get(scope.key)
+            if bucket is not None:
+                limits = scope.limits
+                bucket.refill(limits, now)
+                bucket.tokens = min(limits.tokens_per_minute, bucket.tokens + delta)
 
     async def _release_shared(self, lease: LimitLease) -> None:
         assert self._redis is not None  # a lease is in Redis only if it is configured
         try:
-            await self._with_timeout(
-                self._redis.zrem(self._key(lease.tenant_id, "inflight"), lease.lease_id)
-            )
+            scopes = lease.all_scopes()
+            if len(scopes) == 1:
+                await self._with_timeout(
+                    self._redis.zrem(self._key(scopes[0].key, "inflight"), lease.lease_id)
+                )
+            else:
+                pipe = self._redis.pipeline(transaction=False)
+                for scope in scopes:
+                    pipe.zrem(self._key(scope.key, "inflight"), lease.lease_id)
+                await self._with_timeout(pipe.execute())
         except Exception as exc:
             if not _redis_unreachable(exc):
                 raise
             self._warn_fallback(exc)  # the lease expires on its own
 
     def _release_local(self, lease: LimitLease) -> None:
-        bucket = self._buckets.get(lease.tenant_id)
-        if bucket is not None:
-            bucket.inflight.pop(lease, None)
+        for scope in lease.all_scopes():
+            bucket = self._buckets.get(scope.key)
+            if bucket is not None:
+                bucket.inflight.pop(lease, None)
 
-    def _key(self, tenant_id: str, what: str) -> str:
-        # The hash tag keeps a tenant's keys in one slot of a Redis Cluster (one script).
-        return f"{self._prefix}:{{{tenant_id}}}:{what}"
+    def _key(self, stem: str, what: str) -> str:
+        # The hash tag in the stem keeps a tenant's keys in one slot of a Redis Cluster; a
+        # request with model limits takes keys of several slots (docs/operations.md).
+        return f"{self._prefix}:{stem}:{what}"
 
     async def _with_timeout(self, call: Awaitable[_T]) -> _T:
         # A partitioned Redis must not hang admission; a refused connection fails at once.
@@ -467,27 +592,46 @@ class TenantLimiter:
             log.error("limits: Redis unreachable (%r); enforcing limits per replica in memory", exc)
 
 
-def _refuse_if_too_large(reserved: int, limits: TenantLimits) -> None:
+def _refuse_if_too_large(reserved: int, scope: LimitScope) -> None:
+    limits = scope.limits
     if reserved > limits.tokens_per_minute:
         # Like OpenAI's "Request too large": a 429 that waiting alone will not cure.
-        raise rate_limited(
-            f"Request too large: {reserved} tokens (prompt + max_tokens) exceed the "
-            f"tenant's limit of {limits.tokens_per_minute} tokens per minute; "
-            "lower max_tokens or shorten the prompt.",
-            60.0,
+        raise _scoped(
+            rate_limited(
+                f"Request too large: {reserved} tokens (prompt + max_tokens) exceed the "
+                f"{_whose(scope)}limit of {limits.tokens_per_minute} tokens per minute; "
+                "lower max_tokens or shorten the prompt.",
+                60.0,
+            ),
+            scope,
         )
 
 
-def _raise_if_refused(verdict: int, retry_after_s: float, limits: TenantLimits) -> None:
+def _whose(scope: LimitScope) -> str:
+    if scope.name == "tenant":
+        return "tenant's "
+    return f"{scope.name}'s "
+
+
+def _raise_if_refused(verdict: int, retry_after_s: float, scope: LimitScope) -> None:
     if verdict == 0:
         return
+    limits = scope.limits
+    # The tenant's own limits keep their message; another scope's names itself.
+    where = "" if scope.name == "tenant" else f" ({scope.name})"
     if verdict == 1:
-        message = f"Too many concurrent requests: the limit is {limits.max_concurrent}."
+        message = f"Too many concurrent requests{where}: the limit is {limits.max_concurrent}."
     elif verdict == 2:
-        message = f"Rate limit reached: {limits.requests_per_minute} requests per minute."
+        message = f"Rate limit reached{where}: {limits.requests_per_minute} requests per minute."
     else:
-        message = f"Rate limit reached: {limits.tokens_per_minute} tokens per minute."
-    raise rate_limited(message, max(retry_after_s, 0.001))
+        message = f"Rate limit reached{where}: {limits.tokens_per_minute} tokens per minute."
+    raise _scoped(rate_limited(message, max(retry_after_s, 0.001)), scope)
+
+
+def _scoped(error: APIError, scope: LimitScope) -> APIError:
+    # The binding limit named in a header too, for clients that act on it without parsing.
+    error.headers["x-ratelimit-scope"] = scope.name
+    return error
 
 
 def _redis_unreachable(exc: Exception) -> bool:

@@ -114,3 +114,42 @@ def test_an_alias_is_served_under_its_name_and_audited_under_both(tmp_path: Path
             (ALIAS, MODEL),
             (MODEL, MODEL),
         ]
+
+
+def _model_limits(models: dict[str, Any], tenants: dict[str, Any]) -> None:
+    # tiny-llama: 4 requests a minute from every tenant together; "capped": 2 on it.
+    models["models"][0]["limits"] = {"requests_per_minute": 4}
+    tenants["tenants"]["capped"] = {"model_limits": {MODEL: {"requests_per_minute": 2}}}
+
+
+def test_model_and_tenant_on_model_limits_hold_across_two_replicas_sharing_redis(
+    tmp_path: Path,
+) -> None:
+    with policy_stack(tmp_path, _model_limits, replicas=2) as stack:
+        capped, free = stack.key("capped"), stack.key("free")
+        answers = []
+        for replica in (0, 1):
+            with stack.client(capped, replica) as client:
+                answers.append(client.post("/v1/chat/completions", json=chat(MODEL)))
+        assert [a.status_code for a in answers] == [200, 200]
+        assert answers[1].headers["x-ratelimit-scope-requests"] == "tenant on model tiny-llama"
+        assert answers[1].headers["x-ratelimit-remaining-requests"] == "0"
+        with stack.client(capped, 0) as client:
+            third = client.post("/v1/chat/completions", json=chat(MODEL))
+            assert third.status_code == 429
+            assert third.json()["error"]["message"] == (
+                "Rate limit reached (tenant on model tiny-llama): 2 requests per minute."
+            )
+            assert third.headers["x-ratelimit-scope"] == "tenant on model tiny-llama"
+            # Its other model is not capped.
+            assert client.post("/v1/chat/completions", json=chat(OTHER_MODEL)).status_code == 200
+        # The model's own 4 a minute: the capped tenant's 2 served and the free one's 2.
+        statuses = []
+        for replica in (1, 0, 1):
+            with stack.client(free, replica) as client:
+                statuses.append(client.post("/v1/chat/completions", json=chat(MODEL)))
+        assert [s.status_code for s in statuses] == [200, 200, 429]
+        assert statuses[2].json()["error"]["message"] == (
+            "Rate limit reached (model tiny-llama): 4 requests per minute."
+        )
+        assert statuses[2].headers["x-ratelimit-scope"] == "model tiny-llama"
