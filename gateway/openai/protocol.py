@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
 
-import jsonschema
+import jsonschema_rs
 import orjson
 from pydantic import (
     AfterValidator,
@@ -527,9 +527,11 @@ def check_json_schema(schema: Any, param: str) -> None:
         raise PydanticCustomError(
             "invalid_field", "A JSON schema must be an object.", {"param": param}
         )
+    # jsonschema-rs, not the pure-Python jsonschema: this runs on the event loop, which the
+    # pure-Python check held for as long as a large schema took to walk.
     try:
-        jsonschema.validators.validator_for(schema).check_schema(schema)
-    except jsonschema.exceptions.SchemaError as exc:
+        jsonschema_rs.meta.validate(schema)
+    except jsonschema_rs.ValidationError as exc:
         # The message may quote the schema (the offending part of it): a prefix only.
         why = clipped(exc.message, SCHEMA_ERROR_CHARS)
         raise PydanticCustomError(

@@ -1,9 +1,9 @@
 """The shape of a request's JSON schemas, bounded before anything reads them whole.
 
-Checking a schema against its metaschema (``jsonschema``, pure Python) costs time in proportion
-to the objects in it, each a subschema it may descend into, and Python stack in proportion to
-its nesting, not in proportion to its bytes: 3,500 properties in a 228 KB body held the event
-loop for over a second, and a schema nested 900 deep raised RecursionError (a 500). So the
+Checking a schema against its metaschema costs time in proportion to the objects in it, each a
+subschema it may descend into, and stack in proportion to its nesting, not in proportion to its
+bytes: with the pure-Python checker, 3,500 properties in a 228 KB body held the event loop for
+over a second, and a schema nested 900 deep raised RecursionError (a 500). So the
 request's schemas together (``response_format``'s, the ``json_schema`` field's, every tool's
 ``parameters``) are walked once, without recursion, before validation, and refused past any
 bound below. The walk stops at the first bound crossed, so it costs at most the bounds.
@@ -24,8 +24,8 @@ from typing import Any
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SchemaLimits:
-    # Nesting of JSON objects and arrays. jsonschema's check takes up to eight Python frames a
-    # level, so this stays far under the interpreter's 1,000 even from deep in a handler.
+    # Nesting of JSON objects and arrays: the metaschema check and the engine's grammar compiler
+    # both descend it recursively.
     depth: int = 64
     # JSON objects and arrays, all schemas of the request together: what the check's time goes
     # by (a property's schema is one object, an ``anyOf`` one array and an object per branch).

@@ -6,10 +6,10 @@ bounds, the check itself still runs to its end (no RecursionError, from deep in 
 from __future__ import annotations
 
 import sys
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import jsonschema
 import orjson
 import pytest
 
@@ -82,9 +82,12 @@ def no_metaschema_check(monkeypatch: pytest.MonkeyPatch) -> None:
     """Any metaschema check fails the test: a refusal by shape must come before it."""
 
     def forbidden(schema: Any, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError("the schema reached jsonschema")  # pydantic would catch an assert
+        raise RuntimeError("the schema reached the metaschema check")  # pydantic catches asserts
 
-    monkeypatch.setattr(jsonschema.validators, "validator_for", forbidden)
+    checker = types.SimpleNamespace(
+        meta=types.SimpleNamespace(validate=forbidden), ValidationError=ValueError
+    )
+    monkeypatch.setattr(protocol, "jsonschema_rs", checker)
 
 
 # ---- past a bound: a 400 naming it, before any metaschema check --------------------------
@@ -212,3 +215,18 @@ def test_the_walk_counts_the_schemas_as_given() -> None:
         yield "c", {"type": "object"}
 
     assert schema_shape_error(schemas()) is None
+
+
+# ---- within the bounds: the metaschema check itself ----------------------------------------
+
+
+def test_a_schema_that_breaks_the_metaschema_is_a_400_naming_the_field() -> None:
+    error = refused(response_format({"type": "object", "properties": {"a": {"type": 5}}}))
+    assert error.param == "response_format.json_schema.schema"
+    assert error.message.startswith("Invalid JSON schema:")
+
+
+def test_a_schema_at_every_bound_passes_the_metaschema_check() -> None:
+    schema = properties(LIMITS.properties)
+    parsed = protocol.parse_request(response_format(schema), protocol.ChatCompletionRequest)
+    assert parsed.response_format is not None
