@@ -27,7 +27,8 @@ from gateway.openai.tokenize import ModelTokenizer
 from gateway.openai.tool_use import new_tool_call_id
 from gateway.tool_parsers import ToolCall
 
-Kind = Literal["chat", "completion"]
+# "responses": a Responses API request, served as chat (``gateway.api.responses_api``).
+Kind = Literal["chat", "completion", "responses"]
 
 
 async def echoed(

@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
-from gateway.api import tokenize_routes
+from gateway.api import responses_api, tokenize_routes
 from gateway.api.answers import Kind
 from gateway.api.openapi import openapi_json
 from gateway.api.pipeline import handle_generation
@@ -44,6 +44,7 @@ def _json_bytes(body: bytes, status: int = 200) -> Response:
 GENERATION_PATHS: dict[str, Kind] = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "completion",
+    "/v1/responses": "responses",
 }
 
 
@@ -54,6 +55,12 @@ async def chat_completions(request: Request) -> Response:
 async def completions(request: Request) -> Response:
     return await handle_generation(
         _components(request), request.scope, request.receive, "completion"
+    )
+
+
+async def responses(request: Request) -> Response:
+    return await handle_generation(
+        _components(request), request.scope, request.receive, "responses"
     )
 
 
@@ -179,6 +186,8 @@ def openai_routes() -> list[BaseRoute]:
     return [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/responses", responses, methods=["POST"]),
+        *responses_api.responses_routes(),
         Route("/v1/models", models, methods=["GET"]),
         # A model name may contain "/" (``org/name``), as Hugging Face ids do.
         Route("/v1/models/{model:path}", retrieve_model, methods=["GET"]),

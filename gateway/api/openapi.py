@@ -47,6 +47,12 @@ from gateway.openai.protocol import (
     ModelList,
     UsageChunk,
 )
+from gateway.openai.responses import (
+    ResponseDeleted,
+    ResponseItemList,
+    ResponseObject,
+    ResponsesRequest,
+)
 from gateway.tenancy.store import OUTCOMES
 from gateway.workers.capacity import Role
 
@@ -231,6 +237,7 @@ class KeyCreate(_Body):
 _REQUEST_MODELS: tuple[type[BaseModel], ...] = (
     ChatCompletionRequest,
     CompletionRequest,
+    ResponsesRequest,
     TokenizeRequest,
     DetokenizeRequest,
     TenantCreate,
@@ -238,6 +245,9 @@ _REQUEST_MODELS: tuple[type[BaseModel], ...] = (
 )
 _RESPONSE_MODELS: tuple[type[BaseModel], ...] = (
     ErrorResponse,
+    ResponseObject,
+    ResponseItemList,
+    ResponseDeleted,
     ChatCompletion,
     Completion,
     ChatCompletionChunk,
@@ -363,6 +373,84 @@ def _admin(
     return {method: operation}
 
 
+def _responses_paths() -> dict[str, Any]:
+    """The Responses API (``gateway.api.responses_api``): created through the generation
+    pipeline; stored responses read and deleted by the tenant that created them only (another
+    tenant's id is the same 404 as a missing one)."""
+    response_id = _path_param("response_id")
+    stored_errors = _errors(*_AUTHENTICATED, 404, 503)
+    return {
+        "/v1/responses": {
+            "post": {
+                "summary": "Create a response (the Responses API), on the same core as chat",
+                "security": _BEARER,
+                "requestBody": {
+                    "required": True,
+                    "content": _json_content(_ref("ResponsesRequest")),
+                },
+                "responses": {
+                    "200": {
+                        "description": 'A ResponseObject, or with "stream": true an SSE stream of '
+                        "the Responses API's semantic events (response.created ... "
+                        "response.completed or response.incomplete; a failure after the first "
+                        "byte ends it with an error event and response.failed).",
+                        "content": {
+                            **_json_content(_ref("ResponseObject")),
+                            "text/event-stream": {"schema": _SSE_EVENT},
+                        },
+                    },
+                    **_GENERATION_ERRORS,
+                },
+            }
+        },
+        "/v1/responses/{response_id}": {
+            "get": {
+                "summary": "A stored response, as it was answered",
+                "security": _BEARER,
+                "parameters": [response_id],
+                "responses": {
+                    "200": {"description": "OK", "content": _json_content(_ref("ResponseObject"))},
+                    **stored_errors,
+                },
+            },
+            "delete": {
+                "summary": "Delete a stored response",
+                "security": _BEARER,
+                "parameters": [response_id],
+                "responses": {
+                    "200": {"description": "OK", "content": _json_content(_ref("ResponseDeleted"))},
+                    **stored_errors,
+                },
+            },
+        },
+        "/v1/responses/{response_id}/input_items": {
+            "get": {
+                "summary": "A stored response's input items, a page at a time",
+                "security": _BEARER,
+                "parameters": [
+                    response_id,
+                    _query_param("after", {"type": "string"}, "The item id the page starts after."),
+                    _query_param(
+                        "limit",
+                        {"type": "integer", "minimum": 1, "maximum": 100},
+                        "Page size (default 20).",
+                    ),
+                    _query_param(
+                        "order", {"type": "string", "enum": ["asc", "desc"]}, "Default desc."
+                    ),
+                ],
+                "responses": {
+                    "200": {
+                        "description": "OK",
+                        "content": _json_content(_ref("ResponseItemList")),
+                    },
+                    **_errors(400, *_AUTHENTICATED, 404, 503),
+                },
+            }
+        },
+    }
+
+
 def _paths() -> dict[str, Any]:
     tenant_id, key_id = _path_param("tenant_id"), _path_param("key_id")
     audit_filters = [
@@ -399,6 +487,7 @@ def _paths() -> dict[str, Any]:
         "/v1/completions": _generation(
             "Create a completion", "CompletionRequest", "Completion", "CompletionChunk"
         ),
+        **_responses_paths(),
         "/v1/models": {
             "get": {
                 "summary": "Models, with their effective context as of now",

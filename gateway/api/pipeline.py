@@ -18,7 +18,7 @@ import dataclasses
 import logging
 import re
 import time
-from collections.abc import AsyncGenerator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -27,7 +27,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from gateway.api import answers
+from gateway.api import answers, responses_api
 from gateway.api.answers import Kind
 from gateway.common.errors import APIError, bad_request
 from gateway.common.ids import new_generation_id
@@ -122,9 +122,16 @@ async def handle_generation(
             settings.body_timeout_s,
             components.parser,
         )
-        parsed = await components.parser.parse(
-            body, ChatCompletionRequest if kind == "chat" else CompletionRequest
-        )
+        # A Responses request becomes the chat request the core serves (``responses_api``).
+        responses_call = None
+        parsed: ChatCompletionRequest | CompletionRequest
+        if kind == "responses":
+            responses_call = await responses_api.parse(components, trace, principal.tenant_id, body)
+            parsed = responses_call.chat
+        else:
+            parsed = await components.parser.parse(
+                body, ChatCompletionRequest if kind == "chat" else CompletionRequest
+            )
         trace.stream = streaming = parsed.streaming
         trace.model = name = parsed.model
         policies = components.policies
@@ -163,11 +170,18 @@ async def handle_generation(
             limit_lines = admitted.lease.header_lines() if admitted.lease is not None else b""
             if streaming:
                 streams = await core.open_stream(admitted, trace)
-                events = answers.sse_events(
-                    trace, streams, kind, parsed.include_usage, parsed.continuous_usage
-                )
+                if responses_call is not None:
+                    events = responses_api.sse_events(components, responses_call, streams)
+                    failure_event = responses_call.failure_event
+                else:
+                    events = answers.sse_events(
+                        trace, streams, kind, parsed.include_usage, parsed.continuous_usage
+                    )
+                    failure_event = _error_event
                 # From here the stream listens for the disconnect itself.
-                return GuardedStream(core, trace, events, streams, held.pop_all(), limit_lines)
+                return GuardedStream(
+                    core, trace, events, streams, held.pop_all(), limit_lines, failure_event
+                )
             generated = completions = await core.complete(admitted, trace)
         if isinstance(parsed, CompletionRequest) and candidates > parsed.choices:
             completions = best_of(generated, candidates, parsed.choices)
@@ -177,8 +191,11 @@ async def handle_generation(
             completions = await answers.echoed(parsed, completions, tokenizer)
             if parsed.max_tokens == 0:  # the tokens generated anyway are not the client's
                 generated = [dataclasses.replace(c, completion_tokens=0) for c in generated]
-        fingerprint = answers.system_fingerprint(model.name, str(model.tokenizer))
-        result = answers.whole_answer(kind, trace, name, fingerprint, completions, generated)
+        if responses_call is not None:
+            result = await responses_api.answer(components, responses_call, trace, completions[0])
+        else:
+            fingerprint = answers.system_fingerprint(model.name, str(model.tokenizer))
+            result = answers.whole_answer(kind, trace, name, fingerprint, completions, generated)
         core.record(trace, SERVED)
         return JSONBodyResponse(orjson.dumps(result), trace.generation_id, limit_lines)
     except IsolationFailure as failure:
@@ -496,6 +513,11 @@ def _prompts(parsed: ChatCompletionRequest | CompletionRequest) -> list[Prompt]:
 # ---- streaming ---------------------------------------------------------------------------
 
 
+def _error_event(error: APIError) -> bytes:
+    """A chat or completion stream's end after a failure: one OpenAI-format error event."""
+    return answers.sse_event(error.body())
+
+
 class GuardedStream(StreamingResponse):
     """An SSE response that always audits and releases, however the stream ends.
 
@@ -515,8 +537,11 @@ class GuardedStream(StreamingResponse):
         streams: ChoiceStreams,
         held: Held,
         extra_lines: bytes = b"",
+        failure_event: Callable[[APIError], bytes] | None = None,
     ) -> None:
         self._guarded_events = self._guarded(events)
+        # How a failure after the first byte is told (the API's error event).
+        self._failure_event = failure_event or _error_event
         super().__init__(self._guarded_events, media_type="text/event-stream")
         # The rest of the head as header lines (as ``JSONBodyResponse`` makes them).
         id_ = trace.generation_id.encode()
@@ -570,7 +595,7 @@ class GuardedStream(StreamingResponse):
                 yield event
             self._outcome = SERVED
         except IsolationFailure as failure:
-            yield answers.sse_event(failure.api_error().body())
+            yield self._failure_event(failure.api_error())
             self._outcome = Outcome.of_failure(failure, status=200)
         except (APIError, UpstreamStreamError) as error:
             api_error = (
@@ -583,5 +608,5 @@ class GuardedStream(StreamingResponse):
                     "upstream_error",
                 )
             )
-            yield answers.sse_event(api_error.body())
+            yield self._failure_event(api_error)
             self._outcome = Outcome("upstream_error", 200, api_error.code, api_error.message[:300])

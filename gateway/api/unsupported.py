@@ -26,7 +26,6 @@ UNSUPPORTED_ENDPOINTS: dict[str, str] = {
     "/v1/videos": "videos",
     "/v1/fine_tuning": "fine-tuning",
     "/v1/fine-tunes": "fine-tunes",
-    "/v1/responses": "responses",
     "/v1/conversations": "conversations",
     "/v1/assistants": "assistants",
     "/v1/threads": "threads",
@@ -37,7 +36,7 @@ UNSUPPORTED_ENDPOINTS: dict[str, str] = {
     "/v1/edits": "edits",
     "/v1/engines": "engines",
 }
-SERVED = "chat completions, completions, models, tokenize and detokenize"
+SERVED = "chat completions, completions, responses, models, tokenize and detokenize"
 _METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE"]
 
 

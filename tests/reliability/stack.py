@@ -86,6 +86,7 @@ def standin_stack(
     max_output_tokens: int = 1024,
     default_limits: dict[str, int] | None = None,
     worker_keep_alive_s: int = 5,
+    tenants: dict[str, Any] | None = None,
 ) -> Iterator[StandInStack]:
     """Start the stack; stop every part of it on the way out, whatever happened."""
     model_dir = ensure_tiny_model(DEFAULT_MODEL_DIR)
@@ -114,6 +115,7 @@ def standin_stack(
             max_context_tokens=STANDIN_POOL_TOKENS,
             max_output_tokens=max_output_tokens,
             default_limits=default_limits,
+            tenants=tenants,
         )
         gateway = GatewayProcess(
             policies_dir=policies, work_dir=work_dir, env=dict(env or {}), port=port or range_port()

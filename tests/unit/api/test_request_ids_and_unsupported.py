@@ -40,7 +40,7 @@ def client() -> TestClient:
         ("POST", "/v1/audio/speech", "audio"),
         ("POST", "/v1/images/generations", "images"),
         ("POST", "/v1/fine_tuning/jobs", "fine-tuning"),
-        ("POST", "/v1/responses", "responses"),
+        ("POST", "/v1/conversations", "conversations"),
         ("GET", "/v1/vector_stores/vs_1/files", "vector stores"),
     ],
 )
