@@ -94,6 +94,9 @@ class Settings(BaseSettings):
     redis_url: str | None = None
     # Prefix of every Redis key this deployment uses (capacity, limits, canaries).
     redis_key_prefix: str = "isogate"
+    # With Redis, every process renews its live KV claims this often; a claim not renewed for
+    # three heartbeats (a process killed while holding it) is free again.
+    claim_heartbeat_s: float = Field(default=1.0, gt=0)
     # The admin key (raw). Requests bearing it may administer tenants and read every audit event.
     admin_key: str | None = None
     # Secret from which per-tenant cache salts (SGLang ``extra_key``) are derived.

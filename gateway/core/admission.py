@@ -11,6 +11,11 @@ and the prompt fits each worker's ``max_req_input_len``; and the tokens are *cla
 the pair's free pool before dispatch. Admission is a claim, not a look: two requests that each
 fit a pool alone cannot both be sent to it on one stale poll. A ``Claim`` is released on every
 exit path (it is a context manager), so claimed tokens never leak.
+
+Across processes (``--workers``, replicas) the claims are shared through Redis when it is
+configured: ``ClaimLedger.take`` also claims atomically against every process's claims
+(``gateway.core.shared_claims``), and fails closed when Redis does not answer. This ledger
+stays this process's own account either way.
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from gateway.common.errors import APIError, bad_request
+from gateway.common.errors import APIError, bad_request, unavailable
+from gateway.core.shared_claims import ClaimsUnreachable, SharedClaims
 from gateway.workers.capacity import WorkerCapacity
 from gateway.workers.pairs import WorkerPair
 
@@ -70,6 +76,16 @@ def fits_now(
     return prompt_tokens <= limit.tokens and ledger.has_room(pair, need)
 
 
+def claims_unreachable(reason: str) -> APIError:
+    error = unavailable(
+        "Admission is paused: the claims shared between gateway processes cannot be reached; "
+        "try again shortly.",
+        code="claims_unreachable",
+    )
+    error.audit_detail = f"claims unreachable: {reason}"
+    return error
+
+
 def context_length_exceeded(
     prompt_tokens: int | str, limit: PromptLimit, max_tokens: int
 ) -> APIError:
@@ -84,9 +100,11 @@ def context_length_exceeded(
 
 @dataclass
 class ClaimLedger:
-    """Tokens claimed by requests in flight, per worker, in this process."""
+    """Tokens claimed by requests in flight, per worker, in this process; with ``shared``,
+    each claim is also taken against every process's claims."""
 
     claimed: dict[str, int] = field(default_factory=dict)
+    shared: SharedClaims | None = None
 
     def free_now(self, worker: WorkerCapacity) -> int:
         # The poll's use already counts requests that reached the worker; claims count those
@@ -106,12 +124,30 @@ class ClaimLedger:
             >= need
         )
 
-    def claim(self, urls: tuple[str, ...], tokens: int) -> Claim:
+    async def take(self, pair: WorkerPair, need: int) -> Claim | None:
+        """``need`` tokens claimed on both of the pair's pools if they have room now, counting
+        every process's claims when they are shared; None if they do not. Raises a 503 when
+        the shared claims cannot be reached (fail closed: see ``gateway.core.shared_claims``)."""
+        if not self.has_room(pair, need):
+            return None  # full on this process's own claims: no need to ask the others
+        if self.shared is None:
+            return self.claim(pair.urls, need)
+        try:
+            shared_id = await self.shared.claim(pair, need)
+        except ClaimsUnreachable as exc:
+            raise claims_unreachable(str(exc)) from exc
+        if shared_id is None:
+            return None
+        return self.claim(pair.urls, need, shared_id)
+
+    def claim(self, urls: tuple[str, ...], tokens: int, shared_id: str | None = None) -> Claim:
         for url in urls:
             self.claimed[url] = self.claimed.get(url, 0) + tokens
-        return Claim(self, urls, tokens)
+        return Claim(self, urls, tokens, shared_id)
 
-    def _release(self, urls: tuple[str, ...], tokens: int) -> None:
+    def _release(self, urls: tuple[str, ...], tokens: int, shared_id: str | None) -> None:
+        if shared_id is not None and self.shared is not None:
+            self.shared.release(shared_id)
         for url in urls:
             remaining = self.claimed.get(url, 0) - tokens
             if remaining > 0:
@@ -128,12 +164,13 @@ class Claim:
     ledger: ClaimLedger
     urls: tuple[str, ...]
     tokens: int
+    shared_id: str | None = None
     released: bool = False
 
     def release(self) -> None:
         if not self.released:
             self.released = True
-            self.ledger._release(self.urls, self.tokens)
+            self.ledger._release(self.urls, self.tokens, self.shared_id)
 
     def __enter__(self) -> Claim:
         return self

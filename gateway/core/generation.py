@@ -384,9 +384,9 @@ class GenerationCore:
             else:
                 lease = await self._limiter.acquire(ask.tenant_id, ask.limits, reserved, scopes)
                 held.push(lease.release)
-        if not self._ledger.has_room(pair, first_need):
+        claim = await self._ledger.take(pair, first_need)
+        if claim is None:
             raise _capacity_busy()  # taken by others while this one waited
-        claim = self._ledger.claim(pair.urls, first_need)
         held.push(claim.release)
         if metered:
             assert slot is not None  # a tenant's request: granted by the queue
@@ -513,9 +513,9 @@ class GenerationCore:
             claim = None
         try:
             if claim is None:
-                if not self._ledger.has_room(pair, need):
+                claim = await self._ledger.take(pair, need)
+                if claim is None:
                     raise _capacity_busy()
-                claim = self._ledger.claim(pair.urls, need)
             choice.request.priority = slot.priority
             output = await self._dispatcher.generate(pair, choice.request)
             completion = self._checked(admitted, choice, output)

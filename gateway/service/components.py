@@ -18,6 +18,7 @@ from gateway.core.admission import ClaimLedger
 from gateway.core.generation import GenerationCore
 from gateway.core.pair_queues import PairQueues, QueueSettings
 from gateway.core.routing import RoutingCache
+from gateway.core.shared_claims import SharedClaims
 from gateway.observability.loop_lag import LoopLagProbe
 from gateway.observability.metrics import Metrics
 from gateway.openai.tokenize import ModelTokenizer
@@ -143,6 +144,13 @@ async def build_components(settings: Settings) -> Components:
     capacity.set_workers(workers_of(policies))
     store = create_store(settings.database_url)
     metrics = Metrics()
+    # With Redis, KV claims are counted across every process that shares it (gate 1 holds
+    # across --workers and replicas); without it, per process as before.
+    shared_claims = None
+    if redis_client is not None:
+        shared_claims = SharedClaims(
+            redis_client, settings.redis_key_prefix, heartbeat_s=settings.claim_heartbeat_s
+        )
     scanner: ContentScanner = NoScanner()
     if settings.canary_scan:
         scanner = CanaryScanner(redis_client, settings.canary_redis_key, alert_on_hit(metrics))
@@ -152,7 +160,7 @@ async def build_components(settings: Settings) -> Components:
         tokenizers=tokenizers,
         capacity=capacity,
         routes=RoutingCache(capacity),
-        ledger=ClaimLedger(),
+        ledger=ClaimLedger(shared=shared_claims),
         dispatcher=PDDispatcher(
             UpstreamClient(
                 connect_timeout_s=settings.upstream_connect_timeout_s,
@@ -191,6 +199,8 @@ async def build_components(settings: Settings) -> Components:
     await components.audit.start()
     components.tasks.append(asyncio.create_task(capacity.run(), name="capacity-poller"))
     components.tasks.append(asyncio.create_task(capacity.run_liveness(), name="liveness-prober"))
+    if shared_claims is not None:
+        components.tasks.append(asyncio.create_task(shared_claims.run(), name="claims-heartbeat"))
     components.tasks.append(
         asyncio.create_task(components.revocations.run(), name="auth-invalidations")
     )

@@ -1,0 +1,193 @@
+"""Gate 1 across processes: KV claims every gateway process sharing one Redis counts together.
+
+The problem: ``ClaimLedger`` makes admission a claim, not a look, inside one process. Two
+processes (``--workers``, or replicas behind a load balancer) each see only their own claims,
+so each can admit a prompt that fits a pool alone and not together: the incident's
+precondition. A process can also die holding claims, and what it held must come back.
+
+The invariant: a request is sent to a pair only once one atomic step in Redis (a Lua script,
+loaded once and run by its hash) has found ``need`` tokens free on both of the pair's pools,
+counting every live claim of every process, and recorded this request's claim there. A claim
+is released when the request ends (``Claim.release`` in ``gateway.core.admission``, on every
+exit path of ``Held``) and otherwise expires ``claim_ttl_s`` after its last renewal: each
+process renews its own live claims every heartbeat, so the claims of a process killed while
+holding them are free within one TTL.
+
+Counted once, not twice: the engine's reported use already includes the requests it runs,
+and a claim lives from admission to the request's end, so a running request is in both. Free
+is the pool minus the *larger* of the two (as the per-process ledger does), never their sum:
+the claims bound what the gateway has sent or is sending, the engine's figure what anything
+else holds.
+
+When Redis does not answer, admission fails closed (``ClaimsUnreachable``: a 503 with
+Retry-After): no process can know what the others hold, and a per-process share of the pool
+would need a replica count nobody can vouch for. A claim whose recording or release was lost
+with Redis is not renewed by anyone and expires within one TTL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import uuid
+from typing import Any
+
+from gateway.workers.pairs import WorkerPair
+
+log = logging.getLogger(__name__)
+
+# KEYS: for each worker, its claims (hash id -> tokens) and their expiries (zset id -> ms);
+# ARGV: claim id, tokens, TTL in ms, then each worker's pool and reported use. Expired claims
+# are dropped first (a dead process's), then room is checked on every worker before the claim
+# is recorded on any: all or nothing. Returns 1, or 0 when it does not fit. The total is summed
+# from the claims each time rather than kept in a counter that could drift from them.
+_CLAIM_LUA = """
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+local id, need, ttl = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+for i = 0, #KEYS / 2 - 1 do
+  local ids, expiry = KEYS[2 * i + 1], KEYS[2 * i + 2]
+  local expired = redis.call('ZRANGEBYSCORE', expiry, '-inf', now)
+  if #expired > 0 then
+    redis.call('HDEL', ids, unpack(expired))
+    redis.call('ZREM', expiry, unpack(expired))
+  end
+  local total = 0
+  for _, tokens in ipairs(redis.call('HVALS', ids)) do total = total + tonumber(tokens) end
+  local pool, used = tonumber(ARGV[4 + 2 * i]), tonumber(ARGV[5 + 2 * i])
+  if pool - math.max(used, total) < need then
+    return 0
+  end
+end
+for i = 0, #KEYS / 2 - 1 do
+  local ids, expiry = KEYS[2 * i + 1], KEYS[2 * i + 2]
+  redis.call('HSET', ids, id, need)
+  redis.call('ZADD', expiry, now + ttl, id)
+  redis.call('PEXPIRE', ids, ttl)
+  redis.call('PEXPIRE', expiry, ttl)
+end
+return 1
+"""
+
+# KEYS: as for a claim; ARGV: the claim id.
+_RELEASE_LUA = """
+for i = 0, #KEYS / 2 - 1 do
+  redis.call('HDEL', KEYS[2 * i + 1], ARGV[1])
+  redis.call('ZREM', KEYS[2 * i + 2], ARGV[1])
+end
+return 1
+"""
+
+# KEYS: one worker's two keys; ARGV: TTL in ms, then (claim id, tokens) pairs, this process's
+# live claims on it. A claim found missing (expired while this process stalled past the TTL)
+# is recorded again: its request is still running, so its tokens are still taken. The keys
+# expire with their last claim, so a deployment that stops leaves nothing behind.
+_RENEW_LUA = """
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+local ids, expiry, ttl = KEYS[1], KEYS[2], tonumber(ARGV[1])
+for i = 2, #ARGV, 2 do
+  redis.call('HSET', ids, ARGV[i], ARGV[i + 1])
+  redis.call('ZADD', expiry, now + ttl, ARGV[i])
+end
+redis.call('PEXPIRE', ids, ttl)
+redis.call('PEXPIRE', expiry, ttl)
+return 1
+"""
+
+
+class ClaimsUnreachable(Exception):
+    """Redis did not answer a claim: admission fails closed."""
+
+
+class SharedClaims:
+    """This process's side of the claims every process counts together (see the module doc)."""
+
+    def __init__(
+        self, redis: Any, key_prefix: str, *, heartbeat_s: float, timeout_s: float = 1.0
+    ) -> None:
+        self._redis = redis
+        self._key_prefix = key_prefix
+        self.heartbeat_s = heartbeat_s
+        # Three missed heartbeats: a process is dead, not slow, by then.
+        self.ttl_ms = max(1, int(heartbeat_s * 3000))
+        self._timeout_s = timeout_s
+        self._claim = redis.register_script(_CLAIM_LUA)
+        self._release = redis.register_script(_RELEASE_LUA)
+        self._renew = redis.register_script(_RENEW_LUA)
+        self._owner = uuid.uuid4().hex[:12]
+        self._ids = itertools.count()
+        # Live claims of this process: id -> (worker URLs, tokens), what each heartbeat renews.
+        self.live: dict[str, tuple[tuple[str, ...], int]] = {}
+        # Releases under way, kept referenced until done.
+        self._releasing: set[asyncio.Task[None]] = set()
+
+    def keys(self, url: str) -> list[str]:
+        stem = f"{self._key_prefix}:claims:{url}"
+        return [f"{stem}:ids", f"{stem}:expiry"]
+
+    async def claim(self, pair: WorkerPair, need: int) -> str | None:
+        """Record ``need`` tokens on both of ``pair``'s pools if every process's claims leave
+        room: the claim's id, or None if they do not; raises ``ClaimsUnreachable``."""
+        claim_id = f"{self._owner}:{next(self._ids)}"
+        keys: list[str] = []
+        args: list[object] = [claim_id, need, self.ttl_ms]
+        for state in (pair.prefill_state, pair.decode_state):
+            keys.extend(self.keys(state.url))
+            args.extend((state.max_total_num_tokens, state.used_tokens))
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                admitted = await self._claim(keys=keys, args=args)
+        except Exception as exc:  # whatever Redis did, nothing is known: fail closed
+            # If the claim was recorded after all, nobody renews it: it expires within a TTL.
+            raise ClaimsUnreachable(f"{type(exc).__name__}: {exc}") from exc
+        if not admitted:
+            return None
+        self.live[claim_id] = (pair.urls, need)
+        return claim_id
+
+    def release(self, claim_id: str) -> None:
+        """Take the claim off in Redis, in the background: the request is over either way, and
+        a release that fails is no longer renewed, so it expires within a TTL."""
+        entry = self.live.pop(claim_id, None)
+        if entry is None:
+            return
+        task = asyncio.get_running_loop().create_task(self._released(claim_id, entry[0]))
+        self._releasing.add(task)
+        task.add_done_callback(self._releasing.discard)
+
+    async def _released(self, claim_id: str, urls: tuple[str, ...]) -> None:
+        keys = [key for url in urls for key in self.keys(url)]
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                await self._release(keys=keys, args=[claim_id])
+        except Exception as exc:
+            log.warning("claims: release of %s left to expire: %s", claim_id, exc)
+
+    async def renew(self) -> None:
+        """One heartbeat: every live claim of this process renewed, per worker."""
+        per_worker: dict[str, list[object]] = {}
+        for claim_id, (urls, tokens) in self.live.items():
+            for url in urls:
+                per_worker.setdefault(url, []).extend((claim_id, tokens))
+        if not per_worker:
+            return
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for url, entries in per_worker.items():
+                await self._renew(keys=self.keys(url), args=[self.ttl_ms, *entries], client=pipe)
+            await pipe.execute()
+
+    async def run(self) -> None:
+        while True:
+            try:
+                async with asyncio.timeout(self.heartbeat_s):
+                    await self.renew()
+            except Exception as exc:  # never let the heartbeat die; a missed beat is survivable
+                log.warning("claims: heartbeat failed: %s", exc)
+            await asyncio.sleep(self.heartbeat_s)
+
+    async def drain(self) -> None:
+        """Wait for the releases under way (shutdown, tests)."""
+        if self._releasing:
+            await asyncio.gather(*self._releasing, return_exceptions=True)

@@ -1,0 +1,195 @@
+"""Gate 1 across processes: the Lua claim, release and renewal against the real Redis.
+
+Each ``SharedClaims`` here stands for one gateway process (its own owner id); every test
+uses its own key prefix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from gateway.common.errors import APIError
+from gateway.config.policies import DecodeWorker, PrefillWorker
+from gateway.core.admission import ClaimLedger
+from gateway.core.shared_claims import ClaimsUnreachable, SharedClaims
+from gateway.workers.capacity import WorkerCapacity
+from gateway.workers.pairs import WorkerPair
+
+pytestmark = [pytest.mark.redis, pytest.mark.anyio]
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+REDIS_URL = os.environ.get("ISOGATE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+def pair(pool: int, *, used: int = 0, decode_pool: int | None = None) -> WorkerPair:
+    def state(url: str, role: Any, size: int) -> WorkerCapacity:
+        return WorkerCapacity(url, role, time.time(), size, None, None, 1, used, None)
+
+    prefill, decode = (
+        PrefillWorker(url="http://p:1", bootstrap_port=2),
+        DecodeWorker(url="http://d:1"),
+    )
+    return WorkerPair(
+        "shared",
+        prefill,
+        decode,
+        state(prefill.url, "prefill", pool),
+        state(decode.url, "decode", decode_pool if decode_pool is not None else pool),
+    )
+
+
+@pytest.fixture
+async def redis() -> AsyncIterator[Any]:
+    import redis.asyncio as redis_asyncio
+
+    client = redis_asyncio.from_url(REDIS_URL)
+    try:
+        await client.ping()
+    except Exception as exc:
+        await client.aclose()
+        pytest.fail(f"Redis at {REDIS_URL} is not reachable ({exc}); set ISOGATE_TEST_REDIS_URL")
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+async def prefix(redis: Any) -> AsyncIterator[str]:
+    prefix = "isogate-test-claims-" + secrets.token_hex(6)
+    yield prefix
+    keys = [key async for key in redis.scan_iter(match=f"{prefix}:*")]
+    if keys:
+        await redis.delete(*keys)
+
+
+def process(redis: Any, prefix: str, heartbeat_s: float = 1.0) -> SharedClaims:
+    return SharedClaims(redis, prefix, heartbeat_s=heartbeat_s)
+
+
+async def test_of_two_processes_racing_for_a_pool_that_holds_one_only_one_is_admitted(
+    redis: Any, prefix: str
+) -> None:
+    first, second = process(redis, prefix), process(redis, prefix)
+    target = pair(1000)
+    for _ in range(50):
+        ids = await asyncio.gather(first.claim(target, 600), second.claim(target, 600))
+        admitted = [(owner, i) for owner, i in zip((first, second), ids, strict=True) if i]
+        assert len(admitted) == 1, ids
+        owner, claim_id = admitted[0]
+        assert claim_id is not None
+        owner.release(claim_id)
+        await owner.drain()
+
+
+async def test_a_claim_takes_both_pools_or_neither(redis: Any, prefix: str) -> None:
+    claims = process(redis, prefix)
+    assert await claims.claim(pair(1000, decode_pool=500), 600) is None
+    for url in ("http://p:1", "http://d:1"):
+        assert await redis.hlen(claims.keys(url)[0]) == 0
+    assert await claims.claim(pair(1000), 600) is not None
+
+
+async def test_a_running_request_counts_once_not_as_claim_plus_engine_use(
+    redis: Any, prefix: str
+) -> None:
+    first, second = process(redis, prefix), process(redis, prefix)
+    assert await first.claim(pair(1000), 400) is not None
+    # The engine now reports that request's 400 tokens in use: the larger of the two, 400,
+    # is taken, so 600 are free (their sum would leave 200).
+    assert await second.claim(pair(1000, used=400), 600) is not None
+    assert await second.claim(pair(1000, used=400), 1) is None
+    # Use the gateway did not claim (another client of the engine) is counted too.
+    third = process(redis, f"{prefix}-other")
+    assert await third.claim(pair(1000, used=900), 200) is None
+
+
+async def test_a_release_frees_the_tokens_for_every_process(redis: Any, prefix: str) -> None:
+    first, second = process(redis, prefix), process(redis, prefix)
+    claim_id = await first.claim(pair(1000), 600)
+    assert claim_id is not None
+    assert await second.claim(pair(1000), 600) is None
+    first.release(claim_id)
+    await first.drain()
+    assert await second.claim(pair(1000), 600) is not None
+
+
+async def test_a_process_that_stops_renewing_frees_its_claims_within_the_ttl(
+    redis: Any, prefix: str
+) -> None:
+    dead = process(redis, prefix, heartbeat_s=0.1)  # never renews: as if killed
+    alive = process(redis, prefix)
+    assert await dead.claim(pair(1000), 600) is not None
+    assert await alive.claim(pair(1000), 600) is None
+    deadline = time.monotonic() + 10 * dead.ttl_ms / 1000
+    while await alive.claim(pair(1000), 600) is None:
+        assert time.monotonic() < deadline, "the dead process's claim never expired"
+        await asyncio.sleep(0.05)
+
+
+async def test_a_process_that_renews_keeps_its_claims_past_the_ttl(redis: Any, prefix: str) -> None:
+    holder = process(redis, prefix, heartbeat_s=0.1)
+    other = process(redis, prefix)
+    assert await holder.claim(pair(1000), 600) is not None
+    for _ in range(8):  # well past three heartbeats
+        await holder.renew()
+        await asyncio.sleep(holder.heartbeat_s)
+    await holder.renew()
+    assert await other.claim(pair(1000), 600) is None
+
+
+async def test_a_renewal_records_again_a_claim_that_expired_while_its_request_still_runs(
+    redis: Any, prefix: str
+) -> None:
+    holder = process(redis, prefix, heartbeat_s=0.1)
+    other = process(redis, prefix)
+    assert await holder.claim(pair(1000), 600) is not None
+    await redis.delete(*holder.keys("http://p:1"), *holder.keys("http://d:1"))  # as if expired
+    await holder.renew()
+    assert await other.claim(pair(1000), 600) is None
+
+
+async def test_an_unreachable_redis_fails_admission_closed_with_retry_after() -> None:
+    import redis.asyncio as redis_asyncio
+
+    client = redis_asyncio.from_url("redis://127.0.0.1:1/0")  # nothing listens there
+    try:
+        claims = SharedClaims(client, "unreachable", heartbeat_s=1.0)
+        with pytest.raises(ClaimsUnreachable):
+            await claims.claim(pair(1000), 10)
+        ledger = ClaimLedger(shared=claims)
+        with pytest.raises(APIError) as refused:
+            await ledger.take(pair(1000), 10)
+        assert refused.value.status == 503
+        assert refused.value.code == "claims_unreachable"
+        assert "Retry-After" in refused.value.headers
+        assert ledger.claimed == {}
+    finally:
+        await client.aclose()
+
+
+async def test_the_ledger_takes_and_releases_the_shared_claim_with_its_own(
+    redis: Any, prefix: str
+) -> None:
+    ledger = ClaimLedger(shared=process(redis, prefix))
+    other = process(redis, prefix)
+    claim = await ledger.take(pair(1000), 600)
+    assert claim is not None and ledger.claimed == {"http://p:1": 600, "http://d:1": 600}
+    assert await other.claim(pair(1000), 600) is None
+    assert await ledger.take(pair(1000), 600) is None  # this process's own claims: no room
+    with claim:
+        pass
+    assert ledger.claimed == {}
+    assert ledger.shared is not None
+    await ledger.shared.drain()
+    assert await other.claim(pair(1000), 600) is not None
