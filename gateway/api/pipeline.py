@@ -168,6 +168,7 @@ async def handle_generation(
         with ClientWatch(scope, receive):
             admitted = await core.admit(ask, trace, held)
             limit_lines = admitted.lease.header_lines() if admitted.lease is not None else b""
+            limit_lines += admitted.budget_lines
             if streaming:
                 streams = await core.open_stream(admitted, trace)
                 if responses_call is not None:

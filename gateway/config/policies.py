@@ -189,6 +189,16 @@ class TenantLimits(_Strict):
     max_concurrent: int = Field(default=64, gt=0)
 
 
+class TokenBudget(_Strict):
+    """Prompt + completion tokens a tenant may use over a UTC day or calendar month."""
+
+    tokens: int = Field(gt=0)
+    period: Literal["day", "month"]
+    # Past this share of the budget a request is still served, but logged and counted
+    # (isogate_budget_soft_crossings) once, so the tenant can be told before the hard stop.
+    soft_percent: float = Field(default=80, gt=0, le=100)
+
+
 class TenantPolicy(_Strict):
     isolation: IsolationClass = "shared"
     limits: TenantLimits = TenantLimits()
@@ -205,6 +215,9 @@ class TenantPolicy(_Strict):
     models: tuple[str, ...] | None = None
     # The tenant's limits on one model (by its name in models.yaml), on top of its own.
     model_limits: dict[str, ScopeLimits] = {}
+    # Token budgets: over all its models, and over one model (by its name in models.yaml).
+    budget: TokenBudget | None = None
+    model_budgets: dict[str, TokenBudget] = {}
 
 
 class TenantsFile(_Strict):
@@ -318,6 +331,13 @@ def load_policies(directory: Path) -> Policies:
         models[model.name] = model.model_copy(update={"tokenizer": tokenizer.resolve()})
     tenants_path = directory / "tenants.yaml"
     for tenant_id, policy in [("defaults", tenants_file.defaults), *tenants_file.tenants.items()]:
+        unbudgeted = [name for name in policy.model_budgets if name not in models]
+        if unbudgeted:
+            where = "defaults" if tenant_id == "defaults" else f"tenants.{tenant_id}"
+            raise PolicyError(
+                f"{tenants_path}: {where}.model_budgets: no such model {unbudgeted[0]!r} "
+                "in models.yaml"
+            )
         unlimited = [name for name in policy.model_limits if name not in models]
         if unlimited:
             where = "defaults" if tenant_id == "defaults" else f"tenants.{tenant_id}"

@@ -56,6 +56,7 @@ from gateway.openai.protocol import PromptLogprobs, TokenLogprob, utf8_length
 from gateway.openai.tokenize import ChatTurn, ModelTokenizer
 from gateway.tenancy.audit import AuditEvent, AuditLog
 from gateway.tenancy.auth import Principal
+from gateway.tenancy.budgets import TokenBudgets
 from gateway.tenancy.limits import LimitLease, TenantLimiter, model_scopes
 from gateway.tool_parsers import InvalidToolOutput, OutputParser, OutputSpec, ParsedOutput, ToolCall
 from gateway.verification.verify import (
@@ -176,6 +177,8 @@ class Admitted:
     # A whole answer whose choices past the first wait their own turns (see ``_Metered``).
     metered: _Metered | None = None
     max_tokens: int = 0
+    # The ``x-budget-*`` header lines of the tenant's token budget (none without one).
+    budget_lines: bytes = b""
 
 
 @dataclass(slots=True)
@@ -288,8 +291,10 @@ class GenerationCore:
         queues: PairQueues,
         margin_tokens: int,
         cache_salt_secret: str,
+        budgets: TokenBudgets | None = None,
     ) -> None:
         self._catalog = catalog
+        self._budgets = budgets
         self._queues = queues
         self._routes = routes
         self._ledger = ledger
@@ -315,6 +320,10 @@ class GenerationCore:
         """Gate 1 for every prompt, then the claims for every choice (pushed onto ``held``),
         on one pair; raises ``APIError`` on refusal."""
         model, margin, max_tokens = ask.model, self._margin, ask.max_tokens
+        budget_lines = b""
+        if ask.limits is not None and self._budgets is not None:
+            # A spent token budget refuses before the request queues or reserves tokens.
+            budget_lines = await self._budgets.check(self._catalog.policies, ask.tenant_id, model)
         if ask.pair is None:
             candidates = self._routes.candidates(self._catalog.policies, model, ask.tenant_id)
         else:
@@ -430,6 +439,7 @@ class GenerationCore:
             slot,
             metered_by,
             max_tokens,
+            budget_lines,
         )
 
     def _encoding(
@@ -618,6 +628,20 @@ class GenerationCore:
         """The one place a request's outcome is recorded: audit event, counters, log line."""
         event = trace.event(outcome)
         self._audit.record(event)
+        principal = trace.principal
+        if (
+            self._budgets is not None
+            and principal is not None
+            and trace.policy_model is not None
+            and trace.completion_tokens is not None
+        ):
+            # Settled after the response, as the audit log (the budgets' durable record) says.
+            self._budgets.charge_later(
+                self._catalog.policies,
+                principal.tenant_id,
+                trace.policy_model,
+                (trace.prompt_tokens or 0) + trace.completion_tokens,
+            )
         if outcome.outcome == "verification_failed":
             log.error(
                 "isolation check failed",
@@ -643,9 +667,11 @@ class GenerationCore:
                 },
             )
         tenant = trace.principal.tenant_id if trace.principal else ""
-        # A model name the client made up is not a label value: clients could grow the series.
-        # The policy's name: an alias's traffic is its model's.
-        model = trace.policy_model
+        # The policy's name: an alias's traffic is its model's. A model name the client made
+        # up is not a label value: clients could grow the series.
+        model = trace.policy_model or (
+            trace.model if trace.model in self._catalog.policies.models else ""
+        )
         self._metrics.observe_request(
             model or "", tenant, outcome.outcome, time.perf_counter() - trace.started
         )

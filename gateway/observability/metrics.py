@@ -231,6 +231,19 @@ class Metrics:
             ["tenant"],
             registry=self.registry,
         )
+        self.budget_soft_crossings = Counter(
+            "isogate_budget_soft_crossings",
+            "Token budgets that passed their soft threshold, by tenant and scope ('tenant' or "
+            "'model M').",
+            ["tenant", "scope"],
+            registry=self.registry,
+        )
+        self.budget_refusals = Counter(
+            "isogate_budget_refusals",
+            "Requests refused because a token budget was spent, by tenant and scope.",
+            ["tenant", "scope"],
+            registry=self.registry,
+        )
         self.unauthenticated_requests = Counter(
             "isogate_unauthenticated_requests",
             "Generation requests refused before a tenant was known, by error code.",

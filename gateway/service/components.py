@@ -26,6 +26,7 @@ from gateway.server.intake import BodyParser
 from gateway.service.canary import CanaryMetrics, CanaryProber
 from gateway.tenancy.audit import AuditLog
 from gateway.tenancy.auth import Authenticator, UnauthenticatedClients
+from gateway.tenancy.budgets import TokenBudgets
 from gateway.tenancy.limits import TenantLimiter
 from gateway.tenancy.revocations import Revocations
 from gateway.tenancy.store import Store, create_store
@@ -63,6 +64,8 @@ class Components:
     revocations: Revocations = field(init=False)
     # The Responses API's stored responses (in the store's database).
     responses: ResponseStore = field(init=False)
+    # Token budgets: counted in Redis (or here), rebuilt from the audit log.
+    budgets: TokenBudgets = field(init=False)
 
     def __post_init__(self) -> None:
         self.responses = ResponseStore(self.store)
@@ -71,6 +74,9 @@ class Components:
             self.redis,
             self.settings.redis_key_prefix,
             self.metrics.auth_invalidations,
+        )
+        self.budgets = TokenBudgets(
+            self.redis, self.settings.redis_key_prefix, self.store.token_usage, self.metrics
         )
         self.core = GenerationCore(
             catalog=self,
@@ -84,6 +90,7 @@ class Components:
             queues=self.queues,
             margin_tokens=self.settings.admission_safety_margin_tokens,
             cache_salt_secret=self.settings.cache_salt_secret,
+            budgets=self.budgets,
         )
 
     def workers(self) -> list[tuple[str, Role]]:
@@ -249,6 +256,7 @@ async def close_components(components: Components) -> None:
         task.cancel()
     await asyncio.gather(*components.tasks, return_exceptions=True)
     components.parser.close()
+    await components.budgets.drain()  # charges under way reach their counters
     await components.audit.close()
     await components.capacity.close()
     await components.dispatcher.aclose()

@@ -672,6 +672,24 @@ class Store:
         with self.reader.connect() as conn:
             return int(conn.execute(select(func.count()).select_from(audit_events)).scalar_one())
 
+    def token_usage(self, tenant_id: str, since: datetime, policy_model: str | None = None) -> int:
+        """The prompt + completion tokens of the tenant's generations since ``since`` (on one
+        model, where given): the durable record its token budgets are rebuilt from. A request
+        counts once it generated (its completion tokens are recorded), however it ended."""
+        t = audit_events
+        conditions = [
+            t.c.tenant_id == tenant_id,
+            t.c.created_at >= since,
+            t.c.completion_tokens.is_not(None),
+        ]
+        if policy_model is not None:
+            conditions.append(t.c.policy_model == policy_model)
+        total = func.coalesce(
+            func.sum(func.coalesce(t.c.prompt_tokens, 0) + t.c.completion_tokens), 0
+        )
+        with self.reader.connect() as conn:
+            return int(conn.execute(select(total).where(*conditions)).scalar_one())
+
 
 def audit_row_json(row: dict[str, Any], *, admin: bool) -> dict[str, object]:
     """The public shape of one audit event. Worker URLs are internal addresses: only the admin

@@ -1,0 +1,296 @@
+"""Token budgets: the prompt + completion tokens a tenant may use over a UTC day or calendar
+month, over all its models (tenants.yaml ``budget``) and over one (``model_budgets``).
+
+A request is refused (429 ``budget_exceeded``) once a budget it counts against is spent, and
+charged what it used after its response (``charge``, from the audit record), so the last
+request of a budget may overshoot it by its own size. Past a budget's soft threshold a request
+is still served; the crossing is logged and counted once (``isogate_budget_soft_crossings``).
+
+Where the count lives: with Redis, one counter per (tenant, scope, period) that every replica
+adds to, so replicas share a budget; without, a counter in process. Neither is the durable
+record: the audit log is (every generation's event holds its tokens, its tenant and its
+model). A counter that is not there (a new period, a restarted gateway without Redis, a Redis
+that lost its keys) is rebuilt from the audit log before it is read, so a restart never resets
+a budget. What the rebuild can miss is the events not yet written to the database at that
+moment (one flush interval's); it never counts one twice, since a charge only adds to a counter
+that exists.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+from gateway.common.errors import APIError
+from gateway.config.policies import ModelPolicy, Policies, TokenBudget
+
+if TYPE_CHECKING:
+    import redis.asyncio
+
+    from gateway.observability.metrics import Metrics
+
+log = logging.getLogger("isogate.budgets")
+
+# The tokens since a moment, from the durable record: (tenant, since, model or None) -> tokens.
+UsageSince = Callable[[str, datetime, str | None], int]
+
+# KEYS: the counter. ARGV: tokens. Adds to a counter that exists; one that does not is rebuilt
+# from the audit log (which holds this request) when next read. Returns the new count, or -1.
+_CHARGE_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  return -1
+end
+return redis.call('INCRBY', KEYS[1], ARGV[1])
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetScope:
+    """One budget a request counts against."""
+
+    name: str  # "tenant" (all its models) or "model M"
+    model: str | None  # None: all its models
+    budget: TokenBudget
+
+
+def budget_scopes(policies: Policies, tenant_id: str, model: ModelPolicy) -> list[BudgetScope]:
+    policy = policies.tenant(tenant_id)
+    scopes = []
+    if policy.budget is not None:
+        scopes.append(BudgetScope("tenant", None, policy.budget))
+    own = policy.model_budgets.get(model.name)
+    if own is not None:
+        scopes.append(BudgetScope(f"model {model.name}", model.name, own))
+    return scopes
+
+
+def period_bounds(period: str, now: datetime) -> tuple[datetime, datetime]:
+    """The UTC day or calendar month holding ``now``: its start and its end."""
+    if period == "day":
+        start = now.replace(hour=0, minute=0, second=0, microsecond=0)
+        return start, start + timedelta(days=1)
+    start = now.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+    end = (
+        start.replace(year=start.year + 1, month=1)
+        if start.month == 12
+        else start.replace(month=start.month + 1)
+    )
+    return start, end
+
+
+@dataclass(slots=True)
+class _Standing:
+    scope: BudgetScope
+    used: int
+    ends: datetime
+
+    @property
+    def remaining(self) -> int:
+        return max(0, self.scope.budget.tokens - self.used)
+
+
+class TokenBudgets:
+    def __init__(
+        self,
+        redis: redis.asyncio.Redis | None,
+        key_prefix: str,
+        usage_since: UsageSince,
+        metrics: Metrics | None = None,
+        *,
+        clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+        redis_timeout_s: float = 0.5,
+    ) -> None:
+        self._redis = redis
+        self._prefix = key_prefix
+        self._usage_since = usage_since
+        self._metrics = metrics
+        self._clock = clock
+        self._timeout_s = redis_timeout_s
+        self._charge_script = redis.register_script(_CHARGE_LUA) if redis is not None else None
+        # Without Redis (or while it fails): the counters of this process, by key.
+        self._local: dict[str, int] = {}
+        self._pending: set[asyncio.Task[None]] = set()
+
+    async def check(self, policies: Policies, tenant_id: str, model: ModelPolicy) -> bytes:
+        """Refuse (429 ``budget_exceeded``) if a budget the request counts against is spent;
+        else the ``x-budget-*`` header lines of the one with the least left (none without a
+        budget)."""
+        scopes = budget_scopes(policies, tenant_id, model)
+        if not scopes:
+            return b""
+        now = self._clock()
+        standings = []
+        for scope in scopes:
+            start, ends = period_bounds(scope.budget.period, now)
+            used = await self._used(tenant_id, scope, start, ends, now)
+            standing = _Standing(scope, used, ends)
+            if standing.remaining <= 0:
+                if self._metrics is not None:
+                    self._metrics.budget_refusals.labels(tenant_id, scope.name).inc()
+                raise _spent(standing, now)
+            standings.append(standing)
+        return _header_lines(min(standings, key=lambda s: s.remaining))
+
+    def charge_later(self, policies: Policies, tenant_id: str, model: str, tokens: int) -> None:
+        """``charge``, from a caller that cannot wait (the audit record)."""
+        found = policies.models.get(model)
+        if found is None or tokens <= 0 or not budget_scopes(policies, tenant_id, found):
+            return
+        task = asyncio.get_running_loop().create_task(
+            self.charge(policies, tenant_id, found, tokens)
+        )
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def charge(
+        self, policies: Policies, tenant_id: str, model: ModelPolicy, tokens: int
+    ) -> None:
+        """Add a request's tokens, as settled after its response, to every budget it counts
+        against; log and count a soft threshold crossed."""
+        now = self._clock()
+        for scope in budget_scopes(policies, tenant_id, model):
+            start, _ = period_bounds(scope.budget.period, now)
+            key = self._key(tenant_id, scope, start)
+            try:
+                after = await self._add(key, tokens)
+            except Exception:
+                log.exception("budgets: charging %s failed", key)
+                continue
+            if after < 0:
+                continue  # no counter: rebuilt from the audit log, this request included
+            soft = scope.budget.tokens * scope.budget.soft_percent / 100
+            if after - tokens < soft <= after:
+                log.warning(
+                    "budget soft threshold crossed",
+                    extra={
+                        "tenant_id": tenant_id,
+                        "scope": scope.name,
+                        "used": after,
+                        "budget": scope.budget.tokens,
+                        "period": scope.budget.period,
+                    },
+                )
+                if self._metrics is not None:
+                    self._metrics.budget_soft_crossings.labels(tenant_id, scope.name).inc()
+
+    async def drain(self) -> None:
+        """Wait for the charges under way (at shutdown, and in tests)."""
+        while self._pending:
+            await asyncio.gather(*list(self._pending), return_exceptions=True)
+
+    # -- the counters -----------------------------------------------------------------------
+
+    def _key(self, tenant_id: str, scope: BudgetScope, start: datetime) -> str:
+        period = start.strftime("%Y-%m-%d" if scope.budget.period == "day" else "%Y-%m")
+        return f"{self._prefix}:{{{tenant_id}}}:budget:{scope.model or '*'}:{period}"
+
+    async def _used(
+        self, tenant_id: str, scope: BudgetScope, start: datetime, ends: datetime, now: datetime
+    ) -> int:
+        key = self._key(tenant_id, scope, start)
+        redis = self._redis
+        if redis is not None:
+            try:
+                found = await asyncio.wait_for(redis.get(key), self._timeout_s)
+                if found is not None:
+                    return int(found)
+                rebuilt = await self._rebuilt(tenant_id, scope, start)
+                if rebuilt is None:
+                    return 0
+                # Kept a day past its period; another replica's rebuild may have won: read back.
+                ttl = int((ends - now).total_seconds()) + 86_400
+                await asyncio.wait_for(redis.set(key, rebuilt, nx=True, ex=ttl), self._timeout_s)
+                found = await asyncio.wait_for(redis.get(key), self._timeout_s)
+                return int(found) if found is not None else rebuilt
+            except Exception as exc:
+                if not _redis_unreachable(exc):
+                    raise
+                log.error("budgets: Redis unreachable (%r); counting in this process", exc)
+        used = self._local.get(key)
+        if used is None:
+            rebuilt = await self._rebuilt(tenant_id, scope, start)
+            if rebuilt is None:
+                return 0
+            used = self._local[key] = rebuilt
+        return used
+
+    async def _rebuilt(self, tenant_id: str, scope: BudgetScope, start: datetime) -> int | None:
+        """The period's use so far from the audit log; None (served, and retried on the next
+        request) while the database cannot say."""
+        try:
+            return await asyncio.to_thread(self._usage_since, tenant_id, start, scope.model)
+        except Exception as exc:
+            log.error("budgets: the audit log cannot be read (%r); not enforced meanwhile", exc)
+            return None
+
+    async def _add(self, key: str, tokens: int) -> int:
+        script = self._charge_script
+        if script is not None:
+            try:
+                result: Any = await asyncio.wait_for(
+                    script(keys=[key], args=[tokens]), self._timeout_s
+                )
+                return int(result)
+            except Exception as exc:
+                if not _redis_unreachable(exc):
+                    raise
+                log.error("budgets: Redis unreachable (%r); counting in this process", exc)
+        if key not in self._local:
+            return -1
+        self._local[key] += tokens
+        return self._local[key]
+
+
+def _header_lines(standing: _Standing) -> bytes:
+    return (
+        b"x-budget-limit-tokens: %d\r\nx-budget-remaining-tokens: %d\r\n"
+        b"x-budget-reset: %s\r\nx-budget-scope: %s\r\n"
+        % (
+            standing.scope.budget.tokens,
+            standing.remaining,
+            _rfc3339(standing.ends).encode(),
+            standing.scope.name.encode(),
+        )
+    )
+
+
+def _spent(standing: _Standing, now: datetime) -> APIError:
+    budget = standing.scope.budget
+    whose = "the tenant's" if standing.scope.model is None else f"{standing.scope.name}'s"
+    renews = _rfc3339(standing.ends)
+    return APIError(
+        429,
+        f"Token budget spent: {whose} {budget.tokens} tokens per {budget.period} are used "
+        f"({standing.used}); it renews at {renews}.",
+        "rate_limit_error",
+        "budget_exceeded",
+        headers={
+            "Retry-After": str(max(1, int((standing.ends - now).total_seconds()) + 1)),
+            "x-budget-limit-tokens": str(budget.tokens),
+            "x-budget-remaining-tokens": "0",
+            "x-budget-reset": renews,
+            "x-budget-scope": standing.scope.name,
+        },
+    )
+
+
+def _rfc3339(moment: datetime) -> str:
+    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _redis_unreachable(exc: Exception) -> bool:
+    import redis.exceptions
+
+    return isinstance(
+        exc,
+        (
+            redis.exceptions.ConnectionError,
+            redis.exceptions.TimeoutError,
+            OSError,
+            asyncio.TimeoutError,
+        ),
+    )
