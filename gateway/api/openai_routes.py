@@ -142,6 +142,14 @@ async def workers(request: Request) -> Response:
     return _json({"object": "list", "data": data})
 
 
+async def policies(request: Request) -> Response:
+    """The policies in force on this replica (admin only), as ``Policies.summary`` gives them:
+    what ``isogate policies check --live`` compares a directory with."""
+    components = _components(request)
+    await components.authenticator.require_admin(request.headers.get("authorization"))
+    return _json(components.policies.summary())
+
+
 async def healthz(request: Request) -> Response:
     return _json({"status": "ok"})
 
@@ -194,6 +202,7 @@ def openai_routes() -> list[BaseRoute]:
         Route("/v1/tokenize", tokenize, methods=["POST"]),
         Route("/v1/detokenize", detokenize, methods=["POST"]),
         Route("/admin/workers", workers, methods=["GET"]),
+        Route("/admin/policies", policies, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
         Route("/health", health, methods=["GET"]),

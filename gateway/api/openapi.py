@@ -224,6 +224,16 @@ class WorkerList(_Body):
     data: list[Worker]
 
 
+class PolicySummary(_Body):
+    """The policies in force (``Policies.summary``): models with their bounds, limits and
+    pools, aliases, and each tenant's policy as tenants.yaml gives it."""
+
+    models: dict[str, dict[str, Any]]
+    aliases: dict[str, str]
+    tenant_defaults: dict[str, Any]
+    tenants: dict[str, dict[str, Any]]
+
+
 class TenantCreate(_Body):
     id: str = Field(pattern=TENANT_ID_PATTERN.pattern)
     name: str | None = Field(default=None, max_length=_MAX_NAME_CHARS)
@@ -265,6 +275,7 @@ _RESPONSE_MODELS: tuple[type[BaseModel], ...] = (
     ApiKeyCreated,
     ApiKeyList,
     WorkerList,
+    PolicySummary,
 )
 
 
@@ -591,6 +602,12 @@ def _paths() -> dict[str, Any]:
             "The capacity view this replica decides on, one record per worker",
             "200",
             "WorkerList",
+        ),
+        "/admin/policies": _admin(
+            "get",
+            "The policies in force on this replica (what `isogate policies check --live` reads)",
+            "200",
+            "PolicySummary",
         ),
         "/healthz": {
             "get": {"summary": "Liveness", "responses": {"200": {"description": "Alive"}}}

@@ -45,6 +45,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from gateway.cli import admin as admin_commands
 
     admin_commands.register(commands)
+    from gateway.cli import policies_check
+
+    policies_check.register(commands)
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)
 

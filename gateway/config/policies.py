@@ -12,7 +12,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, TypeVar, overload
+from typing import Any, Literal, TypeVar, overload
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -311,6 +311,36 @@ class Policies:
             policy = self.tenant(tenant_id)
             share = self._shares[tenant_id] = Share(tenant_id, policy.weight, policy.priority)
         return share
+
+    def summary(self) -> dict[str, Any]:
+        """What these policies decide, as JSON: what ``isogate policies check --live`` compares
+        a directory's policies with (the running gateway's, from ``/admin/policies``)."""
+        return {
+            "models": {
+                name: {
+                    "max_context_tokens": model.max_context_tokens,
+                    "max_output_tokens": model.max_output_tokens,
+                    "default_max_tokens": model.default_max_tokens,
+                    "limits": None if model.limits is None else model.limits.model_dump(),
+                    "pools": [
+                        {
+                            "name": pool.name,
+                            "dedicated_to": list(pool.dedicated_to),
+                            "prefill": [worker.url for worker in pool.prefill],
+                            "decode": [worker.url for worker in pool.decode],
+                        }
+                        for pool in model.pools
+                    ],
+                }
+                for name, model in self.models.items()
+            },
+            "aliases": dict(self.aliases),
+            "tenant_defaults": self.tenant_defaults.model_dump(mode="json"),
+            "tenants": {
+                tenant_id: policy.model_dump(mode="json")
+                for tenant_id, policy in self.tenants.items()
+            },
+        }
 
     def pools_for(self, model: ModelPolicy, tenant_id: str) -> tuple[WorkerPool, ...]:
         """The pools a tenant may be routed to: its own if dedicated, shared ones otherwise."""

@@ -8,6 +8,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.tenancy.policy_stack import MODEL, OTHER_MODEL, chat, policy_stack
 from tests.verification.stack import gateway_metric, wait_until
 
@@ -246,3 +248,35 @@ def _used_per_audit(stack: Any) -> int:
         for e in stack.audit(tenant="metered")
         if e["completion_tokens"] is not None
     )
+
+
+def test_policies_check_live_names_what_a_change_would_do_on_a_running_gateway(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import shutil
+
+    import yaml
+
+    from gateway.cli.main import main
+
+    with policy_stack(tmp_path / "stack", redis=False) as stack:
+        changed = tmp_path / "changed"
+        shutil.copytree(stack.policies, changed)
+        models = yaml.safe_load((changed / "models.yaml").read_text())
+        models["models"][0]["max_context_tokens"] = 4096
+        models["aliases"] = {ALIAS: MODEL}
+        (changed / "models.yaml").write_text(yaml.safe_dump(models))
+        tenants = yaml.safe_load((changed / "tenants.yaml").read_text())
+        tenants["tenants"]["newcomer"] = {"limits": {"requests_per_minute": 10}}
+        (changed / "tenants.yaml").write_text(yaml.safe_dump(tenants))
+        monkeypatch.setenv("ISOGATE_ADMIN_KEY", stack.gateway.admin_key)
+        assert main(["policies", "check", str(changed), "--live", stack.gateway.url]) == 0
+    out = capsys.readouterr().out
+    assert f"  alias added: {ALIAS} -> {MODEL}\n" in out
+    assert "  tenant added: newcomer\n" in out
+    assert f"  models.{MODEL}.max_context_tokens: 8192 -> 4096\n" in out
+    # The stand-in workers' KV pools hold 8192 tokens: today the policy's 8192 binds.
+    assert (
+        f"  models.{MODEL}: prompts of 4097 to 8192 tokens (prompt + max_tokens) are admitted "
+        "today (max_context_tokens) and would be refused after (max_context_tokens)\n"
+    ) in out
