@@ -102,6 +102,10 @@ class StandInWorker:
     # The rids of the aborts it was sent (SGLang's ``/abort_request``).
     aborted: list[str] = field(default_factory=list)
     polls: int = 0
+    # Generations being answered now, and the most there ever were at once (a stream counts
+    # until its response is handed over, not while its body is sent).
+    in_flight: int = 0
+    most_in_flight: int = 0
     # How long an idle connection stays open (uvicorn's keep-alive): a test looking for
     # connections the gateway never gave back keeps them open long enough to be counted.
     keep_alive_s: int = 5
@@ -148,6 +152,14 @@ class StandInWorker:
             )
 
         async def generate(request: Request) -> Response:
+            self.in_flight += 1
+            self.most_in_flight = max(self.most_in_flight, self.in_flight)
+            try:
+                return await answer(request)
+            finally:
+                self.in_flight -= 1
+
+        async def answer(request: Request) -> Response:
             body = orjson.loads(await request.body())
             body["_headers"] = dict(request.headers)
             self.requests.append(body)

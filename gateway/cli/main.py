@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,7 +27,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     serve = commands.add_parser("serve", help="run the gateway (uvicorn)")
     serve.add_argument("--host")
     serve.add_argument("--port", type=int)
-    serve.add_argument("--workers", type=int, default=1, help="uvicorn worker processes")
+    serve.add_argument(
+        "--workers",
+        type=int,
+        help="gateway processes on one port (default: one per core with Redis configured, else 1;"
+        " more than 1 needs Redis, where they share KV claims and limits)",
+    )
     serve.set_defaults(func=_serve)
 
     check = commands.add_parser(
@@ -66,12 +72,22 @@ def _serve(args: argparse.Namespace) -> int:
     except PolicyError as exc:
         print(f"isogate: refusing to start: {exc}", file=sys.stderr)
         return 2
+    try:
+        workers = worker_count(args.workers, settings.redis_url is not None, _cores())
+    except ValueError as exc:
+        print(f"isogate: refusing to start: {exc}", file=sys.stderr)
+        return 2
+    if workers > 1:
+        # Each process is a full gateway built from the environment (uvicorn starts each with
+        # the factory), and the pair queues' caps are split across every process that shares
+        # the workers: this host's processes times the replicas the deployment declares.
+        os.environ["ISOGATE_QUEUE_REPLICAS"] = str(settings.queue_replicas * workers)
     uvicorn.run(
-        create_app(settings) if args.workers == 1 else "gateway.api.app:create_app",
-        factory=args.workers != 1,
+        create_app(settings) if workers == 1 else "gateway.api.app:create_app",
+        factory=workers != 1,
         host=args.host or settings.host,
         port=args.port or settings.port,
-        workers=args.workers,
+        workers=workers,
         log_config=None,
         access_log=False,
         # The client's address behind the trusted proxies (X-Forwarded-For), by uvicorn's
@@ -96,6 +112,27 @@ def _serve(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=30,
     )
     return 0
+
+
+def worker_count(requested: int | None, redis_configured: bool, cores: int) -> int:
+    """How many gateway processes ``serve`` runs: ``requested``, else one per core with Redis
+    and one without. Several without Redis is refused: each process would count only its own
+    KV claims and tenant limits, so together they could admit what no pool holds."""
+    if requested is None:
+        return max(1, cores) if redis_configured else 1
+    if requested < 1:
+        raise ValueError(f"--workers must be at least 1, not {requested}")
+    if requested > 1 and not redis_configured:
+        raise ValueError(
+            f"--workers {requested} needs Redis (ISOGATE_REDIS_URL): without it each process "
+            "would count only its own KV claims and tenant limits, and together they could "
+            "admit more than a pool holds"
+        )
+    return requested
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _check_pools(args: argparse.Namespace) -> int:

@@ -15,10 +15,11 @@ within the cap, and each replica shares its part fairly among the tenants it see
 
 The KV pool is the queue's second resource: a grant holds the tokens its generations may
 occupy (prompt + ``max_tokens`` + the margin, each), and waits while the pool (the smaller of
-the two workers', ``ceil``-divided among replicas as the cap is) has not room for them, rather
-than being refused. They are claimed on the ledger too as the grant leaves the queue
-(``gateway.core.admission``): the ledger also counts what the workers report in use, and a
-pair whose live pool is full of others' work refuses there.
+the two workers', ``ceil``-divided among replicas as the cap is, unless the claims are shared
+through Redis) has not room for them, rather than being refused. They are claimed on the
+ledger too as the grant leaves the queue (``gateway.core.admission``): the ledger also counts
+what the workers report in use (and, shared, every process's claims), and a pair whose live
+pool is full of others' work refuses there.
 
 One request's share (``RequestBound``): at most the pool's ``max_request_share`` of the
 pair's cap (slots) and of its KV pool (tokens), so that no one request takes the whole pair.
@@ -45,6 +46,9 @@ class QueueSettings:
     # None: the same as ``default_in_flight``.
     default_in_flight_contended: int | None = None
     contention_linger_s: float = 1.0
+    # KV claims shared by every process (Redis, ``gateway.core.shared_claims``): they bound
+    # the pool across replicas, so each replica's queue may grant the whole pool, not a part.
+    kv_shared: bool = False
 
 
 def pair_cap(
@@ -119,7 +123,7 @@ class PairQueues:
         ):
             return entry.queue
         cap, contended = self.caps_of(model, pair)
-        kv = kv_share(kv_pool, self._settings.replicas)
+        kv = kv_share(kv_pool, 1 if self._settings.kv_shared else self._settings.replicas)
         if entry is None:
             queue = FairQueue(
                 cap,

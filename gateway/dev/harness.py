@@ -57,6 +57,8 @@ class GatewayProcess:
     command_prefix: list[str] = field(default_factory=list)
     # The checkout whose ``gateway`` package runs (a patched copy, for before/after figures).
     root: Path = REPO_ROOT
+    # ``serve --workers``: gateway processes on the port (more than one needs Redis in ``env``).
+    workers: int = 1
     process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -95,7 +97,10 @@ class GatewayProcess:
         )
         with open_log_file(self.log_path) as log:
             self.process = subprocess.Popen(
-                [*self.command_prefix, sys.executable, "-m", "gateway", "serve"],
+                [
+                    *self.command_prefix,
+                    *(sys.executable, "-m", "gateway", "serve", "--workers", str(self.workers)),
+                ],
                 env=env,
                 cwd=self.root,
                 stdout=log,

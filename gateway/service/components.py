@@ -189,6 +189,7 @@ async def build_components(settings: Settings) -> Components:
                 replicas=settings.queue_replicas,
                 default_in_flight_contended=settings.queue_in_flight_per_pair_contended,
                 contention_linger_s=settings.queue_contention_linger_s,
+                kv_shared=shared_claims is not None,
             ),
             metrics,
         ),

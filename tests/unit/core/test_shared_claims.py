@@ -11,16 +11,20 @@ import os
 import secrets
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from gateway.common.errors import APIError
-from gateway.config.policies import DecodeWorker, PrefillWorker
+from gateway.config.policies import DecodeWorker, PrefillWorker, load_policies
 from gateway.core.admission import ClaimLedger
+from gateway.core.pair_queues import PairQueues, QueueSettings
 from gateway.core.shared_claims import ClaimsUnreachable, SharedClaims
+from gateway.observability.metrics import Metrics
 from gateway.workers.capacity import WorkerCapacity
 from gateway.workers.pairs import WorkerPair
+from tests.harness import PoolSpec, write_policies
 
 pytestmark = [pytest.mark.redis, pytest.mark.anyio]
 
@@ -193,3 +197,21 @@ async def test_the_ledger_takes_and_releases_the_shared_claim_with_its_own(
     assert ledger.shared is not None
     await ledger.shared.drain()
     assert await other.claim(pair(1000), 600) is not None
+
+
+@pytest.mark.parametrize(("kv_shared", "granted"), [(False, 500), (True, 1000)])
+def test_with_shared_claims_each_replicas_queue_may_grant_the_whole_pool(
+    tmp_path: Path, kv_shared: bool, granted: int
+) -> None:
+    # Split among two replicas, a request for more than half the pool would never be granted;
+    # shared claims bound the pool across them instead. The request slots stay split.
+    directory = write_policies(
+        tmp_path,
+        model_name="m",
+        tokenizer_dir=tmp_path,
+        pools=[PoolSpec("shared", (("http://p:1", 2),), ("http://d:1",))],
+    )
+    model = load_policies(directory).models["m"]
+    queues = PairQueues(QueueSettings(8, 10.0, 10, replicas=2, kv_shared=kv_shared), Metrics())
+    assert queues.queue(model, pair(1000)).kv_capacity == granted
+    assert queues.caps_of(model, pair(1000))[0] == 4
