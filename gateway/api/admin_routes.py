@@ -4,7 +4,7 @@
     GET    /admin/tenants                                    → list of tenants
     GET    /admin/tenants/{tenant_id}                        → tenant
     POST   /admin/tenants/{tenant_id}/disable | /enable      → tenant
-    POST   /admin/tenants/{tenant_id}/keys  {"name"?}        → 201 key, the raw "key" (shown once)
+    POST   /admin/tenants/{tenant_id}/keys  {"name"?, "models"?} → 201 key, the raw "key" (once)
     GET    /admin/tenants/{tenant_id}/keys                   → list of that tenant's keys
     GET    /admin/keys[?tenant=...]                          → list of keys
     GET    /admin/keys/{key_id}                              → key
@@ -100,10 +100,19 @@ async def enable_tenant(request: Request) -> Response:
 
 async def create_key(request: Request) -> Response:
     components = await _admin(request)
-    body = await _json_object(request, allowed={"name"})
+    body = await _json_object(request, allowed={"name", "models"})
     name = _optional_name(body)
+    models = body.get("models")
+    if models is not None and (
+        not isinstance(models, list)
+        or not all(isinstance(m, str) and m in components.policies.models for m in models)
+    ):
+        # Narrowing to a model that does not exist is a mistake, not a key for nothing.
+        raise bad_request(
+            "'models' must be a list of models' names (models.yaml), if given.", param="models"
+        )
     raw_key, record = await _call(
-        components.store.create_key, request.path_params["tenant_id"], name
+        components.store.create_key, request.path_params["tenant_id"], name, models
     )
     # The only time the raw key leaves the gateway; only its hash is stored.
     return _json({**record.to_json(), "key": raw_key}, 201)

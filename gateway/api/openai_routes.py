@@ -69,7 +69,8 @@ async def models(request: Request) -> Response:
     principal = await components.authenticator.authenticate(request.headers.get("authorization"))
     policies = components.policies
     tenant = None if principal.is_admin else principal.tenant_id
-    cards = [_card(components, principal, m, name) for name, m in policies.public_names(tenant)]
+    names = policies.public_names(tenant, principal.models)
+    cards = [_card(components, principal, m, name) for name, m in names]
     return _json(protocol.model_list(cards))
 
 
@@ -79,7 +80,9 @@ async def retrieve_model(request: Request) -> Response:
     principal = await components.authenticator.authenticate(request.headers.get("authorization"))
     name, policies = request.path_params["model"], components.policies
     # The admin sees every model; a tenant what it may call, as the generation routes find it.
-    found = policies.resolve_model(None if principal.is_admin else principal.tenant_id, name)
+    found = policies.resolve_model(
+        None if principal.is_admin else principal.tenant_id, name, principal.models
+    )
     return _json(_card(components, principal, found, name))
 
 

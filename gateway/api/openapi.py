@@ -134,6 +134,8 @@ class ApiKey(_Body):
     name: str
     created_at: AwareDatetime
     revoked_at: AwareDatetime | None
+    # The only models the key may call, within its tenant's; null: its tenant's.
+    models: list[str] | None
 
 
 class ApiKeyCreated(ApiKey):
@@ -241,6 +243,11 @@ class TenantCreate(_Body):
 
 class KeyCreate(_Body):
     name: str | None = Field(default=None, max_length=_MAX_NAME_CHARS)
+    models: list[str] | None = Field(
+        default=None,
+        description="The only models the key may call (names in models.yaml), within its "
+        "tenant's; fixed for the key's life. Absent: its tenant's.",
+    )
 
 
 # Request bodies are described as they are validated, answers as they are sent.

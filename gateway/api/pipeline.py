@@ -135,7 +135,7 @@ async def handle_generation(
         trace.stream = streaming = parsed.streaming
         trace.model = name = parsed.model
         policies = components.policies
-        model = policies.resolve_model(principal.tenant_id, name)
+        model = policies.resolve_model(principal.tenant_id, name, principal.models)
         # Served under the name asked for (an alias), audited under both.
         trace.policy_model = model.name
         # max_tokens 0 (an echoed prompt only scored): one token is generated, since a PD

@@ -283,14 +283,26 @@ async def serve(
                 body, TokenizeRequest, functools.partial(check_tokenize, bounds)
             )
             answer, tokens = await tokenize(
-                components, tenant_id, ask, lease=lease, policies=policies, tokenizers=tokenizers
+                components,
+                tenant_id,
+                ask,
+                lease=lease,
+                policies=policies,
+                tokenizers=tokenizers,
+                key_models=principal.models,
             )
         else:
             asked = await components.parser.parse(
                 body, DetokenizeRequest, functools.partial(check_detokenize, bounds)
             )
             answer, tokens = await detokenize(
-                components, tenant_id, asked, lease=lease, policies=policies, tokenizers=tokenizers
+                components,
+                tenant_id,
+                asked,
+                lease=lease,
+                policies=policies,
+                tokenizers=tokenizers,
+                key_models=principal.models,
             )
         if tokens >= _JSON_IN_THREAD_MIN_TOKENS:
             payload = await asyncio.to_thread(orjson.dumps, answer)
@@ -320,12 +332,13 @@ async def tokenize(
     lease: LimitLease | None = None,
     policies: Policies | None = None,
     tokenizers: Mapping[str, ModelTokenizer] | None = None,
+    key_models: tuple[str, ...] | None = None,
 ) -> tuple[dict[str, Any], int]:
     """The answer, and how many tokens it holds (charged to ``lease`` where there is one:
     the fewest the text can be before tokenizing, the count after)."""
     policies = policies or components.policies
     tokenizers = tokenizers or components.tokenizers
-    model = policies.resolve_model(tenant_id, ask.model)
+    model = policies.resolve_model(tenant_id, ask.model, key_models)
     tokenizer = tokenizers[model.name]
     max_tokens = ask.max_tokens if ask.max_tokens is not None else 1
     if max_tokens > model.max_output_tokens:
@@ -396,11 +409,12 @@ async def detokenize(
     lease: LimitLease | None = None,
     policies: Policies | None = None,
     tokenizers: Mapping[str, ModelTokenizer] | None = None,
+    key_models: tuple[str, ...] | None = None,
 ) -> tuple[dict[str, Any], int]:
     """The answer, and how many ids it decoded (charged to ``lease`` where there is one)."""
     policies = policies or components.policies
     tokenizers = tokenizers or components.tokenizers
-    model = policies.resolve_model(tenant_id, ask.model)
+    model = policies.resolve_model(tenant_id, ask.model, key_models)
     tokenizer = tokenizers[model.name]
     bound = ModelBounds(model.max_context_tokens, tokenizer.max_token_bytes)
     check_detokenize({ask.model: bound}, ask)

@@ -69,6 +69,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     create.add_argument("tenant_id")
     create.add_argument("--name")
+    create.add_argument(
+        "--models",
+        help="comma-separated: the only models the key may call, within its tenant's",
+    )
     create.set_defaults(func=_command(cmd_key_create))
     listing = key.add_parser("list", parents=[common], help="list keys (never the keys themselves)")
     listing.add_argument("--tenant")
@@ -145,7 +149,8 @@ def _tenant_toggle(disabled: bool) -> Handler:
 
 
 def cmd_key_create(store: Store, args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    raw_key, record = store.create_key(args.tenant_id, args.name)
+    models = None if args.models is None else [m for m in args.models.split(",") if m]
+    raw_key, record = store.create_key(args.tenant_id, args.name, models)
     _emit(out, args.format, [{**record.to_json(), "key": raw_key}])
     return 0
 

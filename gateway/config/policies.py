@@ -266,14 +266,21 @@ class Policies:
             made = self._limits[key] = limits.as_limits()
         return made
 
-    def may_use(self, tenant_id: str | None, model: ModelPolicy) -> bool:
-        """Whether the tenant may call the model (``None``: the admin, who may see all)."""
+    def may_use(
+        self, tenant_id: str | None, model: ModelPolicy, key_models: tuple[str, ...] | None = None
+    ) -> bool:
+        """Whether the tenant may call the model (``None``: the admin, who may see all), and
+        its key, where the key narrows the tenant's models (``key_models``)."""
         if tenant_id is None:
             return True
         allowed = self.tenant(tenant_id).models
-        return allowed is None or model.name in allowed
+        return (allowed is None or model.name in allowed) and (
+            key_models is None or model.name in key_models
+        )
 
-    def resolve_model(self, tenant_id: str | None, name: str) -> ModelPolicy:
+    def resolve_model(
+        self, tenant_id: str | None, name: str, key_models: tuple[str, ...] | None = None
+    ) -> ModelPolicy:
         """The model a tenant's request names: every route looks models up here. A model that
         does not exist and one the tenant may not use are the same 404 ``model_not_found``
         (the body says nothing more: a tenant cannot probe which models exist); the error's
@@ -285,21 +292,32 @@ class Policies:
             error = model_not_found(name)
             error.audit_detail = f"tenant {tenant_id!r} may not use model {model.name!r}"
             raise error
+        if not self.may_use(tenant_id, model, key_models):
+            error = model_not_found(name)
+            error.audit_detail = f"the key may not use model {model.name!r} (its models)"
+            raise error
         return model
 
-    def visible_models(self, tenant_id: str | None) -> list[ModelPolicy]:
-        """The models ``/v1/models`` lists: the tenant's (``None``, the admin: all)."""
-        return [model for model in self.models.values() if self.may_use(tenant_id, model)]
+    def visible_models(
+        self, tenant_id: str | None, key_models: tuple[str, ...] | None = None
+    ) -> list[ModelPolicy]:
+        """The models ``/v1/models`` lists: the tenant's (``None``, the admin: all), as its
+        key narrows them."""
+        return [
+            model for model in self.models.values() if self.may_use(tenant_id, model, key_models)
+        ]
 
-    def public_names(self, tenant_id: str | None) -> list[tuple[str, ModelPolicy]]:
-        """Each name the tenant may call a model by, with the model: the models, then the
-        aliases of those models."""
-        visible = self.visible_models(tenant_id)
+    def public_names(
+        self, tenant_id: str | None, key_models: tuple[str, ...] | None = None
+    ) -> list[tuple[str, ModelPolicy]]:
+        """Each name the tenant (with that key) may call a model by, with the model: the
+        models, then the aliases of those models."""
+        visible = self.visible_models(tenant_id, key_models)
         names = [(model.name, model) for model in visible]
         names += [
             (alias, self.models[target])
             for alias, target in self.aliases.items()
-            if self.may_use(tenant_id, self.models[target])
+            if self.may_use(tenant_id, self.models[target], key_models)
         ]
         return names
 

@@ -54,6 +54,8 @@ class Principal:
     tenant_id: str  # ADMIN_TENANT_ID ("__admin__") for the admin key
     key_id: str  # public id of the key, e.g. "key_..."; "admin" for the admin key
     is_admin: bool
+    # The models this key may call, narrowing its tenant's; None: the tenant's.
+    models: tuple[str, ...] | None = None
 
 
 ADMIN_PRINCIPAL = Principal(ADMIN_TENANT_ID, ADMIN_KEY_ID, True)
@@ -94,7 +96,7 @@ class Authenticator:
             raise unauthorized("Invalid or revoked API key.")
         if lookup.tenant_disabled:
             raise forbidden(f"Tenant {lookup.tenant_id!r} is disabled.")
-        return Principal(lookup.tenant_id, lookup.key_id, False)
+        return Principal(lookup.tenant_id, lookup.key_id, False, lookup.models)
 
     async def require_admin(self, authorization: str | None) -> Principal:
         principal = await self.authenticate(authorization)

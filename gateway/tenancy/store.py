@@ -122,6 +122,8 @@ api_keys = Table(
     Column("name", String(200), nullable=False),
     Column("created_at", UTCDateTime, nullable=False),
     Column("revoked_at", UTCDateTime, nullable=True),
+    # The models the key may call, narrowing its tenant's (a JSON list); NULL: the tenant's.
+    Column("models", Text, nullable=True),
     Index("ix_api_keys_tenant_id", "tenant_id"),
     Index("uq_api_keys_key_hash", "key_hash", unique=True),
 )
@@ -393,6 +395,8 @@ class KeyRecord:
     name: str
     created_at: datetime
     revoked_at: datetime | None
+    # The models it may call, within its tenant's; None: its tenant's.
+    models: tuple[str, ...] | None = None
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -402,6 +406,7 @@ class KeyRecord:
             "name": self.name,
             "created_at": rfc3339(self.created_at),
             "revoked_at": rfc3339(self.revoked_at) if self.revoked_at else None,
+            "models": None if self.models is None else list(self.models),
         }
 
 
@@ -413,6 +418,7 @@ class KeyLookup:
     tenant_id: str
     revoked: bool
     tenant_disabled: bool
+    models: tuple[str, ...] | None = None  # the key's narrowing of its tenant's models
 
 
 @dataclass(frozen=True, slots=True)
@@ -530,10 +536,14 @@ class Store:
 
     # -- keys -------------------------------------------------------------------------
 
-    def create_key(self, tenant_id: str, name: str | None = None) -> tuple[str, KeyRecord]:
-        """Returns (raw key, record). The raw key exists only in this return value."""
+    def create_key(
+        self, tenant_id: str, name: str | None = None, models: Sequence[str] | None = None
+    ) -> tuple[str, KeyRecord]:
+        """Returns (raw key, record). The raw key exists only in this return value. ``models``:
+        the only models the key may call (within its tenant's); fixed for the key's life."""
         raw_key = new_raw_key()
-        record = KeyRecord(new_key_id(), tenant_id, name or "", _now(), None)
+        narrowed = None if models is None else tuple(models)
+        record = KeyRecord(new_key_id(), tenant_id, name or "", _now(), None, narrowed)
         with self.engine.begin() as conn:
             exists = conn.execute(select(tenants.c.id).where(tenants.c.id == tenant_id)).first()
             if exists is None:
@@ -546,6 +556,8 @@ class Store:
                     name=record.name,
                     created_at=record.created_at,
                     revoked_at=None,
+                    # Only when set: a key of its tenant's models is the row it always was.
+                    **({} if narrowed is None else {"models": orjson.dumps(narrowed).decode()}),
                 )
             )
         return raw_key, record
@@ -558,14 +570,14 @@ class Store:
             query = query.where(api_keys.c.tenant_id == tenant_id)
         with self.reader.connect() as conn:
             rows = conn.execute(query).all()
-        return [KeyRecord(r.id, r.tenant_id, r.name, r.created_at, r.revoked_at) for r in rows]
+        return [_key_record(r) for r in rows]
 
     def get_key(self, key_id: str) -> KeyRecord:
         with self.reader.connect() as conn:
             r = conn.execute(select(api_keys).where(api_keys.c.id == key_id)).one_or_none()
         if r is None:
             raise StoreNotFound(f"no key {key_id!r}")
-        return KeyRecord(r.id, r.tenant_id, r.name, r.created_at, r.revoked_at)
+        return _key_record(r)
 
     def revoke_key(self, key_id: str) -> KeyRecord:
         """Revoking an already revoked key keeps its first revocation time."""
@@ -579,7 +591,13 @@ class Store:
 
     def lookup_key(self, key_hash: str) -> KeyLookup | None:
         query = (
-            select(api_keys.c.id, api_keys.c.tenant_id, api_keys.c.revoked_at, tenants.c.disabled)
+            select(
+                api_keys.c.id,
+                api_keys.c.tenant_id,
+                api_keys.c.revoked_at,
+                api_keys.c.models,
+                tenants.c.disabled,
+            )
             .join(tenants, tenants.c.id == api_keys.c.tenant_id)
             .where(api_keys.c.key_hash == key_hash)
         )
@@ -587,7 +605,13 @@ class Store:
             row = conn.execute(query).one_or_none()
         if row is None:
             return None
-        return KeyLookup(row.id, row.tenant_id, row.revoked_at is not None, bool(row.disabled))
+        return KeyLookup(
+            row.id,
+            row.tenant_id,
+            row.revoked_at is not None,
+            bool(row.disabled),
+            _key_models(row.models),
+        )
 
     # -- audit ------------------------------------------------------------------------
 
@@ -689,6 +713,16 @@ class Store:
         )
         with self.reader.connect() as conn:
             return int(conn.execute(select(total).where(*conditions)).scalar_one())
+
+
+def _key_models(stored: str | None) -> tuple[str, ...] | None:
+    return None if stored is None else tuple(orjson.loads(stored))
+
+
+def _key_record(row: Any) -> KeyRecord:
+    return KeyRecord(
+        row.id, row.tenant_id, row.name, row.created_at, row.revoked_at, _key_models(row.models)
+    )
 
 
 def audit_row_json(row: dict[str, Any], *, admin: bool) -> dict[str, object]:

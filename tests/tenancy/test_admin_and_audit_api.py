@@ -341,6 +341,7 @@ async def test_event_json_carries_every_field_and_no_text(
         "latency_ms",
         "created_at",
         "detail",
+        "policy_model",
     }
     assert event["id"] == "gen-acme-010" and event["created_at"] == "2026-11-29T12:00:05.000000Z"
 

@@ -120,3 +120,16 @@ def test_module_entry_point_runs_a_command(tmp_path) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == {"from": None, "to": head_revision()}
+
+
+def test_a_key_created_with_models_is_narrowed_to_them(database_url: str) -> None:
+    isogate(database_url, "migrate")
+    isogate(database_url, "tenant", "create", "acme")
+    status, [key], _ = isogate(database_url, "key", "create", "acme", "--models", "a,b")
+    assert status == 0 and key["models"] == ["a", "b"]
+    status, [plain], _ = isogate(database_url, "key", "create", "acme")
+    assert plain["models"] is None
+    store = create_store(database_url)
+    assert store.lookup_key(hash_key(key["key"])).models == ("a", "b")
+    assert store.lookup_key(hash_key(plain["key"])).models is None
+    store.dispose()

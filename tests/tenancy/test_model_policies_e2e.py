@@ -280,3 +280,31 @@ def test_policies_check_live_names_what_a_change_would_do_on_a_running_gateway(
         f"  models.{MODEL}: prompts of 4097 to 8192 tokens (prompt + max_tokens) are admitted "
         "today (max_context_tokens) and would be refused after (max_context_tokens)\n"
     ) in out
+
+
+def test_a_key_narrowed_to_one_model_is_refused_the_other_as_if_absent(tmp_path: Path) -> None:
+    with policy_stack(tmp_path, _alias, redis=False) as stack:
+        wide = stack.key("narrowed")
+        with stack.gateway.admin() as admin:
+            created = admin.post(
+                "/admin/tenants/narrowed/keys", json={"name": "ci", "models": [OTHER_MODEL]}
+            )
+            assert created.status_code == 201, created.text
+            assert created.json()["models"] == [OTHER_MODEL]
+            bad = admin.post("/admin/tenants/narrowed/keys", json={"models": ["no-such"]})
+            assert bad.status_code == 400
+        narrow = created.json()["key"]
+        with stack.client(narrow) as client:
+            listed = [card["id"] for card in client.get("/v1/models").json()["data"]]
+            assert listed == [OTHER_MODEL]
+            assert client.post("/v1/chat/completions", json=chat(OTHER_MODEL)).status_code == 200
+            for name in (MODEL, ALIAS):
+                refused = client.post("/v1/chat/completions", json=chat(name))
+                assert refused.status_code == 404
+                assert refused.json()["error"]["message"] == f"The model '{name}' does not exist."
+            counted = client.post("/v1/tokenize", json={"model": MODEL, "prompt": "hi"})
+            assert counted.status_code == 404
+        with stack.client(wide) as client:  # the tenant's other key: every model
+            assert client.post("/v1/chat/completions", json=chat(MODEL)).status_code == 200
+        details = {e["model"]: e["detail"] for e in stack.audit(tenant="narrowed")}
+        assert details[MODEL] == f"the key may not use model '{MODEL}' (its models)"

@@ -181,3 +181,37 @@ def test_an_alias_that_shadows_a_model_or_names_none_is_refused(
         load_policies(write(tmp_path, aliases=aliases))
     assert "models.yaml" in str(raised.value)
     assert reason in str(raised.value)
+
+
+# ---- a key's narrowing of its tenant's models -----------------------------------------------
+
+
+def test_a_key_narrows_its_tenants_models_and_never_widens_them(tmp_path: Path) -> None:
+    policies = load_policies(
+        write(
+            tmp_path,
+            models=("small", "large", "huge"),
+            tenants={"acme": {"models": ["small", "large"]}},
+            aliases={"mini": "small"},
+        )
+    )
+    narrow = ("small", "huge")
+    assert [n for n, _ in policies.public_names("acme", narrow)] == ["small", "mini"]
+    assert policies.resolve_model("acme", "mini", narrow).name == "small"
+    by_key = _refusal(lambda: policies.resolve_model("acme", "large", narrow))
+    assert by_key.body() == model_not_found_body("large")
+    assert by_key.audit_detail == "the key may not use model 'large' (its models)"
+    # The key names a model its tenant may not call: still refused, for the tenant's reason.
+    by_tenant = _refusal(lambda: policies.resolve_model("acme", "huge", narrow))
+    assert by_tenant.audit_detail == "tenant 'acme' may not use model 'huge'"
+
+
+def model_not_found_body(name: str) -> dict[str, Any]:
+    return {
+        "error": {
+            "message": f"The model '{name}' does not exist.",
+            "type": "invalid_request_error",
+            "param": "model",
+            "code": "model_not_found",
+        }
+    }
