@@ -31,6 +31,7 @@ import redis
 from gateway.dev.harness import GatewayProcess
 from gateway.dev.model import ensure_tiny_model
 from tests.harness import PoolSpec, write_policies
+from tests.reliability.services import RedisServer
 from tests.reliability.stack import range_port
 from tests.standin_worker import Behaviour, StandInWorker
 
@@ -70,13 +71,18 @@ class Deployment:
 
 @contextlib.contextmanager
 def deployment(
-    work_dir: Path, shape: str, *, tenants: dict[str, Any] | None = None, pool: int = POOL_TOKENS
+    work_dir: Path,
+    shape: str,
+    *,
+    tenants: dict[str, Any] | None = None,
+    pool: int = POOL_TOKENS,
+    redis_url: str = REDIS_URL,
 ) -> Iterator[Deployment]:
     gate = threading.Event()
     prefix = "isogate-test-" + secrets.token_hex(6)
     admin_key = "admin-" + secrets.token_hex(16)
     env = {
-        "ISOGATE_REDIS_URL": REDIS_URL,
+        "ISOGATE_REDIS_URL": redis_url,
         "ISOGATE_REDIS_KEY_PREFIX": prefix,
         "ISOGATE_CLAIM_HEARTBEAT_S": str(HEARTBEAT_S),
         # A request that finds no room in its own process is refused at once, not queued: a
@@ -100,7 +106,7 @@ def deployment(
             max_context_tokens=8192,
             tenants=tenants,
         )
-        processes = [1, 1] if shape == "replicas" else [2]
+        processes = {"replicas": [1, 1], "workers": [2], "one": [1]}[shape]
         gateways = []
         for workers in processes:
             gateway = GatewayProcess(
@@ -237,3 +243,29 @@ def test_a_process_killed_while_holding_claims_frees_them_within_the_bound(
         while _post(survivor, key, MAX_TOKENS) != 200:
             assert time.monotonic() < deadline, "the killed process's claims were never freed"
             time.sleep(0.1)
+
+
+def test_while_redis_does_not_answer_admission_fails_closed_then_resumes(tmp_path: Path) -> None:
+    own = RedisServer(range_port(), tmp_path / "redis").start()
+    try:
+        with deployment(tmp_path, "one", redis_url=own.url) as stack:
+            key = stack.key("acme")
+            stack.gate.set()
+            assert _post(stack.urls[0], key, 4) == 200
+            own.stop()
+            sent = len(stack.decode.requests)
+            with httpx.Client(
+                base_url=stack.urls[0], headers={"Authorization": f"Bearer {key}"}, timeout=60
+            ) as client:
+                refused = client.post("/v1/chat/completions", json=chat(4))
+            assert refused.status_code == 503, refused.text
+            assert refused.json()["error"]["code"] == "claims_unreachable"
+            assert int(refused.headers["retry-after"]) >= 1
+            assert len(stack.decode.requests) == sent  # nothing reached decode unclaimed
+            own.start()
+            deadline = time.monotonic() + 30
+            while _post(stack.urls[0], key, 4) != 200:
+                assert time.monotonic() < deadline, "admission never resumed with Redis back"
+                time.sleep(0.2)
+    finally:
+        own.stop()
