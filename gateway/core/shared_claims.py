@@ -155,7 +155,10 @@ class SharedClaims:
         entry = self.live.pop(claim_id, None)
         if entry is None:
             return
-        task = asyncio.get_running_loop().create_task(self._released(claim_id, entry[0]))
+        try:
+            task = asyncio.get_running_loop().create_task(self._released(claim_id, entry[0]))
+        except RuntimeError:  # no loop left (shutdown): a release must not fail its request
+            return  # not renewed any more: it expires within a TTL
         self._releasing.add(task)
         task.add_done_callback(self._releasing.discard)
 
