@@ -19,6 +19,7 @@ from sqlalchemy import func, select
 from gateway.tenancy.store import create_store
 from gateway.tenancy.stored_responses import stored_responses
 from tests.reliability.stack import MODEL, StandInStack, standin_stack, wait_until
+from tests.verification.stack import gateway_metric
 
 # One tenant whose responses are kept for seconds (the retention is in days).
 SHORT_LIVED = "shorty"
@@ -138,3 +139,19 @@ def test_an_expired_response_is_gone_and_the_sweep_deletes_it(
         assert wait_until(lambda: rows(response_id) == 0, timeout_s=30), "never swept"
     finally:
         store.dispose()
+
+
+def test_each_tenants_stored_responses_are_counted_for_the_operator(stack: StandInStack) -> None:
+    with stack.client(stack.key("acme")) as acme, stack.client(stack.key("globex")) as globex:
+        kept = [create(acme).json()["id"] for _ in range(3)]
+        create(acme, store=False)
+        create(globex)
+        acme.delete(f"/v1/responses/{kept[0]}")
+
+    def counts() -> list[float]:
+        return [
+            gateway_metric(stack.gateway, "isogate_stored_responses", tenant=tenant)
+            for tenant in ("acme", "globex")
+        ]
+
+    assert wait_until(lambda: counts() == [2.0, 1.0], timeout_s=30), counts()
