@@ -49,8 +49,10 @@ local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 local id, need, ttl = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 for i = 0, #KEYS / 2 - 1 do
   local ids, expiry = KEYS[2 * i + 1], KEYS[2 * i + 2]
-  local expired = redis.call('ZRANGEBYSCORE', expiry, '-inf', now)
-  if #expired > 0 then
+  -- In bounded batches: unpack has a limit, and a process may die holding many claims.
+  while true do
+    local expired = redis.call('ZRANGEBYSCORE', expiry, '-inf', now, 'LIMIT', 0, 1000)
+    if #expired == 0 then break end
     redis.call('HDEL', ids, unpack(expired))
     redis.call('ZREM', expiry, unpack(expired))
   end

@@ -132,14 +132,22 @@ def load_tokenizers(
     return tokenizers
 
 
+def connect_redis(url: str) -> Any:
+    """The Redis client every component shares. A command past the pool's connections waits
+    for one (up to a second) instead of failing at once: with shared claims every admission
+    asks Redis, and a burst of them must not read as Redis being unreachable (which fails
+    admission closed)."""
+    import redis.asyncio as redis_asyncio
+
+    return redis_asyncio.Redis.from_pool(  # the pool is closed with the client
+        redis_asyncio.BlockingConnectionPool.from_url(url, max_connections=100, timeout=1.0)
+    )
+
+
 async def build_components(settings: Settings) -> Components:
     policies = load_policies(settings.policies_dir)
     tokenizers = load_tokenizers(policies, settings)
-    redis_client = None
-    if settings.redis_url:
-        import redis.asyncio as redis_asyncio
-
-        redis_client = redis_asyncio.from_url(settings.redis_url)
+    redis_client = connect_redis(settings.redis_url) if settings.redis_url else None
     capacity = CapacityRegistry(
         poll_interval_s=settings.capacity_poll_interval_s,
         stale_after_s=settings.capacity_stale_after_s,

@@ -22,6 +22,7 @@ from gateway.core.admission import ClaimLedger
 from gateway.core.pair_queues import PairQueues, QueueSettings
 from gateway.core.shared_claims import ClaimsUnreachable, SharedClaims
 from gateway.observability.metrics import Metrics
+from gateway.service.components import connect_redis
 from gateway.workers.capacity import WorkerCapacity
 from gateway.workers.pairs import WorkerPair
 from tests.harness import PoolSpec, write_policies
@@ -215,3 +216,29 @@ def test_with_shared_claims_each_replicas_queue_may_grant_the_whole_pool(
     queues = PairQueues(QueueSettings(8, 10.0, 10, replicas=2, kv_shared=kv_shared), Metrics())
     assert queues.queue(model, pair(1000)).kv_capacity == granted
     assert queues.caps_of(model, pair(1000))[0] == 4
+
+
+async def test_a_dead_process_with_thousands_of_claims_frees_them_all(
+    redis: Any, prefix: str
+) -> None:
+    alive = process(redis, prefix)
+    # Claims a dead process left, expired: more than one purge batch, and more than Lua's
+    # unpack takes at once (8000).
+    ids_key, expiry_key = alive.keys("http://d:1")
+    left = {f"dead-{i}": 1 for i in range(9000)}
+    await redis.hset(ids_key, mapping=left)
+    await redis.zadd(expiry_key, dict.fromkeys(left, 1))
+    assert await alive.claim(pair(1000), 1000) is not None
+    assert await redis.hlen(ids_key) == 1
+
+
+async def test_a_burst_of_admissions_past_the_connection_pool_waits_rather_than_failing_closed(
+    prefix: str,
+) -> None:
+    client = connect_redis(REDIS_URL)  # the gateway's own client
+    try:
+        claims = process(client, prefix)
+        ids = await asyncio.gather(*(claims.claim(pair(10**9), 1) for _ in range(300)))
+        assert all(ids)
+    finally:
+        await client.aclose()
