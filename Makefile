@@ -7,7 +7,7 @@ ENGINE_PY := .venv-engine/bin/python
 GATEWAY_STAMP := $(VENV)/.installed
 LINT_PATHS := gateway engine_patch engine bench tests migrations
 
-.PHONY: run lint test test-fast bench soak install engine services check-pools clean
+.PHONY: run lint test test-fast bench soak install engine clients services check-pools clean
 
 $(GATEWAY_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,11 @@ install: $(GATEWAY_STAMP)
 # The SGLang engine stack (torch CPU, sglang 0.5.23, Mooncake, sglang-router) in its own venv.
 engine:
 	scripts/install-engine
+
+# The real clients the end-to-end tests drive (guidellm, lm-eval), into the engine's venv,
+# whose CPU torch they need (scripts/install-clients says why).
+clients: engine
+	scripts/install-clients
 
 services:
 	scripts/services
@@ -46,7 +51,7 @@ ENGINE_SUITE_LOG := .run/engine-suite.log
 # The engine's install (mostly waiting on downloads and the disk) runs beside the gateway's
 # install and the static checks; each one's output is printed whole when it ends.
 test:
-	@$(MAKE) --no-print-directory --jobs=3 --output-sync=target lint engine services
+	@$(MAKE) --no-print-directory --jobs=3 --output-sync=target lint clients services
 	@mkdir -p .run
 	@$(ENGINE_PY) -m pytest -ra --durations=10 tests/engine_patch tests/engine_parity tests/engine_bounds \
 		> $(ENGINE_SUITE_LOG) 2>&1 & engine=$$!; \

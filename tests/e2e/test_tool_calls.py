@@ -170,3 +170,35 @@ def test_tools_on_a_model_without_a_tool_call_parser_are_a_400(client: openai.Op
     # The same model without tools is served.
     reply = client.chat.completions.create(model=PLAIN_MODEL, messages=MESSAGES, max_tokens=2)
     assert reply.choices[0].message.content is not None
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_forced_call_cut_by_max_tokens_is_answered_200_with_finish_reason_length(
+    client: openai.OpenAI, stream: bool
+) -> None:
+    """A call that max_tokens cuts short is an ordinary length finish, as OpenAI answers one;
+    it was a 502 isolation_check_failed ("the calls' JSON array is not complete valid JSON"),
+    which SDKs retry and operators learn to ignore. The unfinished call comes back as text."""
+    fields: dict[str, Any] = {
+        "model": MODEL,
+        "messages": MESSAGES,
+        "tools": TOOLS,
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        "max_tokens": 5,  # inside the first call's arguments
+        "temperature": 0,
+    }
+    if not stream:
+        reply = client.chat.completions.create(**fields)
+        choice = reply.choices[0]
+        assert choice.finish_reason == "length"
+        assert not choice.message.tool_calls
+        text = choice.message.content or ""
+    else:
+        chunks = list(client.chat.completions.create(**fields, stream=True))
+        choices = [c.choices[0] for c in chunks if c.choices]
+        assert [c.finish_reason for c in choices if c.finish_reason] == ["length"]
+        assert not any(c.delta.tool_calls for c in choices)
+        text = "".join(c.delta.content or "" for c in choices)
+    assert text.startswith("[")  # the call array as the model began it
+    with pytest.raises(ValueError):
+        json.loads(text)  # an unfinished call, as text

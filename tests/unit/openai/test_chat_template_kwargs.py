@@ -1,53 +1,32 @@
 """A request's ``chat_template_kwargs``, ``continue_final_message`` and ``add_generation_prompt``
 in the gateway's own rendering (``ModelTokenizer``).
 
-The template here is the tiny model's with Qwen3's thinking switch and a system-prompt variable
-added: ``enable_thinking`` false closes an empty thinking block after the generation prompt, as
-Qwen3's template does. Only variables the template reads reach it; the gateway's own (messages,
-tools, bos_token, ...) cannot be set; and no variable's text may hold a control token's text,
-which the template would place as its own and so as the token. (``tests/engine_parity``
-holds the rendering to ``apply_chat_template``'s.)
+The template (``tests.templates``) is the tiny model's with Qwen3's thinking switch and a
+``system_prompt`` variable added: ``enable_thinking`` false closes an empty thinking block after
+the generation prompt, as Qwen3's template does. Only variables the template reads reach it; the
+gateway's own (messages, tools, bos_token, ...) cannot be set; and no variable's text may hold a
+control token's text, which the template would place as its own and so as the token.
+(``tests/engine_parity`` holds the rendering to ``apply_chat_template``'s.)
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import shutil
-from pathlib import Path
 
 import pytest
 
 from gateway.common.errors import APIError
-from gateway.dev.model import CHAT_TEMPLATE, EOS_TOKEN, ensure_tiny_model
+from gateway.dev.model import EOS_TOKEN, ensure_tiny_model
 from gateway.openai.tokenize import ChatTurn, ModelTokenizer
+from tests.templates import thinking_model
 
-THINKING_TEMPLATE = (
-    CHAT_TEMPLATE.replace(
-        "{{ bos_token }}",
-        "{{ bos_token }}{% if system_prompt is defined %}system: {{ system_prompt }}\n{% endif %}",
-        1,
-    )
-    + "{% if add_generation_prompt and enable_thinking is defined and enable_thinking is false %}"
-    + "<think>\n\n</think>\n\n{% endif %}"
-)
 TURNS = [ChatTurn("user", "What is the capital of France?")]
-
-
-def with_template(directory: Path, template: str) -> Path:
-    config_file = directory / "tokenizer_config.json"
-    config = json.loads(config_file.read_text())
-    config["chat_template"] = template
-    config_file.write_text(json.dumps(config))
-    return directory
 
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> ModelTokenizer:
     source = ensure_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-llama")
-    copy = tmp_path_factory.mktemp("thinking") / "model"
-    shutil.copytree(source, copy)
-    return ModelTokenizer(with_template(copy, THINKING_TEMPLATE))
+    return ModelTokenizer(thinking_model(source, tmp_path_factory.mktemp("thinking") / "model"))
 
 
 def test_enable_thinking_false_reaches_the_template(tokenizer: ModelTokenizer) -> None:
