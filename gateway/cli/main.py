@@ -9,6 +9,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 
@@ -16,6 +17,9 @@ from gateway.config.policies import PolicyError, load_policies
 from gateway.config.settings import Settings
 from gateway.service.components import workers_of
 from gateway.workers.capacity import Role, WorkerCapacity, poll_worker
+
+if TYPE_CHECKING:
+    from gateway.api.app import Gateway
 
 _ROLES: dict[str, Role] = {"prefill": "prefill", "decode": "decode"}
 
@@ -83,7 +87,7 @@ def _serve(args: argparse.Namespace) -> int:
         # the workers: this host's processes times the replicas the deployment declares.
         os.environ["ISOGATE_QUEUE_REPLICAS"] = str(settings.queue_replicas * workers)
     uvicorn.run(
-        create_app(settings) if workers == 1 else "gateway.api.app:create_app",
+        create_app(settings) if workers == 1 else "gateway.cli.main:worker_app",
         factory=workers != 1,
         host=args.host or settings.host,
         port=args.port or settings.port,
@@ -112,6 +116,17 @@ def _serve(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=30,
     )
     return 0
+
+
+def worker_app() -> Gateway:
+    """One process of ``serve --workers``: uvicorn starts each afresh, so each reads its settings
+    from the environment and configures its own logging (else its logs would go nowhere)."""
+    from gateway.api.app import create_app
+    from gateway.observability.logs import configure_logging
+
+    settings = Settings()
+    configure_logging(settings)
+    return create_app(settings)
 
 
 def worker_count(requested: int | None, redis_configured: bool, cores: int) -> int:

@@ -184,6 +184,10 @@ def test_a_pool_that_holds_one_request_never_runs_two_sent_through_different_pro
             assert set(statuses) <= {200, 503, 429}, statuses
             admitted_rounds += statuses.count(200) >= 1
         assert admitted_rounds == ROUNDS  # one of each round was admitted, not none
+        # Every process configured its own logging: each one's startup is in the log.
+        for gateway in stack.gateways:
+            started = gateway.log_path.read_text().count("Application startup complete")
+            assert started == gateway.workers, gateway.log_tail()
 
 
 @pytest.mark.parametrize("shape", SHAPES)
