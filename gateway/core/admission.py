@@ -110,6 +110,10 @@ class ClaimLedger:
         # The poll's use already counts requests that reached the worker; claims count those
         # that may not have yet. The larger of the two is a safe estimate of what is taken.
         taken = max(worker.used_tokens, self.claimed.get(worker.url, 0))
+        if self.shared is not None:
+            # Which pair is least loaded (routing's question) counts the other processes'
+            # claims too, as of the last heartbeat; whether one fits is the shared claim's.
+            taken = max(taken, self.shared.seen(worker.url))
         return worker.max_total_num_tokens - taken
 
     def has_room(self, pair: WorkerPair, need: int) -> bool:

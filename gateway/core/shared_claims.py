@@ -11,7 +11,8 @@ counting every live claim of every process, and recorded this request's claim th
 is released when the request ends (``Claim.release`` in ``gateway.core.admission``, on every
 exit path of ``Held``) and otherwise expires ``claim_ttl_s`` after its last renewal: each
 process renews its own live claims every heartbeat, so the claims of a process killed while
-holding them are free within one TTL.
+holding them are free within one TTL. Routing (which pair is least loaded) counts every
+process's claims as the last heartbeat read them; whether a request fits is the claim's alone.
 
 Counted once, not twice: the engine's reported use already includes the requests it runs,
 and a claim lives from admission to the request's end, so a running request is in both. Free
@@ -126,6 +127,9 @@ class SharedClaims:
         self.live: dict[str, tuple[tuple[str, ...], int]] = {}
         # Releases under way, kept referenced until done.
         self._releasing: set[asyncio.Task[None]] = set()
+        # Every process's claims per worker as of the last heartbeat, for the workers routing
+        # has compared: what it prefers, never what it admits on.
+        self._seen: dict[str, int] = {}
 
     def keys(self, url: str) -> list[str]:
         stem = f"{self._key_prefix}:claims:{url}"
@@ -172,18 +176,33 @@ class SharedClaims:
         except Exception as exc:
             log.warning("claims: release of %s left to expire: %s", claim_id, exc)
 
+    def seen(self, url: str) -> int:
+        """Every process's claims on the worker as of the last heartbeat (0 until one has read
+        them); asking makes the heartbeats read them."""
+        seen = self._seen.get(url)
+        if seen is None:
+            self._seen[url] = seen = 0
+        return seen
+
     async def renew(self) -> None:
-        """One heartbeat: every live claim of this process renewed, per worker."""
+        """One heartbeat: every live claim of this process renewed, per worker; then every
+        process's claims read for the workers routing compares."""
         per_worker: dict[str, list[object]] = {}
         for claim_id, (urls, tokens) in self.live.items():
             for url in urls:
                 per_worker.setdefault(url, []).extend((claim_id, tokens))
-        if not per_worker:
+        watched = list(self._seen)
+        if not per_worker and not watched:
             return
         async with self._redis.pipeline(transaction=False) as pipe:
             for url, entries in per_worker.items():
                 await self._renew(keys=self.keys(url), args=[self.ttl_ms, *entries], client=pipe)
-            await pipe.execute()
+            for url in watched:
+                pipe.hvals(self.keys(url)[0])
+            replies = await pipe.execute()
+        # Expired claims not yet dropped are counted too: an overestimate, for a preference.
+        for url, tokens in zip(watched, replies[len(per_worker) :], strict=True):
+            self._seen[url] = sum(int(value) for value in tokens)
 
     async def run(self) -> None:
         while True:

@@ -20,6 +20,7 @@ from gateway.common.errors import APIError
 from gateway.config.policies import DecodeWorker, PrefillWorker, load_policies
 from gateway.core.admission import ClaimLedger
 from gateway.core.pair_queues import PairQueues, QueueSettings
+from gateway.core.routing import Candidates
 from gateway.core.shared_claims import ClaimsUnreachable, SharedClaims
 from gateway.observability.metrics import Metrics
 from gateway.service.components import connect_redis
@@ -38,13 +39,13 @@ def anyio_backend() -> str:
 REDIS_URL = os.environ.get("ISOGATE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
 
-def pair(pool: int, *, used: int = 0, decode_pool: int | None = None) -> WorkerPair:
+def pair(pool: int, *, used: int = 0, decode_pool: int | None = None, port: int = 1) -> WorkerPair:
     def state(url: str, role: Any, size: int) -> WorkerCapacity:
         return WorkerCapacity(url, role, time.time(), size, None, None, 1, used, None)
 
     prefill, decode = (
-        PrefillWorker(url="http://p:1", bootstrap_port=2),
-        DecodeWorker(url="http://d:1"),
+        PrefillWorker(url=f"http://p:{port}", bootstrap_port=2),
+        DecodeWorker(url=f"http://d:{port}"),
     )
     return WorkerPair(
         "shared",
@@ -242,3 +243,19 @@ async def test_a_burst_of_admissions_past_the_connection_pool_waits_rather_than_
         assert all(ids)
     finally:
         await client.aclose()
+
+
+async def test_routing_prefers_the_pair_the_other_processes_hold_less_of(
+    redis: Any, prefix: str
+) -> None:
+    ledger = ClaimLedger(shared=process(redis, prefix))
+    other = process(redis, prefix)
+    first, second = pair(1000, port=1), pair(1000, port=2)
+    candidates = Candidates([first, second], 8192)
+    assert await other.claim(first, 500) is not None  # another process holds half of the first
+    ledger.free_now(first.decode_state)  # routing has compared these workers: now watched
+    ledger.free_now(second.decode_state)
+    assert ledger.shared is not None
+    await ledger.shared.renew()  # one heartbeat
+    assert ledger.free_now(first.decode_state) == 500
+    assert candidates.choose_for_all(ledger, (10,), 10, 0) is second
