@@ -4,8 +4,9 @@ One package per concern; imports between them run one way, top to bottom:
 
     cli -> api -> service -> core, server
     core -> verification, openai, tenancy, observability
-    verification -> observability -> workers -> config -> tool_parsers, common
+    verification, tenancy -> observability -> workers -> config -> tool_parsers, common
 
 A package may import any package below it, never one above or beside it that is not listed.
-``dev`` (the local CPU cluster and test harness) stands apart: no package of the product imports it.
+``dev`` (the local CPU cluster and test harness) stands apart: no package of the product imports
+it.
 """
