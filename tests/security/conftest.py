@@ -1,5 +1,6 @@
 """Fixtures for the security suite: one gateway process in front of stand-in workers per module,
-and a tally of how many fuzz cases each test sent (printed at the end of the run).
+and a tally of how many fuzz cases each test sent, with the worst loop lag and memory the
+real-engine fuzzing saw (printed at the end of the run).
 
 Each test's cases travel in its report's ``user_properties``, so that the tally is whole when
 xdist workers ran the tests (the summary runs in the controller, which ran none)."""
@@ -44,6 +45,7 @@ def fuzz_cases_of_this_test(request: pytest.FixtureRequest) -> Iterator[None]:
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     tally: Counter[str] = Counter()
+    figures: list[str] = []
     for reports in terminalreporter.stats.values():
         for report in reports:
             if getattr(report, "when", None) != "teardown":
@@ -51,9 +53,14 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
             for name, value in getattr(report, "user_properties", ()):
                 if name == "fuzz_cases":
                     tally.update(value)
-    if not tally:
-        return
-    terminalreporter.section("fuzz cases sent to the gateway")
-    for name, count in sorted(tally.items()):
-        terminalreporter.write_line(f"{count:6d}  {name}")
-    terminalreporter.write_line(f"{sum(tally.values()):6d}  total")
+                elif name == "fuzz_figures":
+                    figures.append(value)
+    if tally:
+        terminalreporter.section("fuzz cases sent to the gateway")
+        for name, count in sorted(tally.items()):
+            terminalreporter.write_line(f"{count:6d}  {name}")
+        terminalreporter.write_line(f"{sum(tally.values()):6d}  total")
+    if figures:
+        terminalreporter.section("fuzzing on real SGLang: the invariants' worst, per test")
+        for line in sorted(figures):
+            terminalreporter.write_line(line)
