@@ -68,9 +68,11 @@ test-fast: lint install services
 bench: install engine services
 	scripts/bench
 
-# The incident replay at its real numbers (real SGLang, DeepSeek-V4 tokenizer; tens of minutes).
+# The incident replay at its real numbers (real SGLang, DeepSeek-V4 tokenizer; tens of minutes);
+# SOAK=fuzz runs the real-engine fuzzing long, with a fresh seed (scripts/soak lists the others).
+SOAK ?= incident-real
 soak: install engine services
-	scripts/soak incident-real
+	scripts/soak $(SOAK)
 
 check-pools: install
 	$(VENV)/bin/isogate check-pools
