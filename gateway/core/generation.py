@@ -341,6 +341,12 @@ class GenerationCore:
                 else:
                     ids = await self._encoding(ask, tokenizer, prompt, limit)
                     refuse_if_over(len(ids), limit, max_tokens)
+                if not ids:  # SGLang refuses empty input_ids on both workers; refused here
+                    raise bad_request(
+                        "A prompt is empty: it encodes to no tokens.",
+                        code="invalid_value",
+                        param="messages" if isinstance(prompt, ChatPrompt) else "prompt",
+                    )
                 counted.append(ids)
         except APIError as error:
             if error.code == CONTEXT_LENGTH_EXCEEDED:

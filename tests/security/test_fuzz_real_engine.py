@@ -218,11 +218,6 @@ FOUND_CASES: list[FoundCase] = [
         "cannot be empty, and its abort path then logs an AttributeError) and the client gets "
         "400 engine_rejected, not the gateway's own 400",
         refused=True,
-        marks=(
-            pytest.mark.xfail(
-                strict=True, reason="open: the gateway dispatches a prompt of zero tokens"
-            ),
-        ),
     ),
     FoundCase(
         "completion-regex-the-engine-cannot-compile",
