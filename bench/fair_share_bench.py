@@ -26,7 +26,9 @@ Every request sends ``ignore_eos`` so that it is as long as it says.
 
 Also BENCH_FAIR_SECONDS (B's window in each case, default 15), BENCH_FAIR_CAP (a cap instead
 of the knee), BENCH_FAIR_SWEEP=0 (with a cap given: no sweep), BENCH_FAIR_PARTS (default
-neighbour,curve,linger,weights). A run whose pair stops transferring KV (``PairDied``) fails
+neighbour,curve,linger,weights), BENCH_FAIR_COMPARE (contended caps, e.g. 2,4: the
+noisy neighbour through a queue at each, side by side, instead of the configured one). A run
+whose pair stops transferring KV (``PairDied``) fails
 rather than report what it measured after. Alone:
 ``BENCH_SECTIONS=fair scripts/bench``.
 """
@@ -408,9 +410,10 @@ def targets(
     queue."""
     met: dict[str, dict[str, bool]] = {}
     for cell in result.get("neighbour", []):
-        if cell["gateway"] != "queue" or cell["a"] == "alone":
+        if cell["gateway"] == "no queue" or cell["a"] == "alone":
             continue
-        row = met.setdefault(f"B {cell['b_max_tokens']} tok, A {cell['a']}", {})
+        gateway = "" if cell["gateway"] == "queue" else f"{cell['gateway']}: "
+        row = met.setdefault(f"{gateway}B {cell['b_max_tokens']:g} tok, A {cell['a']}", {})
         row[f"B p50 <= {ratio:g}x alone"] = cell["b_ratio"] <= ratio
         row["B never refused"] = cell["b_refused"] == 0
         row[f"tokens/s >= {throughput:.0%} of no queue"] = cell["vs_no_queue"] >= throughput
@@ -443,12 +446,17 @@ def run_fair_share_bench(config: BenchConfig, work_dir: Path, log=print) -> dict
                 work = work_dir / f"fair-{name.replace(' ', '-').replace('=', '')}"
                 return up.enter_context(gateway_with(cluster, work, next(ports), variant))
 
-            main = {
-                "queue": up_gateway("queue", Variant(cap=cap)),
-                "no queue": up_gateway(
-                    "no queue", Variant(NO_QUEUE_CAP, NO_QUEUE_CAP, request_share=1.0)
-                ),
-            }
+            # The queue as configured, or side by side at each of BENCH_FAIR_COMPARE's
+            # contended caps (cell by cell, at the same moments of a drifting host).
+            compare = [int(c) for c in os.environ.get("BENCH_FAIR_COMPARE", "").split(",") if c]
+            main = (
+                {"queue": up_gateway("queue", Variant(cap=cap))}
+                if not compare
+                else {f"contended={c}": up_gateway(f"n{c}", Variant(cap, c)) for c in compare}
+            )
+            main["no queue"] = up_gateway(
+                "no queue", Variant(NO_QUEUE_CAP, NO_QUEUE_CAP, request_share=1.0)
+            )
             result: dict = {"sweep": points, "knee": measured, "cap": cap, "seconds": seconds}
             result |= {"b_max_tokens": B_MAX_TOKENS, "ramp_s": RAMP_S, "think_s": THINK_S}
             warm_up(main)
@@ -504,4 +512,5 @@ def measure(
         for part in ("neighbour", "curve", "linger"):
             _with_ratios(result.get(part, []))
     if "weights" in parts:
-        result["weights"] = {"queue": weights("queue", main["queue"], seconds, log)}
+        name = next(iter(main))
+        result["weights"] = {"queue": weights(name, main[name], seconds, log)}

@@ -76,10 +76,12 @@ class Settings(BaseSettings):
     # with concurrency (docs/operations.md).
     queue_in_flight_per_pair: int = Field(default=12, gt=0)
     # The same while more than one tenant holds or wants slots of a pair, and for
-    # queue_contention_linger_s after: the most requests in flight at which a CPU pair's p50
-    # stayed within 2x of a lone request's (docs/operations.md). Unset: no lower cap.
-    queue_in_flight_per_pair_contended: int | None = Field(default=2, gt=0)
-    queue_contention_linger_s: float = Field(default=1.0, ge=0)
+    # queue_contention_linger_s after (a tenant within its share still starts at once): on
+    # the measured curve of a CPU pair, the most that kept a quiet tenant's p50 within 2.5x of
+    # alone beside a flood, and a linger longer than such a tenant's pause between requests
+    # (docs/operations.md, section 9). Unset: no lower cap.
+    queue_in_flight_per_pair_contended: int | None = Field(default=4, gt=0)
+    queue_contention_linger_s: float = Field(default=10.0, ge=0)
     # The longest a request waits for its turn before 429 (its tenant is over its share) or
     # 503 (the pair is full), with Retry-After.
     queue_max_wait_s: float = Field(default=10.0, gt=0)

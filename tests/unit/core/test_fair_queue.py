@@ -23,7 +23,13 @@ from gateway.core.fair_queue import (
     engine_priority,
     generation_cost,
 )
-from gateway.core.pair_queues import PairQueues, QueueSettings, pair_cap, queue_refusal
+from gateway.core.pair_queues import (
+    PairQueues,
+    QueueSettings,
+    RequestBound,
+    pair_cap,
+    queue_refusal,
+)
 from gateway.observability.metrics import Metrics
 from gateway.workers.capacity import WorkerCapacity
 from gateway.workers.pairs import WorkerPair
@@ -727,3 +733,20 @@ def test_generation_cost_weighs_an_output_token_above_a_prompt_token() -> None:
     assert generation_cost(100, 0) == 100
     assert generation_cost(0, 100) > generation_cost(100, 0)
     assert generation_cost(10, 16) == generation_cost(10, 0) + generation_cost(0, 16)
+
+
+def test_one_requests_share_is_the_pools_max_request_share_of_the_cap_and_the_kv_pool(
+    tmp_path: Path,
+) -> None:
+    directory = _policies_with(tmp_path, {})
+    queues = PairQueues(QueueSettings(12, 10.0, 10), Metrics())
+    pair = _pair(None)  # KV pools of 1,000 tokens
+    assert queues.request_bound(load_policies(directory).models["m"], pair) == RequestBound(6, 500)
+    models = yaml.safe_load((directory / "models.yaml").read_text())
+    models["models"][0]["pools"][0]["max_request_share"] = 0.1
+    (directory / "models.yaml").write_text(yaml.safe_dump(models))
+    # At least one generation, whatever the share.
+    assert queues.request_bound(load_policies(directory).models["m"], pair) == RequestBound(1, 100)
+    # The queue grants what the pool holds, split among replicas as the cap is.
+    split = PairQueues(QueueSettings(12, 10.0, 10, replicas=2), Metrics())
+    assert split.queue(load_policies(directory).models["m"], pair).kv_capacity == 500
