@@ -289,11 +289,13 @@ def _hostile_section(results: dict) -> list[str]:
         cell, answers = row[1], row.pop()
         ratio = cell["p99_ms"] / base["p99_ms"] if cell["p99_ms"] and base["p99_ms"] else None
         got = ", ".join(f"{k}: {v}" for k, v in sorted(answers.items())) or "-"
-        row[1:] = [*_rows([cell], "requests p50_ms p99_ms max_ms")[0], ratio, cell["failed"], got]
-    header = "while | requests | p50 ms | p99 ms | max ms | p99 / baseline p99 | failed | "
-    header += "what the hostile client got"
+        fields = "requests p50_ms p99_ms max_ms healthz_p99_ms"
+        row[1:] = [*_rows([cell], fields)[0], ratio, cell["failed"], got]
+    header = "while | requests | p50 ms | p99 ms | max ms | /healthz p99 ms | p99 / baseline p99 "
+    header += "| failed | what the hostile client got"
     return [
-        "A well-behaved tenant's small chat requests, one at a time, on the instant backends, "
+        "A well-behaved tenant's small chat requests, one at a time, each followed by a "
+        "/healthz, on the instant backends, "
         f"{results['seconds_per_pattern']:.0f} s per pattern, while another client sends it "
         f"(`bench/hostile_bench.py`; target p99 ≤ {results['target_p99_ms_60mb']:.0f} ms "
         "during the 60 MB body).",
