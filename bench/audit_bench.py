@@ -1,13 +1,6 @@
-"""Audit log bench: insert throughput, and the newest-100-of-one-tenant query among 1M events.
-
-``run_audit_bench(database_url)`` measures one database (section 3: SQLite, then the PostgreSQL
-of ``ISOGATE_TEST_POSTGRES_URL``) in a database of its own (a fresh SQLite file, or a fresh
-PostgreSQL schema dropped afterwards) migrated by the real migrations, so the indexes measured
-are the deployed ones: ``Store.insert_audit_values`` in batches of ``audit_batch_size``, as the
-writer does (``store_insert_*``); the whole writer, ``AuditLog.record`` for every event then
-``close`` (``audit_log_events_per_s``); ``Store.query_audit`` (SQL and row conversion, what the
-API calls) once the table holds ``total_rows`` events of ``tenants`` tenants, loaded in SQL.
-"""
+"""Audit log bench, one database at a time in a scratch copy migrated by the real migrations:
+batched ``Store`` inserts, the whole ``AuditLog`` writer, then ``Store.query_audit`` shapes once
+the table holds ``total_rows`` events (loaded in SQL)."""
 
 from __future__ import annotations
 
@@ -57,11 +50,12 @@ def run_audit_bench(
     queries: int = 300,
     batch_size: int = 500,
 ) -> dict[str, Any]:
-    """Measure one database (an SQLite URL, or a PostgreSQL URL: a schema is made for it)."""
-    with _scratch_database(database_url) as url, contextlib.ExitStack() as cleanup:
+    with _scratch_database(database_url) as url:
         store = create_store(url, migrate=True)
-        cleanup.callback(store.dispose)
-        return _measure(store, url, total_rows, tenants, insert_events, queries, batch_size)
+        try:
+            return _measure(store, url, total_rows, tenants, insert_events, queries, batch_size)
+        finally:
+            store.dispose()
 
 
 def _measure(
@@ -87,29 +81,24 @@ def _measure(
     for start in range(0, len(rows), batch_size):
         store.insert_audit_values(rows[start : start + batch_size])
     result["store_insert_events_per_s"] = round(insert_events / (time.perf_counter() - started))
-    # CPU per event, which a busy shared machine does not inflate the way it does wall time:
-    # the gateway's side, and (PostgreSQL on this host) the database backend's side.
-    result["store_insert_client_cpu_us_per_event"] = round(
-        (time.process_time() - cpu_started) / insert_events * 1e6, 1
-    )
-    server_cpu_s = backend()
-    if server_cpu_s is not None:
+    # CPU per event, which a busy shared machine inflates less than wall time: the gateway's,
+    # and (PostgreSQL on this host) the database backend's.
+    client_cpu_s = time.process_time() - cpu_started
+    result["store_insert_client_cpu_us_per_event"] = round(client_cpu_s / insert_events * 1e6, 1)
+    if (server_cpu_s := backend()) is not None:
         result["store_insert_server_cpu_us_per_event"] = round(
             server_cpu_s / insert_events * 1e6, 1
         )
 
     # 2. The whole audit writer: record() then close().
     with tempfile.TemporaryDirectory() as spool:
+        spool_dir = Path(spool)
         settings = Settings(
-            database_url=url,
-            audit_spool_dir=Path(spool),
-            audit_batch_size=batch_size,
-            _env_file=None,
+            database_url=url, audit_spool_dir=spool_dir, audit_batch_size=batch_size, _env_file=None
         )
         events = [_event(insert_events + i, tenants) for i in range(insert_events)]
-        result["audit_log_events_per_s"] = round(
-            asyncio.run(_writer_throughput(store, settings, events))
-        )
+        rate = asyncio.run(_writer_throughput(store, settings, events))
+        result["audit_log_events_per_s"] = round(rate)
 
     # 3. Fill up to total_rows in bulk (SQL-side generation), then query.
     started = time.perf_counter()
@@ -146,16 +135,12 @@ def _measure(
             assert len(page) == 100 or "outcome" in name, (name, len(page))
         result[f"query_{name}_p50_ms"] = round(statistics.median(timings), 2)
         result[f"query_{name}_p99_ms"] = round(percentile(sorted(timings), 0.99), 2)
-        # Client CPU per query (page 2 includes its first page): what the gateway process
-        # spends, independent of how busy a shared machine is.
-        result[f"query_{name}_client_cpu_ms"] = round(
-            (time.process_time() - cpu_started) / queries * 1000, 2
-        )
+        # Client CPU per query (page 2 includes its first page), steadier than wall time.
+        cpu_ms = (time.process_time() - cpu_started) / queries * 1000
+        result[f"query_{name}_client_cpu_ms"] = round(cpu_ms, 2)
     result["plan_tenant_newest_100"] = _plan(store, tenant_ids[0])
     if store.dialect == "postgresql":
-        result["server_exec_tenant_newest_100_p50_ms"] = _server_execution_ms(
-            store, tenant_ids, rng
-        )
+        result["server_exec_tenant_newest_100_p50_ms"] = _server_ms(store, tenant_ids, rng)
     result["load_average_1m_at_end"] = os.getloadavg()[0]
     return result
 
@@ -212,43 +197,31 @@ def _bulk_fill(store: Store, count: int, tenants: int, *, offset: int) -> None:
     with store.engine.begin() as conn:
         for index in indexes:
             index.drop(conn)
+    last = offset + count - 1
+    # Per dialect: where the rows come from, the zero-padded ids, the stream flag, the time.
+    if store.dialect == "postgresql":
+        source, rows, stream = "", f"generate_series({offset}, {last}) AS i", "i % 2 = 1"
+        ids = ["lpad(i::text, 9, '0')", f"lpad((i % {tenants})::text, 3, '0')"]
+        ids.append("lpad(to_hex(i % 997), 16, '0')")
+        created = "TIMESTAMPTZ '2026-01-01 00:00:00+00' + i * INTERVAL '10 milliseconds'"
+    else:
+        source = f"WITH RECURSIVE s(i) AS (SELECT {offset} UNION ALL SELECT i + 1 FROM s "
+        source += f"WHERE i < {last})"
+        rows, stream = "s", "i % 2"
+        ids = ["printf('%09d', i)", f"printf('%03d', i % {tenants})", "printf('%016x', i % 997)"]
+        created = "strftime('%Y-%m-%d %H:%M:%S', '2026-01-01', '+' || (i / 100) || ' seconds')"
+        created += " || '.' || printf('%06d', (i % 100) * 10000)"
+    insert = f"""
+        {source} INSERT INTO audit_events ({columns})
+        SELECT 'bench-' || {ids[0]}, 'tenant-' || {ids[1]}, 'key_' || {ids[2]},
+               CASE WHEN i % 3 = 0 THEN 'tiny-llama' ELSE 'glm-5' END,
+               {outcome_case}, CASE WHEN {n} < 17 THEN 200 ELSE 429 END, NULL,
+               'http://prefill-3:30000', 'http://decode-1:30001', i % 4096, i % 512, {stream},
+               (i % 1000) / 3.0, {created}, NULL
+        FROM {rows}
+    """
     with store.engine.begin() as conn:
-        if store.dialect == "postgresql":
-            conn.execute(
-                text(f"""
-                INSERT INTO audit_events ({columns})
-                SELECT 'bench-' || lpad(i::text, 9, '0'),
-                       'tenant-' || lpad((i % {tenants})::text, 3, '0'),
-                       'key_' || lpad(to_hex(i % 997), 16, '0'),
-                       CASE WHEN i % 3 = 0 THEN 'tiny-llama' ELSE 'glm-5' END,
-                       {outcome_case}, CASE WHEN {n} < 17 THEN 200 ELSE 429 END, NULL,
-                       'http://prefill-3:30000', 'http://decode-1:30001',
-                       i % 4096, i % 512, i % 2 = 1,
-                       (i % 1000) / 3.0,
-                       TIMESTAMPTZ '2026-01-01 00:00:00+00' + i * INTERVAL '10 milliseconds',
-                       NULL
-                FROM generate_series({offset}, {offset + count - 1}) AS i
-            """)
-            )
-        else:
-            conn.execute(
-                text(f"""
-                WITH RECURSIVE s(i) AS (
-                    SELECT {offset} UNION ALL SELECT i + 1 FROM s WHERE i < {offset + count - 1}
-                )
-                INSERT INTO audit_events ({columns})
-                SELECT 'bench-' || printf('%09d', i), 'tenant-' || printf('%03d', i % {tenants}),
-                       'key_' || printf('%016x', i % 997),
-                       CASE WHEN i % 3 = 0 THEN 'tiny-llama' ELSE 'glm-5' END,
-                       {outcome_case}, CASE WHEN {n} < 17 THEN 200 ELSE 429 END, NULL,
-                       'http://prefill-3:30000', 'http://decode-1:30001', i % 4096, i % 512, i % 2,
-                       (i % 1000) / 3.0,
-                       strftime('%Y-%m-%d %H:%M:%S', '2026-01-01', '+' || (i / 100) || ' seconds')
-                         || '.' || printf('%06d', (i % 100) * 10000),
-                       NULL
-                FROM s
-            """)
-            )
+        conn.execute(text(insert))
     with store.engine.begin() as conn:
         for index in indexes:
             index.create(conn)
@@ -283,16 +256,12 @@ NEWEST_100 = (
 )
 
 
-def _server_execution_ms(store: Store, tenant_ids: list[str], rng: random.Random) -> float:
+def _server_ms(store: Store, tenant_ids: list[str], rng: random.Random) -> float:
     """PostgreSQL's own execution time for the newest-100 query (EXPLAIN ANALYZE), median."""
+    query = text("EXPLAIN (ANALYZE, FORMAT JSON) " + NEWEST_100)
     with store.engine.connect() as conn:
-        times = [
-            conn.execute(
-                text("EXPLAIN (ANALYZE, FORMAT JSON) " + NEWEST_100), {"t": rng.choice(tenant_ids)}
-            ).scalar_one()[0]["Execution Time"]
-            for _ in range(50)
-        ]
-    return round(statistics.median(times), 3)
+        plans = [conn.execute(query, {"t": rng.choice(tenant_ids)}).scalar_one() for _ in range(50)]
+    return round(statistics.median(plan[0]["Execution Time"] for plan in plans), 3)
 
 
 def _plan(store: Store, tenant_id: str) -> str:

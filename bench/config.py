@@ -39,10 +39,7 @@ class BenchConfig:
     concurrencies: tuple[int, ...]
     wrk_duration_s: float
     ttft_duration_s: float
-    # Section 1 runs every cell this many times, the targets interleaved in each round, and
-    # reports each target's medians: on a shared two-core host one run of a cell moved by a
-    # third between runs twenty minutes apart.
-    routing_rounds: int
+    routing_rounds: int  # runs per section-1 cell (one run moves by a third on a shared host)
     prompt_tokens: tuple[int, ...]  # tokenization/admission sizes
     refusal_megabytes: tuple[int, ...]
     refusal_repeats: int
@@ -53,11 +50,8 @@ class BenchConfig:
     audit_rows: int
     router_cpus: set[int] | None
     helper_cpus: set[int] | None
-    # Autogroup nice of the bench's own processes (0: none). On a machine shared with other
-    # sessions, a process of ours gets 1/(number of busy sessions) of a core without it.
-    priority: int
-    # Run the gateway package found in this directory (a locally patched copy) instead of ours.
-    gateway_root: Path | None
+    priority: int  # autogroup nice of the bench's processes (0: none)
+    gateway_root: Path | None  # run the gateway package of this checkout instead of ours
     sections: frozenset[str] = SECTIONS
     ports: Ports = field(default_factory=Ports)
 

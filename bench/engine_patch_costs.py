@@ -1,14 +1,7 @@
-"""What the plugin's hooks cost, measured on the real SGLang classes on this machine.
-
-Benchmark code, not part of the plugin: ``measure_costs()`` runs in ``.venv-engine`` (section 3
-of ``make bench``, or ``.venv-engine/bin/python -m bench.engine_patch_costs``). It times the
-hooks as they run in a server, with SGLang's real originals, ``Req``, ``MetadataBuffers`` and
-pools, in microseconds: per request, the tokenizer's tag handling (headers, re-typed IPC
-message), the prefill attestation (after ``set_buf``), the decode coverage check and page
-tagging at commit (over SGLang's own commit), the page check before the first decode step;
-per decode step, page tagging of a batch's new tokens. Each figure is the plugin's extra time
-(hooked minus SGLang's own where the hook wraps an original), the median of ``repeats`` runs.
-"""
+"""What the plugin's hooks cost on SGLang's real classes (originals, ``Req``, ``MetadataBuffers``,
+pools), run in ``.venv-engine`` (section 3, or ``python -m bench.engine_patch_costs``): each
+figure is the plugin's extra microseconds (hooked minus SGLang's own where a hook wraps an
+original), the median of ``repeats`` runs."""
 
 from __future__ import annotations
 
@@ -16,6 +9,7 @@ import statistics
 import time
 from array import array
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -52,34 +46,20 @@ def measure_costs(
 
     settings = EngineSettings()
     pool_tokens = prompt_tokens * (decode_batch + 4)
-    req_to_token_pool = ReqToTokenPool(
-        size=decode_batch + 4,
-        max_context_len=prompt_tokens + 64,
-        device="cpu",
-        enable_memory_saver=False,
-    )
+    req_to_token_pool = ReqToTokenPool(decode_batch + 4, prompt_tokens + 64, "cpu", False)
     allocator = TokenToKVPoolAllocator(pool_tokens, torch.float16, "cpu", None, False)
 
-    class _Scheduler:  # the attributes of a decode Scheduler the hooks read
-        pass
-
-    scheduler = _Scheduler()
-    scheduler.req_to_token_pool = req_to_token_pool
-    scheduler.token_to_kv_pool_allocator = allocator
-    scheduler.kv_checksum_computer = None
-    scheduler.batch_result_processor = type(
-        "_NoReasoning", (), {"_maybe_update_reasoning_tokens": lambda self, req, tok: None}
-    )()
+    no_reasoning = {"_maybe_update_reasoning_tokens": lambda self, req, tok: None}
+    scheduler = SimpleNamespace(  # the attributes of a decode Scheduler the hooks read
+        req_to_token_pool=req_to_token_pool,
+        token_to_kv_pool_allocator=allocator,
+        kv_checksum_computer=None,
+        batch_result_processor=type("_NoReasoning", (), no_reasoning)(),
+    )
 
     def new_req(rid: str) -> Req:
-        req = Req(
-            rid,
-            "",
-            array("q", range(3, 3 + prompt_tokens)),
-            SamplingParams(max_new_tokens=16),
-            bootstrap_host="127.0.0.1",
-            bootstrap_room=77,
-        )
+        prompt, params = array("q", range(3, 3 + prompt_tokens)), SamplingParams(max_new_tokens=16)
+        req = Req(rid, "", prompt, params, bootstrap_host="127.0.0.1", bootstrap_room=77)
         req.isolation_tenant, req.isolation_generation = "tenant-bench", rid
         return req
 
@@ -88,21 +68,13 @@ def measure_costs(
     from starlette.datastructures import Headers
 
     headers = Headers({tags.TENANT_HEADER: "tenant-bench", tags.GENERATION_HEADER: "gen_bench"})
-    headers_request = type("_Req", (), {"headers": headers})()
+    headers_request = SimpleNamespace(headers=headers)
     message = TokenizedGenerateReqInput(
-        input_text="",
-        input_ids=array("q", range(prompt_tokens)),
-        input_embeds=None,
-        mm_inputs=None,
-        token_type_ids=None,
-        sampling_params=SamplingParams(),
-        return_logprob=False,
-        logprob_start_len=-1,
-        top_logprobs_num=0,
-        token_ids_logprob=None,
-        stream=False,
-        rid="gen_bench",
-    )
+        input_text="", input_ids=array("q", range(prompt_tokens)), input_embeds=None,
+        mm_inputs=None, token_type_ids=None, sampling_params=SamplingParams(),
+        return_logprob=False, logprob_start_len=-1, top_logprobs_num=0, token_ids_logprob=None,
+        stream=False, rid="gen_bench",
+    )  # fmt: skip
 
     def tokenizer_side() -> None:
         obj = GenerateReqInput(input_ids=[1], rid="gen_bench")
@@ -111,9 +83,7 @@ def measure_costs(
         tags.carry_tags_to_scheduler(message, None, obj)
 
     # Prefill attestation after set_buf.
-    buffers = MetadataBuffers(
-        size=4, hidden_size=8, hidden_states_dtype=torch.float32, max_sampling_mask_tokens=4
-    )
+    buffers = MetadataBuffers(4, 8, torch.float32, max_sampling_mask_tokens=4)
     prefill_req = new_req("gen_prefill")
     prefill_req.metadata_buffer_index, prefill_req.extend_end = 1, prompt_tokens
     prefill_req.output_ids.append(5)
@@ -130,21 +100,18 @@ def measure_costs(
     decode_req_obj.kv.kv_committed_len = prompt_tokens
     coverage.attest_after_set_buf(None, buffers, prefill_req)
 
-    class _Receiver:
-        def clear(self) -> None:
-            return None
+    receiver = SimpleNamespace(clear=lambda: None)
+    original = DecodeTransferQueue._commit_transfer_to_req
 
     def commit(hooked: bool) -> None:
         decode_req_obj.output_ids = array("q")
         decode_req = DecodeRequest(
-            req=decode_req_obj, kv_receiver=_Receiver(), metadata_buffer_index=1
+            req=decode_req_obj, kv_receiver=receiver, metadata_buffer_index=1
         )
         if hooked:
-            coverage.verify_before_commit(
-                settings, DecodeTransferQueue._commit_transfer_to_req, queue, decode_req
-            )
+            coverage.verify_before_commit(settings, original, queue, decode_req)
         else:
-            DecodeTransferQueue._commit_transfer_to_req(queue, decode_req)
+            original(queue, decode_req)
 
     table = page_tags.table_for(allocator, create=True)
 
@@ -158,13 +125,12 @@ def measure_costs(
 
     sglang_commit = _median_us(lambda: commit(False), repeats)
     hooked_commit = _median_us(lambda: commit(True), repeats)
+    attest = lambda: coverage.attest_after_set_buf(None, buffers, prefill_req)  # noqa: E731
     return {
         "prompt_tokens": float(prompt_tokens),
         "decode_batch": float(decode_batch),
         "tokenizer_tags_us": _median_us(tokenizer_side, repeats),
-        "prefill_attestation_us": _median_us(
-            lambda: coverage.attest_after_set_buf(None, buffers, prefill_req), repeats
-        ),
+        "prefill_attestation_us": _median_us(attest, repeats),
         "decode_commit_sglang_us": sglang_commit,
         "decode_commit_plugin_extra_us": hooked_commit - sglang_commit,
         "first_decode_page_check_us": _median_us(page_check, repeats),

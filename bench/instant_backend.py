@@ -1,15 +1,8 @@
-"""An instant SGLang-protocol backend: a stand-in worker that answers at once, for benchmarks.
-
-It is NOT SGLang. With a backend that does no work, everything above the direct-to-backend
-latency is the router's own cost. One process serves one role (prefill or decode) on a raw
-asyncio protocol (``httptools``, uvloop), so that it is not the bottleneck. It answers what
-routers ask of a worker (shapes recorded from SGLang 0.5.23, ``tests/data``): ``/server_info``
-(marked ``"isogate_engine_patch": "instant-backend"``, so the gateway routes to it), ``/v1/loads``,
-``/v1/models`` and the health probes; ``POST /generate`` with ``meta_info`` echoing the request
-and the ``X-Isolation-*`` tags as engine_patch does, streams carrying the cumulative text; the
-OpenAI ``/v1/completions`` and ``/v1/chat/completions``. A stream sends ``--chunks`` chunks,
-``--stream-interval-s`` apart (0: in one write), so one server also holds thousands of slow
-streams for the memory bench, which asks ``GET /bench/streams`` how many it still sends.
+"""An instant SGLang-protocol backend (NOT SGLang): one role (prefill or decode) on a raw asyncio
+protocol that answers at once what routers ask of a worker, in SGLang 0.5.23's shapes
+(``tests/data``; ``/server_info`` marked ``"isogate_engine_patch": "instant-backend"``). Streams
+send ``--chunks`` chunks ``--stream-interval-s`` apart (0: one write); ``GET /bench/streams``
+says how many slow streams are still sending (the memory bench).
 
     python -m bench.instant_backend --role decode --port 34010 [--pool-tokens N] [--chunks 4]
 """
@@ -56,12 +49,9 @@ def static_bodies(role: str, pool_tokens: int) -> dict[bytes, bytes]:
 
 def head(status: int, content_type: bytes, length: int | None, keep_alive: bool) -> bytes:
     reason = {200: b"OK", 404: b"Not Found"}.get(status, b"Error")
-    lines = [b"HTTP/1.1 %d %s" % (status, reason), b"content-type: " + content_type]
-    lines.append(
-        b"content-length: %d" % length if length is not None else b"transfer-encoding: chunked"
-    )
-    if not keep_alive:
-        lines.append(b"connection: close")
+    size = b"content-length: %d" % length if length is not None else b"transfer-encoding: chunked"
+    lines = [b"HTTP/1.1 %d %s" % (status, reason), b"content-type: " + content_type, size]
+    lines += [] if keep_alive else [b"connection: close"]
     return b"\r\n".join(lines) + b"\r\n\r\n"
 
 
@@ -84,11 +74,8 @@ def answer(
     if path == b"/generate":
         ids = payload.get("input_ids")
         prompt = len(ids) if isinstance(ids, list) else len(str(payload.get("text", "")).split())
-        meta: dict[str, Any] = {
-            "id": payload.get("rid") or uuid.uuid4().hex,
-            "prompt_tokens": prompt,
-            "cached_tokens": 0,
-        }
+        rid = payload.get("rid") or uuid.uuid4().hex
+        meta: dict[str, Any] = {"id": rid, "prompt_tokens": prompt, "cached_tokens": 0}
         for name in ("tenant", "generation"):
             if (value := headers.get(b"x-isolation-" + name.encode())) is not None:
                 meta["isolation_" + name] = value.decode()
@@ -117,10 +104,8 @@ def answer(
         bodies = []
         for n in counts:
             text = TOKEN_TEXT if stream else TOKEN_TEXT * tokens
-            choice: dict[str, Any] = {
-                "index": 0,
-                "finish_reason": "length" if n == tokens else None,
-            }
+            finish = "length" if n == tokens else None
+            choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
             if not chat:
                 choice["text"] = text
             elif stream:
@@ -165,7 +150,6 @@ class BackendProtocol(asyncio.Protocol):
         self._slow.discard(self)
         self._transport = None
 
-    # httptools callbacks
     def on_message_begin(self) -> None:
         self._url, self._headers, self._body = b"", {}, []
 

@@ -1,11 +1,6 @@
-"""Section 4: gateway resident memory at idle and with N concurrent streams held open.
-
-The streams go to model ``tiny-llama-slow``, whose decode backend (an instant backend in slow
-mode) sends one chunk every 2 s: each client reads its first chunk and then keeps reading, so
-every stream stays open through the gateway (client socket, ASGI task, engine stream to
-decode, prefill answer, claims) while RSS is read from /proc. Once the clients have gone, the
-decode backend's own count says how many engine streams the gateway still pulls.
-"""
+"""Section 4: gateway RSS at idle and with N streams held open through it (model
+``tiny-llama-slow``: one chunk every 2 s), then how many engine streams the gateway still pulls
+once the clients have gone (the slow decode backend's own count)."""
 
 from __future__ import annotations
 
@@ -63,12 +58,9 @@ async def _hold(rig: Rig, log) -> list[dict]:
             open_s = time.perf_counter() - started
             await asyncio.sleep(2.0)  # let buffers and the allocator settle
             row = {
-                "streams": count,
-                "opened": opened,
-                "rss_mb": rss_bytes(rig.gateway_pid) / 1e6,
-                "open_s": open_s,
-                "failed": sum(1 for r in results if r is not True),
-            }
+                "streams": count, "opened": opened, "rss_mb": rss_bytes(rig.gateway_pid) / 1e6,
+                "open_s": open_s, "failed": sum(1 for r in results if r is not True),
+            }  # fmt: skip
             rows.append(row)
             log("  held: " + described(row))
     finally:
@@ -80,8 +72,7 @@ async def _hold(rig: Rig, log) -> list[dict]:
 
 
 def streams_in_progress(port: int) -> int:
-    """The slow streams the decode backend at ``port`` is still sending (its own count: the
-    gateway's connections to it also carry aborts, then stay open idle in its pool)."""
+    """The slow streams the decode backend at ``port`` is still sending, by its own count."""
     answer = httpx.get(f"http://127.0.0.1:{port}/bench/streams", timeout=5.0)
     answer.raise_for_status()
     return int(answer.json()["in_progress"])
@@ -109,14 +100,9 @@ def run_memory_bench(rig: Rig, idle_fresh_mb: float, log=print) -> dict:
         low = rows[-2] if len(rows) > 1 else {"rss_mb": idle_before, "streams": 0}
         added = rows[-1]["rss_mb"] - low["rss_mb"]
         per_1000 = added / (rows[-1]["streams"] - low["streams"]) * 1000
+    # idle_fresh: after start and one request; idle_before: after the other sections.
     return {
-        "idle_fresh_mb": idle_fresh_mb,  # just after start and one request
-        "idle_before_mb": idle_before,  # after the other sections, before opening streams
-        "streams": rows,
-        "idle_after_mb": idle_after,  # streams closed
-        "per_1000_streams_mb": per_1000,
-        # Engine streams the gateway still held open to the decode backend once every client
-        # had closed its stream, and how long it took to get there (at most 30 s is waited).
-        "upstream_open_after_close": upstream_open,
-        "upstream_release_s": release_s,
-    }
+        "idle_fresh_mb": idle_fresh_mb, "idle_before_mb": idle_before, "streams": rows,
+        "idle_after_mb": idle_after, "per_1000_streams_mb": per_1000,
+        "upstream_open_after_close": upstream_open, "upstream_release_s": release_s,
+    }  # fmt: skip

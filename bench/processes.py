@@ -1,9 +1,5 @@
-"""The processes a bench starts (instant backends, ``sglang_router``, SMG, the gateway) and
-what is read of them from /proc (CPU time, RSS).
-
-Each runs in a process group of its own (``gateway.dev.cluster.ManagedProcess``: ``stop``
-kills the group) and may be pinned to CPUs.
-"""
+"""The processes a bench starts (instant backends, ``sglang_router``, SMG, the gateway), each in
+a process group of its own (``ManagedProcess``), maybe pinned, and what /proc says of them."""
 
 from __future__ import annotations
 
@@ -23,8 +19,7 @@ from gateway.dev.harness import GatewayProcess, port_is_free
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ENGINE_PYTHON = Path(os.environ.get("ENGINE_VENV") or REPO_ROOT / ".venv-engine") / "bin" / "python"
-# SMG (``smg`` on PyPI), in a venv of its own: its grpcio and protobuf are newer than the
-# engine's. ``scripts/bench`` installs it; a bench without it leaves SMG out.
+# SMG in a venv of its own (scripts/bench installs it); a bench without it leaves SMG out.
 SMG_BINARY = REPO_ROOT / ".venv-smg" / "bin" / "smg"
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -39,9 +34,8 @@ def pin(pid: int, cpus: set[int] | None) -> None:
 
 
 def free_ports(first: int, count: int = 1, limit: int = 10) -> int:
-    """The first port from ``first`` such that it and the next ``count - 1`` are free: the
-    bench's range lies inside the kernel's ephemeral range, where other sessions' tests bind
-    random ports."""
+    """The first port from ``first`` such that it and the next ``count - 1`` are free (other
+    sessions' tests bind random ports in the kernel's ephemeral range, which holds ours)."""
     for start in range(first, first + limit):
         if all(port_is_free(port) for port in range(start, start + count)):
             return start
@@ -49,9 +43,8 @@ def free_ports(first: int, count: int = 1, limit: int = 10) -> int:
 
 
 def boost(pid: int, nice: int) -> None:
-    """Raise a process's CPU share on a shared machine (0: leave it alone). Under autogroup
-    scheduling every session competes as one group whatever its nice values, so the group's
-    nice is what counts."""
+    """Raise a process's CPU share on a shared machine (0: leave it alone); under autogroup
+    scheduling the group's nice is what counts."""
     if nice == 0:
         return
     with contextlib.suppress(OSError):
@@ -157,11 +150,9 @@ def instant_backend(
     priority: int = 0,
 ) -> Server:
     port = free_ports(port)
-    arguments = (
-        f"--role {role} --port {port} --pool-tokens {pool_tokens} --chunks {chunks} "
-        f"--stream-interval-s {stream_interval_s}"
-    ).split()
-    command = [sys.executable, "-m", "bench.instant_backend", *arguments]
+    arguments = f"--role {role} --port {port} --pool-tokens {pool_tokens} --chunks {chunks}"
+    command = [sys.executable, "-m", "bench.instant_backend", *arguments.split()]
+    command += ["--stream-interval-s", str(stream_interval_s)]
     return serve(f"instant-{role}", command, log_dir, port, "/health", cpus=cpus, priority=priority)
 
 
@@ -175,9 +166,8 @@ def pd_router(
     priority: int = 0,
     models: Sequence[str] = (),
 ) -> Server:
-    """A Rust PD router in front of one pair, ready on /readiness: ``sglang-router`` (0.3.2,
-    engine venv) or ``smg`` (``smg launch``, ``.venv-smg``). SMG routes by model: the workers
-    report their model path, the bench's clients name ``models``, so each is an alias of it."""
+    """A Rust PD router in front of one pair: ``sglang-router`` (engine venv) or ``smg``, which
+    routes by model: each of ``models`` becomes an alias of the workers' model path."""
     for attempt in range(3):
         port = free_ports(port, count=2)  # the router's port and its Prometheus port
         arguments = (
@@ -193,8 +183,8 @@ def pd_router(
         else:
             command = [str(ENGINE_PYTHON), "-m", "sglang_router.launch_router", *arguments]
         try:
-            ready = {"cpus": cpus, "priority": priority, "timeout_s": 90}
-            return serve(kind, command, log_dir, port, "/readiness", **ready)
+            placed = {"cpus": cpus, "priority": priority}
+            return serve(kind, command, log_dir, port, "/readiness", **placed, timeout_s=90)
         except RuntimeError as exc:
             # A client socket may hold one of our ports for a moment: wait and try again.
             if "Address already in use" not in str(exc) or attempt == 2:
@@ -217,32 +207,19 @@ def write_bench_policies(
 ) -> Path:
     """Policies for the bench models (one shared pool each) and tenant limits too high to matter."""
     directory.mkdir(parents=True, exist_ok=True)
-    entries = [
-        {
-            "name": m.name,
-            "tokenizer": str(m.tokenizer_dir or tokenizer_dir),
-            "max_context_tokens": m.max_context_tokens,
-            "default_max_tokens": 16,
-            "max_output_tokens": 1024,
-            "require_engine_tags": m.require_engine_tags,
-            "pools": [
-                {
-                    "name": "bench",
-                    "prefill": [
-                        {"url": m.pool.prefill_url, "bootstrap_port": m.pool.bootstrap_port}
-                    ],
-                    "decode": [{"url": m.pool.decode_url}],
-                }
-            ],
-        }
-        for m in models
-    ]
+    entries = []
+    for m in models:
+        prefill = [{"url": m.pool.prefill_url, "bootstrap_port": m.pool.bootstrap_port}]
+        pool = {"name": "bench", "prefill": prefill, "decode": [{"url": m.pool.decode_url}]}
+        entries.append({
+            "name": m.name, "tokenizer": str(m.tokenizer_dir or tokenizer_dir),
+            "max_context_tokens": m.max_context_tokens, "default_max_tokens": 16,
+            "max_output_tokens": 1024, "require_engine_tags": m.require_engine_tags,
+            "pools": [pool],
+        })  # fmt: skip
     (directory / "models.yaml").write_text(yaml.safe_dump({"models": entries}))
-    limits = {
-        "requests_per_minute": 100_000_000,
-        "tokens_per_minute": 2_000_000_000_000,
-        "max_concurrent": 1_000_000,
-    }
+    limits = {"requests_per_minute": 100_000_000, "tokens_per_minute": 2_000_000_000_000}
+    limits["max_concurrent"] = 1_000_000
     tenants = {"defaults": {"isolation": "shared", "limits": limits}, "tenants": {}}
     (directory / "tenants.yaml").write_text(yaml.safe_dump(tenants))
     return directory
@@ -258,15 +235,10 @@ def start_gateway(
     priority: int = 0,
     root: Path | None = None,
 ) -> tuple[GatewayProcess, str]:
-    """``python -m gateway serve`` (``gateway.dev.harness.GatewayProcess``), pinned; returns it
-    and a tenant key. ``root``: run the ``gateway`` package of that directory instead."""
-    gateway = GatewayProcess(
-        policies_dir=policies_dir,
-        work_dir=work_dir,
-        port=free_ports(port),
-        env={"ISOGATE_CAPACITY_POLL_INTERVAL_S": "1.0", **(env or {})},
-        root=root or REPO_ROOT,
-    )
+    """``python -m gateway serve`` (of ``root``'s checkout, ours by default), pinned; returns it
+    and a tenant key."""
+    env = {"ISOGATE_CAPACITY_POLL_INTERVAL_S": "1.0", **(env or {})}
+    gateway = GatewayProcess(policies_dir, work_dir, env, free_ports(port), root=root or REPO_ROOT)
     try:
         gateway.start()
         assert gateway.process is not None

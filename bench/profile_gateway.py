@@ -1,9 +1,6 @@
-"""Profile the gateway under load with py-spy: where its CPU goes per request.
-
-The instant backends and the gateway, driven by ``wrk`` and recorded by ``py-spy record``
-(collapsed stacks and an SVG flamegraph in ``bench/results/``); prints the functions holding
-the most samples, by self and inclusive time. py-spy samples wall time per thread and charges
-waits for the GIL to the frame on top: its shares say where to look, not what a step costs.
+"""Profile the gateway under ``wrk`` load with ``py-spy record`` (collapsed stacks and an SVG
+flamegraph in ``bench/results/``) and print the functions holding the most samples, self and
+inclusive. py-spy charges GIL waits to the frame on top: its shares say where to look.
 
     scripts/bench --profile [--concurrency 16] [--seconds 10] [--stream]
 """
@@ -39,17 +36,14 @@ def summarise(collapsed: Path, top: int = 25) -> str:
         for frame in set(frames):
             inclusive[frame] += int(count)
     total = sum(own.values()) or 1
-    lines = [f"{total} samples", "-- self --"]
-    lines += [f"{n / total:6.1%}  {frame}" for frame, n in own.most_common(top)]
-    lines.append("-- inclusive --")
-    lines += [f"{n / total:6.1%}  {frame}" for frame, n in inclusive.most_common(top)]
+    lines = [f"{total} samples"]
+    for title, counts in (("self", own), ("inclusive", inclusive)):
+        lines += [f"-- {title} --", *(f"{n / total:6.1%}  {f}" for f, n in counts.most_common(top))]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--seconds", type=int, default=10)
     parser.add_argument("--stream", action="store_true")
@@ -62,14 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="isogate-profile-"))
     with instant_pair(config, work) as (policies, _):
         gateway, key = start_gateway(
-            policies,
-            work / "gateway",
-            config.ports.gateway,
-            cpus=config.router_cpus,
-            priority=config.priority,
-            root=config.gateway_root,
-            env=INSTANT_GATEWAY_ENV,
-        )
+            policies, work / "gateway", config.ports.gateway, cpus=config.router_cpus,
+            priority=config.priority, root=config.gateway_root, env=INSTANT_GATEWAY_ENV,
+        )  # fmt: skip
         try:
             url, body = gateway.url + "/v1/completions", request_body(args.stream)
             run_wrk(url, body, connections=4, duration_s=1, auth=key)  # warm
@@ -77,12 +66,9 @@ def main(argv: list[str] | None = None) -> int:
             collapsed, svg = RESULTS / f"{name}.collapsed.txt", RESULTS / f"{name}.svg"
             assert gateway.process is not None
             record = f"record --pid {gateway.process.pid} --duration {args.seconds} --nonblocking"
+            quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
             recorders = [
-                subprocess.Popen(
-                    [str(PY_SPY), *record.split(), *options],
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
-                )
+                subprocess.Popen([str(PY_SPY), *record.split(), *options], **quiet)
                 for options in (
                     ["--rate", str(args.rate), "--format", "raw", "--output", str(collapsed)],
                     ["--rate", "50", "--output", str(svg)],

@@ -1,17 +1,6 @@
-"""Section 2: tokenization and admission against prompt length, refusing over-limit prompts,
-and whether tokenizing a 1M-token prompt holds other requests up.
-
-- In process: the tiny model's ``ModelTokenizer`` encode (sync, as in the gateway's thread)
-  and the admission arithmetic (byte-length lower bound, limit).
-- Through the gateway (HTTP): a prompt of N tokens admitted and served (``tiny-llama-long``,
-  limit 4M tokens); over-limit prompts of 1-50 MB refused from their byte length
-  (``tiny-llama``, 65,536 tokens), beside the same body POSTed to the instant backend (the
-  floor: upload + one JSON parse); the 50 MB prompt again to a gateway with a body cap.
-- Small requests, one in flight, before and while a 1M-token prompt is tokenized and served,
-  then while one of DeepSeek-V4's tokenizer (limit 681,280 tokens, the incident's prefill
-  pool) is tokenized whole and refused: its bytes alone do not prove it too long. For this
-  part the gateway may use every CPU (tokenizing off the loop only helps with another core).
-"""
+"""Section 2: tokenization and admission against prompt length (in process and through the
+gateway), refusing over-limit prompts, and whether a 1M-token prompt holds other requests up
+(the gateway on every CPU for that part: tokenizing off the loop only helps with another core)."""
 
 from __future__ import annotations
 
@@ -51,11 +40,10 @@ def text_of_tokens(tokenizer: ModelTokenizer, tokens: int) -> str:
 
 
 def raw_post(url: str, body: bytes, headers: dict[str, str]) -> tuple[float, int, bytes]:
-    """POST ``body`` over a plain socket: milliseconds from the first byte sent to the whole
-    answer, the status and the answer's body. Not httpx, which took 180-200 ms more than
-    ``sendall`` to upload 50 MB, so that the client set the time. Head and body in two
-    ``sendall`` calls (no 50 MB copy), TCP_NODELAY, a new connection asking for keep-alive
-    (uvicorn closes a ``Connection: close`` request's socket once answered, body read or not)."""
+    """POST ``body`` over a plain socket (httpx took 180-200 ms more to upload 50 MB): ms from the
+    first byte sent to the whole answer, the status and the body. Head and body in two ``sendall``
+    calls (no 50 MB copy), a new keep-alive connection (uvicorn closes a ``Connection: close``
+    request's socket once answered, body read or not)."""
     parts = urlsplit(url)
     fields = "".join(f"{name}: {value}\r\n" for name, value in headers.items())
     request_head = (
@@ -93,14 +81,11 @@ def _gateway_post(gateway_url: str, key: str, body: bytes) -> tuple[float, int, 
 
 
 def _httpx_post(client: httpx.Client, rig: Rig, body: bytes) -> tuple[float, int, str | None]:
-    """Through httpx (one client, keep-alive), TCP_NODELAY set: httpx writes head and body
-    apart, and without it a small body waits ~40 ms for the server's delayed ACK."""
+    """Through httpx (one keep-alive client with TCP_NODELAY: httpx writes head and body apart,
+    and without it a small body waits ~40 ms for the server's delayed ACK)."""
+    headers = {"Authorization": f"Bearer {rig.gateway_key}", "Content-Type": "application/json"}
     started = time.perf_counter()
-    response = client.post(
-        rig.gateway_url + "/v1/completions",
-        content=body,
-        headers={"Authorization": f"Bearer {rig.gateway_key}", "Content-Type": "application/json"},
-    )
+    response = client.post(rig.gateway_url + "/v1/completions", content=body, headers=headers)
     code = response.json().get("error", {}).get("code") if response.status_code != 200 else None
     return (time.perf_counter() - started) * 1000, response.status_code, code
 
@@ -129,14 +114,13 @@ def tokenize_rows(rig: Rig, log=print) -> list[dict]:
         admission_us = (time.perf_counter() - started) * 1000  # per call, in µs (1000 calls)
         body = orjson.dumps({"model": LONG_MODEL, "prompt": text, "max_tokens": 4})
         http = [_httpx_post(client, rig, body) for _ in range(repeats)]
+        # encode: ModelTokenizer's, synchronous; admission: byte-length bound + limit comparison;
+        # http: admitted and served.
         row = {
-            "tokens": len(ids),
-            "megabytes": len(text) / 1e6,
-            "encode_ms": min(encode_ms),  # ModelTokenizer's encode, synchronous
-            "admission_us": admission_us,  # byte-length bound + limit comparison
-            "http_ms": statistics.median(ms for ms, _, _ in http),  # admitted and served
+            "tokens": len(ids), "megabytes": len(text) / 1e6, "encode_ms": min(encode_ms),
+            "admission_us": admission_us, "http_ms": statistics.median(ms for ms, _, _ in http),
             "http_status": http[-1][1],
-        }
+        }  # fmt: skip
         rows.append(row)
         log("  " + described(row))
     client.close()
@@ -153,14 +137,11 @@ def _refused(gateway_url: str, key: str, megabytes: int, repeats: int) -> dict:
     body = _over_limit_body(megabytes)
     answers = [_gateway_post(gateway_url, key, body) for _ in range(repeats)]
     times = [ms for ms, _, _ in answers]
+    _, status, code = answers[-1]
     return {
-        "megabytes": megabytes,
-        "status": answers[-1][1],
-        "code": answers[-1][2],
-        "p50_ms": statistics.median(times),
-        "min_ms": min(times),
-        "max_ms": max(times),
-    }
+        "megabytes": megabytes, "status": status, "code": code,
+        "p50_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times),
+    }  # fmt: skip
 
 
 def refusal_rows(rig: Rig, log=print) -> list[dict]:
@@ -179,25 +160,20 @@ def refusal_rows(rig: Rig, log=print) -> list[dict]:
 
 
 def capped_refusal(rig: Rig, megabytes: int = 50, log=print) -> dict:
-    """The over-limit prompt sent to a second gateway started with ``ISOGATE_MAX_BODY_BYTES``:
-    it answers 413 from the declared Content-Length, before reading the body, and uvicorn
-    discards the upload. The default has no such cap below 64 MiB: a cap refuses bodies padded
-    with anything, not only long prompts."""
+    """The over-limit prompt to a second gateway with ``ISOGATE_MAX_BODY_BYTES``: 413 from the
+    declared Content-Length, before reading the body (the default has no cap below 64 MiB)."""
     # Its own policies, the model alone: the rig's also name the slow backend, stopped by now.
     policies = write_bench_policies(
         rig.work_dir / "policies-capped",
         tokenizer_dir=ensure_tiny_model(),
         models=[BenchModel(MODEL, 65_536, rig.pool)],
     )
+    config = rig.config
     gateway, key = start_gateway(
-        policies,
-        rig.work_dir / "gateway-capped",
-        free_ports(rig.config.ports.gateway + 20),
-        cpus=rig.config.router_cpus,
-        priority=rig.config.priority,
-        root=rig.config.gateway_root,
+        policies, rig.work_dir / "gateway-capped", free_ports(config.ports.gateway + 20),
+        cpus=config.router_cpus, priority=config.priority, root=config.gateway_root,
         env={**INSTANT_GATEWAY_ENV, "ISOGATE_MAX_BODY_BYTES": str(CAPPED_BODY_BYTES)},
-    )
+    )  # fmt: skip
     try:
         row = _refused(gateway.url, key, megabytes, rig.config.refusal_repeats)
     finally:
@@ -233,18 +209,12 @@ def blocking(rig: Rig, model: str, tokenizer: ModelTokenizer, log=print) -> dict
     during = sorted(asyncio.run(small_while_big()))
     base = sorted(s.total_s * 1000 for s in baseline.ok())
     (big_ms, big_status, big_code), *_ = big
-    result = {
-        "big_tokens": counted,  # counted here with the model's tokenizer
-        "big_ms": big_ms,
-        "big_status": big_status,
-        "big_code": big_code,
-        "baseline_p50_ms": percentile(base, 0.5),
-        "baseline_p99_ms": percentile(base, 0.99),
-        "during_requests": len(during),
-        "during_p50_ms": percentile(during, 0.5),
-        "during_p99_ms": percentile(during, 0.99),
-        "during_max_ms": max(during, default=0.0),
-    }
+    result = {  # big_tokens: counted here with the model's tokenizer
+        "big_tokens": counted, "big_ms": big_ms, "big_status": big_status, "big_code": big_code,
+        "baseline_p50_ms": percentile(base, 0.5), "baseline_p99_ms": percentile(base, 0.99),
+        "during_requests": len(during), "during_p50_ms": percentile(during, 0.5),
+        "during_p99_ms": percentile(during, 0.99), "during_max_ms": max(during, default=0.0),
+    }  # fmt: skip
     log(f"  {model}: {described(result)}")
     return result
 
@@ -265,10 +235,7 @@ def run_prompt_bench(rig: Rig, log=print) -> dict:
     finally:
         pin(rig.gateway_pid, rig.config.router_cpus)
     return {
-        "tokenize": tokenize,
-        "refusal": refusals,
-        "refusal_capped": capped,
-        "capped_body_bytes": CAPPED_BODY_BYTES,
-        "blocking": block,
+        "tokenize": tokenize, "refusal": refusals, "refusal_capped": capped,
+        "capped_body_bytes": CAPPED_BODY_BYTES, "blocking": block,
         "refusal_real_tokenizer": refuse_real,
-    }
+    }  # fmt: skip

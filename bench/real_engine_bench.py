@@ -1,13 +1,7 @@
-"""The same comparison on real SGLang 0.5.23 CPU workers: one PD pair of the tiny model.
-
-A request takes ~0.1-0.5 s of model time on the CPU, which dwarfs any router: this shows that
-the three paths agree and what the routers add on a real engine, not their cost (section 1).
-Direct = the same ``/v1/completions`` body with bootstrap fields to prefill and decode at once,
-with one ``rid`` for both. sglang_router 0.3.2 gives the two halves no common rid, which
-engine_patch (binding them by rid without the gateway's tags) refuses as ``foreign_generation``;
-so each request to the router carries its own ``rid``, forwarded to both. Nothing is pinned:
-the workers need both cores. The pair is started only with 7 GiB available, always stopped.
-"""
+"""Section 1's comparison on a real SGLang 0.5.23 CPU PD pair of the tiny model: model time
+dwarfs any router, so this shows the three paths agree, not their cost. sglang_router 0.3.2
+gives the two halves no common rid, which engine_patch refuses without the gateway's tags, so
+each request to it carries its own ``rid``. Nothing pinned; started only with 7 GiB free."""
 
 from __future__ import annotations
 
@@ -20,15 +14,9 @@ from pathlib import Path
 import httpx
 import orjson
 
+from bench import processes as procs
 from bench.config import BenchConfig
-from bench.processes import (
-    BenchModel,
-    BenchPool,
-    free_ports,
-    pd_router,
-    start_gateway,
-    write_bench_policies,
-)
+from bench.processes import BenchModel, BenchPool, free_ports, pd_router, start_gateway
 from bench.routing_bench import PROMPT
 from bench.serving_bench import ServingTarget, run_serving_bench
 from bench.stream_client import Target, described, run_load, run_pd_direct
@@ -53,13 +41,10 @@ def too_little_memory() -> str | None:
 def real_pair(config: BenchConfig, log_dir: Path, log=print) -> Iterator[PDCluster]:
     """A real PD pair of the tiny model, started, and always stopped."""
     ports, started = config.ports, time.monotonic()
-    spec = default_cluster_spec(
-        prefill_port=free_ports(ports.real_prefill),
-        decode_port=free_ports(ports.real_decode),
-        bootstrap_port=free_ports(ports.real_bootstrap),
-        log_dir=log_dir,
-    )
-    cluster = PDCluster(spec)
+    cluster = PDCluster(default_cluster_spec(
+        prefill_port=free_ports(ports.real_prefill), decode_port=free_ports(ports.real_decode),
+        bootstrap_port=free_ports(ports.real_bootstrap), log_dir=log_dir,
+    ))  # fmt: skip
     try:
         try:
             cluster.start()
@@ -82,9 +67,8 @@ def pair_policies(cluster: PDCluster, directory: Path) -> tuple[Path, bool]:
     tags = bool(info.get(ENGINE_PATCH_MARKER))
     pool = BenchPool(cluster.prefill_url, cluster.bootstrap_port, cluster.decode_url)
     model = BenchModel(MODEL, cluster.spec.prefill.max_total_tokens, pool, tags)
-    return write_bench_policies(
-        directory, tokenizer_dir=cluster.spec.model_dir, models=[model]
-    ), tags
+    tokenizer = cluster.spec.model_dir
+    return procs.write_bench_policies(directory, tokenizer_dir=tokenizer, models=[model]), tags
 
 
 def run_real_engine_bench(config: BenchConfig, work_dir: Path, log=print) -> dict:
@@ -102,23 +86,16 @@ def run_real_engine_bench(config: BenchConfig, work_dir: Path, log=print) -> dic
             gateway_dir = work_dir / "real-gateway"
             gateway, key = start_gateway(policies, gateway_dir, ports.real_gateway, cpus=None)
             up.callback(gateway.stop)
-            return {
-                "engine_tags": tags,
-                "cells": _cells(config, cluster, router.url, gateway.url, key, log),
-                # SGLang's own bench_serving (both OpenAI backends) on the same pair and peers.
-                "serving": run_serving_bench(
-                    [
-                        ServingTarget("sglang_router", router.url),
-                        ServingTarget("gateway", gateway.url, key),
-                    ],
-                    worker_urls=(cluster.prefill_url, cluster.decode_url),
-                    model_dir=cluster.spec.model_dir,
-                    work_dir=work_dir / "bench-serving",
-                    priority=config.priority,
-                    log=log,
-                ),
-                "startup_s": time.monotonic() - started,
-            }
+            cells = _cells(config, cluster, router.url, gateway.url, key, log)
+            targets = [ServingTarget("sglang_router", router.url)]
+            targets.append(ServingTarget("gateway", gateway.url, key))
+            serving = run_serving_bench(
+                targets, worker_urls=(cluster.prefill_url, cluster.decode_url),
+                model_dir=cluster.spec.model_dir, work_dir=work_dir / "bench-serving",
+                priority=config.priority, log=log,
+            )  # fmt: skip
+            took = time.monotonic() - started
+            return {"engine_tags": tags, "cells": cells, "serving": serving, "startup_s": took}
     except Exception as exc:  # reported; the pair and the peers are stopped on the way out
         log(f"  real-engine run failed: {type(exc).__name__}: {exc}")
         return {"failed": f"{type(exc).__name__}: {str(exc)[:2000]}"}
@@ -136,14 +113,11 @@ def _cells(
         gateway = Target(gateway_url + "/v1/completions", raw, auth)
         for n, total in ((1, config.real_requests), (4, config.real_requests * 2)):
             pair = (cluster.prefill_url, cluster.decode_url, cluster.bootstrap_port, body)
+            load = {"concurrency": n, "total_requests": total}
             runs = {
-                "direct": run_pd_direct(*pair, concurrency=n, total_requests=total),
-                "sglang_router": run_load(
-                    router, concurrency=n, total_requests=total, warmup_requests=1
-                ),
-                "gateway": run_load(
-                    gateway, concurrency=n, total_requests=total, warmup_requests=1
-                ),
+                "direct": run_pd_direct(*pair, **load),
+                "sglang_router": run_load(router, **load, warmup_requests=1),
+                "gateway": run_load(gateway, **load, warmup_requests=1),
             }
             for name, run in runs.items():
                 s = asyncio.run(run).summary()

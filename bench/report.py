@@ -23,14 +23,12 @@ def _f(value: Any) -> str:
     return f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else str(value)
 
 
-def _table(header: str, rows: list[list[Any]]) -> list[str]:
-    """A Markdown table: ``header`` is its titles, "a | b | c"."""
+def _table(header: str, rows: list[list[Any]]) -> list[str]:  # header: "a | b | c"
     lines = [f"| {header} |", "|---" * (header.count("|") + 1) + "|"]
     return [*lines, *("| " + " | ".join(_f(c) for c in row) + " |" for row in rows), ""]
 
 
-def _rows(records: list[dict], fields: str) -> list[list[Any]]:
-    """Each record's ``fields`` (names apart by spaces), in that order."""
+def _rows(records: list[dict], fields: str) -> list[list[Any]]:  # fields: "a b c"
     return [[record.get(field) for field in fields.split()] for record in records]
 
 
@@ -70,8 +68,7 @@ def _routing_targets(routing: list[dict]) -> list[str]:
     lines = []
     d, r, g = (plain.get((1, t)) for t in ("direct", "sglang_router", "gateway"))
     if d and r and g:
-        g50, g99 = g["p50_ms"] - d["p50_ms"], g["p99_ms"] - d["p99_ms"]
-        r50, r99 = r["p50_ms"] - d["p50_ms"], r["p99_ms"] - d["p99_ms"]
+        (g50, r50), (g99, r99) = ([c[p] - d[p] for c in (g, r)] for p in ("p50_ms", "p99_ms"))
         lines += [
             f"| 1 in flight: added p50 ≤ {TARGET_ADDED_P50_MS} ms | gateway {g50:.3f} ms "
             f"(sglang_router {r50:.3f} ms) | {_verdict(g50 <= TARGET_ADDED_P50_MS)} |",
@@ -180,9 +177,8 @@ def target_lines(results: dict[str, Any]) -> list[str]:
 
 
 def result_tables(value: Any) -> list[str]:
-    """A section-3 bench's JSON as tables: records side by side (one column each, headed by
-    their first field), a record's plain fields as two columns, and each field that is itself
-    a set of records as a table of its own."""
+    """A section-3 bench's JSON as tables: records side by side (one column each), plain fields
+    as two columns, each field that is a set of records as a table of its own."""
     if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
         first, *keys = list(dict.fromkeys(k for v in value for k in v))
         header = " | ".join([first, *(str(v.get(first)) for v in value)])
@@ -222,14 +218,10 @@ def _prompt_section(prompt: dict) -> list[str]:
             "`sendall` calls (`bench.prompt_bench.raw_post`).",
             "",
         ]
-    for key, title in (
-        ("blocking", "one 1M-token prompt is tokenized and served"),
-        (
-            "refusal_real_tokenizer",
-            "the gateway tokenizes and refuses a 1M-token prompt of DeepSeek-V4's tokenizer "
-            "(model `deepseek-v4-tiny`, limit 681,280 tokens)",
-        ),
-    ):
+    real = "the gateway tokenizes and refuses a 1M-token prompt of DeepSeek-V4's tokenizer "
+    real += "(model `deepseek-v4-tiny`, limit 681,280 tokens)"
+    titles = {"blocking": "one 1M-token prompt is tokenized and served"}
+    for key, title in (titles | {"refusal_real_tokenizer": real}).items():
         if b := prompt.get(key):
             answer = " ".join(str(part) for part in (b["big_status"], b["big_code"]) if part)
             during = f"during ({b['big_ms']:.0f} ms, HTTP {answer})"
@@ -242,10 +234,8 @@ def _prompt_section(prompt: dict) -> list[str]:
 
 
 def _memory_section(memory: dict) -> list[str]:
-    rows = [
-        ["idle, just started", memory["idle_fresh_mb"], "-"],
-        ["idle, before opening streams", memory["idle_before_mb"], "-"],
-    ]
+    rows = [["idle, just started", memory["idle_fresh_mb"], "-"]]
+    rows.append(["idle, before opening streams", memory["idle_before_mb"], "-"])
     for r in memory["streams"]:
         note = f"{r['opened']} flowing, opened in {r['open_s']:.1f} s"
         rows.append([f"{r['streams']:,} streams held open", r["rss_mb"], note])

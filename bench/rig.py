@@ -28,16 +28,13 @@ POOL_TOKENS = 8_388_608  # the instant backends' advertised KV pool: admission n
 MODEL = "tiny-llama"  # everyday limit: the 65,536-token policy of the dev model
 LONG_MODEL = "tiny-llama-long"  # admits the 1M-token prompts of the tokenization bench
 SLOW_MODEL = "tiny-llama-slow"  # its decode streams slowly: the memory bench's held streams
-# DeepSeek-V4's real tokenizer under the incident's limit (its prefill pool): the prompt
-# bench's 1M-token refusal.
+# DeepSeek-V4's real tokenizer under the incident's limit: the prompt bench's 1M-token refusal.
 DEEPSEEK_MODEL = "deepseek-v4-tiny"
 INCIDENT_LIMIT_TOKENS = 681_280
-# For every gateway in front of the instant backends but the hostile bench's (which keeps the
-# product's defaults). The backends never saturate; the default cap on requests in flight per
-# pair (a CPU pair's knee, gateway.core.pair_queues) would hold the bench's load in the fair
-# queue (1,000 held streams: 12 flowing), and the cap on connections per client address would
-# refuse the memory bench's streams past it: all of them come from one address. Lifted, the
-# pair's cap is what the backends report (max_running_requests 2048). Settings, not policy
+# Every gateway in front of the instant backends but the hostile bench's: the backends never
+# saturate, yet the default per-pair cap (a CPU pair's knee) would hold the load in the fair
+# queue, and the per-address connection cap would refuse the memory bench's streams (all from
+# one address). Lifted, the pair's cap is what the backends report. Settings, not policy
 # fields: older checkouts (BENCH_GATEWAY_ROOT) ignore an unknown setting.
 INSTANT_GATEWAY_ENV = {
     "ISOGATE_QUEUE_IN_FLIGHT_PER_PAIR": "1000000",
@@ -70,14 +67,9 @@ def _backend(
     config: BenchConfig, work: Path, up: contextlib.ExitStack, role: str, port: int, **slow
 ) -> Server:
     """An instant backend, stopped when ``up`` closes."""
+    cpus, priority = config.helper_cpus, config.priority
     server = instant_backend(
-        role,
-        port,
-        work,
-        cpus=config.helper_cpus,
-        pool_tokens=POOL_TOKENS,
-        priority=config.priority,
-        **slow,
+        role, port, work, cpus=cpus, pool_tokens=POOL_TOKENS, priority=priority, **slow
     )
     up.callback(server.stop)
     return server
@@ -96,36 +88,23 @@ def instant_rig(config: BenchConfig, work_dir: Path) -> Iterator[Rig]:
         for kind, port in (("sglang-router", ports.router), ("smg", ports.smg)):
             if kind == "smg" and not SMG_BINARY.exists():
                 continue  # section 1 runs without it
-            router = pd_router(
-                kind,
-                pool,
-                port,
-                work_dir,
-                cpus=config.router_cpus,
-                priority=config.priority,
-                models=[MODEL],
-            )
+            placed = {"cpus": config.router_cpus, "priority": config.priority}
+            router = pd_router(kind, pool, port, work_dir, **placed, models=[MODEL])
             routers[kind.replace("-", "_")] = router
             up.callback(router.stop)
         slow_pool = BenchPool(prefill.url, ports.bootstrap, slow_decode.url)
         deepseek = ensure_deepseek_model()
-        models = [BenchModel(MODEL, 65_536, pool), BenchModel(LONG_MODEL, 4_194_304, pool)]
-        models.append(BenchModel(SLOW_MODEL, 65_536, slow_pool))
-        models.append(
-            BenchModel(DEEPSEEK_MODEL, INCIDENT_LIMIT_TOKENS, pool, tokenizer_dir=deepseek)
-        )
-        policies = write_bench_policies(
-            work_dir / "policies", tokenizer_dir=ensure_tiny_model(), models=models
-        )
+        models = [
+            BenchModel(MODEL, 65_536, pool), BenchModel(LONG_MODEL, 4_194_304, pool),
+            BenchModel(SLOW_MODEL, 65_536, slow_pool),
+            BenchModel(DEEPSEEK_MODEL, INCIDENT_LIMIT_TOKENS, pool, tokenizer_dir=deepseek),
+        ]  # fmt: skip
+        tiny = ensure_tiny_model()
+        policies = write_bench_policies(work_dir / "policies", tokenizer_dir=tiny, models=models)
         gateway, key = start_gateway(
-            policies,
-            work_dir / "gateway",
-            ports.gateway,
-            cpus=config.router_cpus,
-            priority=config.priority,
-            root=config.gateway_root,
-            env=INSTANT_GATEWAY_ENV,
-        )
+            policies, work_dir / "gateway", ports.gateway, cpus=config.router_cpus,
+            priority=config.priority, root=config.gateway_root, env=INSTANT_GATEWAY_ENV,
+        )  # fmt: skip
         up.callback(gateway.stop)
         yield Rig(config, work_dir, decode.url, routers, gateway, key, slow_decode, pool)
 
@@ -134,9 +113,8 @@ def instant_rig(config: BenchConfig, work_dir: Path) -> Iterator[Rig]:
 def instant_pair(
     config: BenchConfig, work: Path, offset: int = 0
 ) -> Iterator[tuple[Path, BenchPool]]:
-    """The two instant backends as one PD pair behind ``MODEL`` (65,536-token limit), for the
-    benches that run their own gateways: the policies directory and the pair; both stopped on
-    leaving. ``offset`` is added to the default ports."""
+    """The two instant backends as one PD pair behind ``MODEL``, for benches with their own
+    gateways: the policies directory and the pair (ports: the defaults + ``offset``)."""
     ports = config.ports
     with contextlib.ExitStack() as up:
         prefill = _backend(config, work, up, "prefill", ports.prefill + offset)

@@ -1,17 +1,7 @@
-"""Section 1: added latency and throughput of sglang_router, SMG and the gateway, against direct.
-
-All get the same client request (``POST /v1/completions``, a short prompt, 4 output tokens) in
-front of the same instant backends: ``direct`` sends it straight to the decode backend (one
-hop, the floor); ``sglang_router``, SMG (where ``.venv-smg`` is installed) and the gateway
-forward it to prefill and decode. ``wrk`` times whole responses (non-streaming, and streams of
-4 chunks sent back to back); ``bench.stream_client`` times the first body bytes of a stream
-(TTFT). Every cell runs ``config.routing_rounds`` times, the targets interleaved in each round
-so that a noisy neighbour hits them all; a target's figures are the medians over the rounds
-(requests and errors: totals).
-
-CPU per request is the router process group's CPU time over the run divided by the requests it
-served: at saturation the cost figure that does not depend on where the bottleneck is.
-"""
+"""Section 1: added latency, throughput and CPU per request of sglang_router, SMG and the gateway
+against ``direct``, in front of the same instant backends. Every cell runs
+``config.routing_rounds`` times, the targets interleaved in each round so that a noisy
+neighbour hits them all; a target's figures are the medians (requests and errors: totals)."""
 
 from __future__ import annotations
 
@@ -34,26 +24,22 @@ def request_body(stream: bool) -> bytes:
 
 
 def _measure(rig: Rig, mode: str, concurrency: int, url: str) -> dict:
-    """One run of one target: wrk for whole responses (``plain``, ``stream``), the stream
-    client for the first body bytes (``ttft``)."""
+    """One run of one target: wrk for whole responses, the stream client for ``ttft``."""
     config = rig.config
     if mode == "ttft":
         auth = (("Authorization", f"Bearer {rig.gateway_key}"),)
         target = Target(url + "/v1/completions", request_body(True), auth)
-        load = run_load(
-            target, concurrency=concurrency, duration_s=config.ttft_duration_s, warmup_requests=1
-        )
-        s = asyncio.run(load).summary()
+        duration = config.ttft_duration_s
+        s = asyncio.run(
+            run_load(target, concurrency=concurrency, duration_s=duration, warmup_requests=1)
+        ).summary()
         figures = {"requests": s["requests"], "errors": s["non_200"], "rps": s["rps"]}
         return figures | {"p50_ms": s["ttft_p50_ms"], "p99_ms": s["ttft_p99_ms"]}
+    body, duration = request_body(mode == "stream"), config.wrk_duration_s
     return run_wrk(
-        url + "/v1/completions",
-        request_body(mode == "stream"),
-        connections=concurrency,
-        duration_s=config.wrk_duration_s,
-        auth=rig.gateway_key,
-        cpus=config.helper_cpus,
-    )
+        url + "/v1/completions", body, connections=concurrency, duration_s=duration,
+        auth=rig.gateway_key, cpus=config.helper_cpus,
+    )  # fmt: skip
 
 
 def _median(runs: list[dict]) -> dict:
@@ -67,8 +53,7 @@ def _median(runs: list[dict]) -> dict:
 
 
 def run_routing_bench(rig: Rig, log=print) -> list[dict]:
-    """The cells: target (direct, sglang_router, smg, gateway), mode, in flight, requests,
-    errors, rps, p50_ms and p99_ms, the router's CPU per request and its share of one core."""
+    """Each target's cells: mode, in flight, requests, errors, rps, p50/p99, router CPU."""
     targets = [
         ("direct", rig.direct_url, None),
         *((name, router.url, router.pid) for name, router in rig.routers.items()),
@@ -76,10 +61,8 @@ def run_routing_bench(rig: Rig, log=print) -> list[dict]:
     ]
     for _, url, _ in targets:  # warm every path (connection pools, tokenizer, auth cache)
         for stream in (False, True):
-            body = request_body(stream)
-            run_wrk(
-                url + "/v1/completions", body, connections=4, duration_s=1, auth=rig.gateway_key
-            )
+            body, key = request_body(stream), rig.gateway_key
+            run_wrk(url + "/v1/completions", body, connections=4, duration_s=1, auth=key)
     cells: list[dict] = []
     for mode in ("plain", "stream", "ttft"):
         for concurrency in rig.config.concurrencies:

@@ -1,17 +1,8 @@
-"""SGLang's own load generator, ``sglang.bench_serving`` (0.5.23), through ``sglang_router`` and
-through the gateway, in front of the same real CPU PD pair, in one run (inside the real-engine
-section; alone: ``BENCH_SECTIONS=real scripts/bench``).
-
-``--backend sglang-oai`` (``/v1/completions``) and ``sglang-oai-chat`` each run once per target
-with the same arguments and seed, so both targets get the same prompts at the same Poisson
-arrival times, in bench_serving's own request bodies (streaming, ``ignore_eos``, ``best_of``).
-The targets alternate and both workers' prefix caches are flushed before every run. Reported
-side by side: successes, request throughput and TTFT/ITL/E2E medians, as bench_serving wrote
-them (``--output-file``). Offline: ``--dataset-name random`` samples its prompts from a
-ShareGPT-format file written here (``write_sharegpt_file``), ``--model``/``--tokenizer`` are
-the tiny model's directory, ``HF_HUB_OFFLINE=1``; the gateway's tenant key goes in
-``OPENAI_API_KEY``, which bench_serving sends as ``Authorization: Bearer``.
-"""
+"""``sglang.bench_serving`` (SGLang 0.5.23's own load generator) through ``sglang_router`` and the
+gateway, in front of the same real CPU PD pair (inside the real-engine section). Each backend
+runs once per target with the same arguments and seed (same prompts, same Poisson arrivals),
+targets alternating, prefix caches flushed before each run; offline, prompts sampled from a
+ShareGPT-format file written here, the gateway's key in ``OPENAI_API_KEY``."""
 
 from __future__ import annotations
 
@@ -75,23 +66,19 @@ FIGURES = (
 def write_sharegpt_file(
     path: Path, conversations: int = DATASET_CONVERSATIONS, seed: int = DATASET_SEED
 ) -> Path:
-    """A ShareGPT-format JSON file (``[{"conversations": [{"from", "value"}, ...]}]``) of
-    made-up English-like text, the same bytes for the same arguments. bench_serving's
-    ``random`` dataset takes its prompt token ids from the first turn of each conversation
-    (repeated or cut to each sampled length), so its content only has to tokenize."""
+    """Made-up English-like conversations, the same bytes for the same arguments: bench_serving's
+    ``random`` dataset only tokenizes each first turn (repeated or cut to each sampled length)."""
     rng = random.Random(seed)
 
     def text(low: int, high: int) -> str:
         words = [rng.choice(_WORDS) for _ in range(rng.randint(low, high))]
         return " ".join(words).capitalize() + "."
 
+    turns = (("human", 40, 160), ("gpt", 20, 80))
     rows = [
         {
             "id": f"isogate-bench-{i}",
-            "conversations": [
-                {"from": "human", "value": text(40, 160)},
-                {"from": "gpt", "value": text(20, 80)},
-            ],
+            "conversations": [{"from": who, "value": text(lo, hi)} for who, lo, hi in turns],
         }
         for i in range(conversations)
     ]
@@ -146,14 +133,9 @@ def run_bench_serving(
     ]  # fmt: skip
     with log_path.open("wb") as log:
         process = subprocess.Popen(
-            command,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=_environment(target.api_key),
-            cwd=work_dir,
-            start_new_session=True,
-        )
+            command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            env=_environment(target.api_key), cwd=work_dir, start_new_session=True,
+        )  # fmt: skip
     boost(process.pid, priority)
     result: dict = {}
     try:
@@ -204,9 +186,8 @@ def run_serving_bench(
     priority: int = 0,
     log: Callable[[str], None] = print,
 ) -> dict:
-    """bench_serving with each backend against each target (alternating), the same arguments.
-    BENCH_SERVING=0 skips it, BENCH_SERVING_PROMPTS and BENCH_SERVING_RATE change the defaults;
-    a failure is reported, not raised, so that the real section's other figures stay."""
+    """Each backend against each target, alternating; a failure is reported, not raised, so
+    that the real section's other figures stay."""
     if not env_flag("BENCH_SERVING", True):
         return {"skipped": "BENCH_SERVING=0"}
     prompts = int(os.environ.get("BENCH_SERVING_PROMPTS", NUM_PROMPTS))
@@ -220,27 +201,16 @@ def run_serving_bench(
             for target in targets:
                 flushed &= flush_caches(worker_urls)
                 cell = run_bench_serving(
-                    target,
-                    backend,
-                    model_dir=model_dir,
-                    dataset=dataset,
-                    work_dir=work_dir,
-                    prompts=prompts,
-                    rate=rate,
-                    priority=priority,
-                )
+                    target, backend, model_dir=model_dir, dataset=dataset, work_dir=work_dir,
+                    prompts=prompts, rate=rate, priority=priority,
+                )  # fmt: skip
                 cells.append(cell)
                 log("  bench_serving: " + described(cell))
     except Exception as exc:
         log(f"  bench_serving failed: {type(exc).__name__}: {exc}")
         return {"failed": f"{type(exc).__name__}: {str(exc)[:2000]}"}
     return {
-        "prompts": prompts,
-        "request_rate": rate,
-        "max_concurrency": MAX_CONCURRENCY,
-        "input_len": INPUT_LEN,
-        "output_len": OUTPUT_LEN,
-        "range_ratio": RANGE_RATIO,
-        "caches_flushed": flushed,
-        "cells": cells,
-    }
+        "prompts": prompts, "request_rate": rate, "max_concurrency": MAX_CONCURRENCY,
+        "input_len": INPUT_LEN, "output_len": OUTPUT_LEN, "range_ratio": RANGE_RATIO,
+        "caches_flushed": flushed, "cells": cells,
+    }  # fmt: skip

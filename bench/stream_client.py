@@ -1,11 +1,6 @@
-"""A tight asyncio HTTP/1.1 load client that times the first body byte (TTFT) and the whole answer.
-
-``wrk`` times whole responses only. Here each of ``concurrency`` keep-alive connections sends
-its request, notes when the first body bytes arrive and when the response ends, and sends the
-next; raw sockets and ``httptools`` keep its own cost to tens of microseconds a request (section
-1's ``direct`` row bounds what it can measure). ``run_pd_direct`` sends a PD pair "directly":
-the same body to prefill and decode at once, with bootstrap fields, as a router does.
-"""
+"""A tight asyncio HTTP/1.1 load client (raw sockets, ``httptools``) that times the first body
+byte (TTFT) and the whole answer over keep-alive connections in closed loop, which ``wrk``
+cannot; section 1's ``direct`` row bounds what it can measure."""
 
 from __future__ import annotations
 
@@ -48,9 +43,7 @@ class Sample:
     ttft_s: float
     total_s: float
     status: int
-    # 200 and no error object in the body: an engine that fails after the head (a stream's
-    # error event) answers 200 too.
-    ok: bool = True
+    ok: bool = True  # 200 and no error object: an engine failing after the head answers 200 too
 
 
 def described(values: dict) -> str:
@@ -79,20 +72,17 @@ class RunResult:
     def summary(self) -> dict[str, float]:
         ok = self.ok()
         ttft, total = sorted(s.ttft_s for s in ok), sorted(s.total_s for s in ok)
-        return {
-            "requests": len(ok),
-            "non_200": len(self.samples) - len(ok) + self.errors,
-            "rps": len(ok) / self.wall_s if self.wall_s else 0.0,
-            "ttft_p50_ms": percentile(ttft, 0.50) * 1000,
-            "ttft_p99_ms": percentile(ttft, 0.99) * 1000,
-            "total_p50_ms": percentile(total, 0.50) * 1000,
-            "total_p99_ms": percentile(total, 0.99) * 1000,
-        }
+        figures = {"requests": len(ok), "non_200": len(self.samples) - len(ok) + self.errors}
+        figures["rps"] = len(ok) / self.wall_s if self.wall_s else 0.0
+        for name, values in (("ttft", ttft), ("total", total)):
+            for q in (50, 99):
+                figures[f"{name}_p{q}_ms"] = percentile(values, q / 100) * 1000
+        return figures
 
 
 class _Response:
     """httptools callbacks for one response: when its body began, whether it is complete, and
-    whether it carries an error object (an engine that fails after the head answers 200)."""
+    whether it carries an error object."""
 
     def __init__(self) -> None:
         self.parser = httptools.HttpResponseParser(self)
@@ -198,14 +188,9 @@ async def run_pd_direct(
         while remaining[0] > 0:
             remaining[0] -= 1
             # One rid on both sides: engine_patch binds the pair by it (as a router would have to).
-            payload = dict(
-                body,
-                bootstrap_host=urlsplit(prefill_url).hostname,
-                bootstrap_port=bootstrap_port,
-                bootstrap_room=random.getrandbits(63),
-                rid=uuid.uuid4().hex,
-            )
-            raw_body = orjson.dumps(payload)
+            host, room = urlsplit(prefill_url).hostname, random.getrandbits(63)
+            pd = {"bootstrap_host": host, "bootstrap_port": bootstrap_port, "bootstrap_room": room}
+            raw_body = orjson.dumps({**body, **pd, "rid": uuid.uuid4().hex})
             pre_raw = Target(prefill_url + path, raw_body).request_bytes()
             dec_raw = Target(decode_url + path, raw_body).request_bytes()
             started = time.perf_counter()
@@ -213,16 +198,14 @@ async def run_pd_direct(
                 pre, dec = await asyncio.gather(prefill.exchange(pre_raw), decode.exchange(dec_raw))
             except CLIENT_ERRORS:
                 result.errors += 1
-                await prefill.close()
-                await decode.close()
+                await asyncio.gather(prefill.close(), decode.close())
                 continue
             # Both sends start together: decode's first byte is the client's TTFT, the later of
             # the two answers ends the request.
             total = time.perf_counter() - started
             status = dec.status if pre.status == 200 else pre.status
             result.samples.append(Sample(dec.ttft_s, total, status, pre.ok and dec.ok))
-        await prefill.close()
-        await decode.close()
+        await asyncio.gather(prefill.close(), decode.close())
 
     started = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))

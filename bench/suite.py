@@ -1,11 +1,10 @@
-"""``make bench`` (``scripts/bench``): the whole benchmark suite in one run, one report, written
-to ``bench/results/latest.md`` and ``latest.json``. Its environment: ``bench/README.md``.
-"""
+"""``make bench``: every section in one run, one report (``bench/results/latest.md``, ``.json``)."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 import time
 import traceback
@@ -28,7 +27,6 @@ from bench.real_engine_bench import run_real_engine_bench
 from bench.report import render
 from bench.rig import instant_rig
 from bench.routing_bench import request_body, run_routing_bench
-from bench.wrk import wrk_available
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -38,7 +36,7 @@ def log(message: str) -> None:
 
 
 def main() -> int:
-    if not wrk_available():
+    if shutil.which("wrk") is None:
         raise SystemExit("bench: wrk is missing (scripts/bench installs it: apt-get install wrk)")
     config = BenchConfig.from_env()
     machine = describe_machine()  # before pinning this process, so it sees every CPU
@@ -57,16 +55,14 @@ def main() -> int:
         pinning += f"; bench processes at autogroup nice {config.priority}"
     if config.gateway_root:
         pinning += f"; GATEWAY RUN FROM A PATCHED COPY at {config.gateway_root}"
+    config_summary = {
+        "quick": config.quick, "pinning": pinning, "wrk_duration_s": config.wrk_duration_s,
+        "routing_rounds": config.routing_rounds, "priority": config.priority,
+        "sections": sorted(config.sections),
+    }  # fmt: skip
     results: dict[str, Any] = {
         "started_at": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "config": {
-            "quick": config.quick,
-            "pinning": pinning,
-            "wrk_duration_s": config.wrk_duration_s,
-            "routing_rounds": config.routing_rounds,
-            "priority": config.priority,
-            "sections": sorted(config.sections),
-        },
+        "config": config_summary,
         "machine": machine,
     }
     errors: list[str] = []
@@ -86,8 +82,10 @@ def main() -> int:
     try:
         if config.sections & {"routing", "memory", "prompt"}:
             with instant_rig(config, work) as rig:
-                headers = {"Authorization": f"Bearer {rig.gateway_key}"}
-                headers["Content-Type"] = "application/json"
+                headers = {
+                    "Authorization": f"Bearer {rig.gateway_key}",
+                    "Content-Type": "application/json",
+                }
                 url = rig.gateway_url + "/v1/completions"
                 httpx.post(url, content=request_body(False), headers=headers, timeout=30)
                 idle_fresh_mb = rss_bytes(rig.gateway_pid) / 1e6

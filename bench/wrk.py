@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import tempfile
 from pathlib import Path
@@ -11,10 +10,6 @@ from pathlib import Path
 import orjson
 
 LUA = Path(__file__).resolve().parent / "wrk_post.lua"
-
-
-def wrk_available() -> bool:
-    return shutil.which("wrk") is not None
 
 
 def run_wrk(
@@ -48,11 +43,9 @@ def run_wrk(
             f"wrk failed ({process.returncode}): {stderr[-500:]!r} {stdout[-500:]!r}"
         )
     raw = orjson.loads(line.removeprefix("WRK_JSON "))
-    seconds = raw["duration_us"] / 1e6
+    seconds, requests = raw["duration_us"] / 1e6, raw["requests"]
+    rps = requests / seconds if seconds else 0.0
     return {
-        "requests": raw["requests"],
-        "errors": raw["errors"],
-        "rps": raw["requests"] / seconds if seconds else 0.0,
-        "p50_ms": raw["p50_us"] / 1000,
-        "p99_ms": raw["p99_us"] / 1000,
-    }
+        "requests": requests, "errors": raw["errors"], "rps": rps,
+        "p50_ms": raw["p50_us"] / 1000, "p99_ms": raw["p99_us"] / 1000,
+    }  # fmt: skip
