@@ -1001,9 +1001,14 @@ def check_counts(raw: dict[str, Any]) -> None:
 # A schema's check costs by its shape, so the shape is bounded before any schema is checked.
 
 
-def check_schema_shapes(raw: dict[str, Any]) -> None:
+def check_schema_shapes(
+    raw: dict[str, Any],
+    schemas_of: Callable[[dict[str, Any], Any], Iterator[tuple[str, Any]]] | None = None,
+) -> None:
     """The request's JSON schemas together within ``schema_shape.SCHEMA_LIMITS``, or a 400
-    naming the bound (before validation, which checks each against its metaschema)."""
+    naming the bound (before validation, which checks each against its metaschema).
+    ``schemas_of`` finds them in a body of another shape than a chat or completion request's
+    (the Responses API's)."""
     tools = raw.get("tools")
     if isinstance(tools, list) and len(tools) > MAX_TOOLS:
         raise bad_request(
@@ -1011,7 +1016,7 @@ def check_schema_shapes(raw: dict[str, Any]) -> None:
             code="invalid_value",
             param="tools",
         )
-    error = schema_shape_error(_raw_schemas(raw, tools))
+    error = schema_shape_error((schemas_of or _raw_schemas)(raw, tools))
     if error is not None:
         raise bad_request(
             f"Invalid value for '{error.param}': {error.message}",

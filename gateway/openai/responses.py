@@ -54,10 +54,10 @@ from gateway.openai.protocol import (
     _refuse,
     _refused,
     check_json_schema,
+    check_schema_shapes,
     parse_request,
     too_many_messages,
 )
-from gateway.openai.schema_shape import schema_shape_error
 
 # The most input items one request may carry (the chat request's message bound).
 MAX_INPUT_ITEMS = MAX_MESSAGES
@@ -563,20 +563,7 @@ class ResponsesRequest(_Strict):
                 code="invalid_value",
                 param="input",
             )
-        tools = raw.get("tools")
-        if isinstance(tools, list) and len(tools) > MAX_TOOLS:
-            raise bad_request(
-                f"Invalid value for 'tools': at most {MAX_TOOLS} tools per request.",
-                code="invalid_value",
-                param="tools",
-            )
-        error = schema_shape_error(_raw_schemas(raw, tools))
-        if error is not None:
-            raise bad_request(
-                f"Invalid value for '{error.param}': {error.message}",
-                code="invalid_value",
-                param=error.param,
-            )
+        check_schema_shapes(raw, _raw_schemas)
         return raw
 
     @field_validator("stop")
