@@ -249,9 +249,12 @@ def _limit_buckets(redis_server: RedisServer) -> set[str]:
     return {key.decode().split("{", 1)[1].split("}", 1)[0] for key in keys}
 
 
-def test_redis_killed_and_restarted_under_load_serves_through_and_loses_no_audit_event(
+def test_redis_killed_and_restarted_under_load_fails_closed_then_serves_and_loses_no_audit_event(
     tmp_path: Path,
 ) -> None:
+    """With Redis configured, every process's KV claims are taken in it (gate 1 across
+    processes): while it is down, admission fails closed, at once and clearly, and never admits
+    what the shared claims cannot vouch for; once it is back, every tenant is served again."""
     tenants = (VICTIM, *BYSTANDERS)
     with (
         RedisServer(range_port(), tmp_path / "redis") as redis_server,
@@ -265,14 +268,14 @@ def test_redis_killed_and_restarted_under_load_serves_through_and_loses_no_audit
         )
         killed_at = time.monotonic()
         redis_server.stop()
-        # Served while Redis is down: several requests of each tenant sent after the kill and
+        # Answered while Redis is down: several requests of each tenant sent after the kill and
         # answered before the restart (every answer is judged below).
         assert wait_until(
             lambda: all(
                 len(by_tenant(_answered_within(load.answers, killed_at), t)) >= 3 for t in tenants
             ),
             timeout_s=30,
-        ), "no request went through while Redis was down: the gateway stalled on it"
+        ), "no request was answered while Redis was down: the gateway stalled on it"
         assert "limits: Redis unreachable" in stack.gateway.log_tail(1_000_000)
         restarted_at = time.monotonic()
         during = _answered_within(load.answers, killed_at, restarted_at)
@@ -289,12 +292,13 @@ def test_redis_killed_and_restarted_under_load_serves_through_and_loses_no_audit
             timeout_s=30,
         )
         answers = load.stop()
-        _assert_all_served(during)
+        # Limits fall back to memory, but a KV claim needs every process's claims: each request
+        # of the outage is refused with a 503 that says why, none admitted.
+        refused = [(a.status, a.code) for a in during]
+        assert during and set(refused) == {(503, "claims_unreachable")}, refused[:5]
+        _assert_all_served(_answered_within(answers, 0.0, killed_at))
         _assert_all_served(_answered_within(answers, back_at))
         _assert_clear_and_timely(answers, UPSTREAM_TIMEOUT_S + SLACK_S)
-        # Limits fall back to memory and capacity to local observations: Redis is not in the
-        # request's path.
-        _assert_all_served(answers)
         _assert_every_request_audited(stack, answers, tenants)
 
 
