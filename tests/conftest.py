@@ -18,8 +18,9 @@ first failing test on it carries the tails of its logs (``pytest_runtest_makerep
 from __future__ import annotations
 
 import os
+import secrets
 import time
-from collections.abc import Generator, Iterator
+from collections.abc import AsyncIterator, Generator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -291,3 +292,31 @@ def gateway(
 @pytest.fixture(scope="session")
 def tenant(gateway: GatewayProcess) -> tuple[str, str]:
     return gateway.create_tenant()
+
+
+# ---- Redis, for the tests that use the real one --------------------------------------------
+
+REDIS_URL = os.environ.get("ISOGATE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+@pytest.fixture
+async def redis_client() -> AsyncIterator[Any]:
+    import redis.asyncio as redis_asyncio
+
+    client = redis_asyncio.from_url(REDIS_URL)
+    try:
+        await client.ping()
+    except Exception as exc:
+        await client.aclose()
+        pytest.fail(f"Redis at {REDIS_URL} is not reachable ({exc}); set ISOGATE_TEST_REDIS_URL")
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+async def redis_prefix(redis_client: Any) -> AsyncIterator[str]:
+    prefix = "isogate-test-" + secrets.token_hex(6)
+    yield prefix
+    keys = [key async for key in redis_client.scan_iter(match=f"{prefix}:*")]
+    if keys:
+        await redis_client.delete(*keys)

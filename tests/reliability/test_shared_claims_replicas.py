@@ -30,6 +30,7 @@ import redis
 
 from gateway.dev.harness import GatewayProcess
 from gateway.dev.model import ensure_tiny_model
+from tests.conftest import REDIS_URL
 from tests.harness import PoolSpec, write_policies
 from tests.reliability.services import RedisServer
 from tests.reliability.stack import range_port
@@ -37,7 +38,6 @@ from tests.standin_worker import Behaviour, StandInWorker
 
 pytestmark = pytest.mark.redis
 
-REDIS_URL = os.environ.get("ISOGATE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 MODEL = "tiny-llama"
 # The decode pool holds one request of MAX_TOKENS (plus its prompt and the margin) and not
 # two, whatever use the stand-in reports (under 100 tokens).

@@ -13,7 +13,6 @@ import secrets
 import types
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 from urllib.parse import quote
 
 import httpx
@@ -33,13 +32,9 @@ from gateway.tenancy.auth import Authenticator
 from gateway.tenancy.revocations import Revocations
 from gateway.tenancy.store import Store, create_store, normalize_url
 
-if TYPE_CHECKING:  # imported where used: only the Redis tests need it
-    from redis.asyncio import Redis
-
 POSTGRES_URL = os.environ.get(
     "ISOGATE_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 )
-REDIS_URL = os.environ.get("ISOGATE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 ADMIN_KEY = "test-admin-key-" + secrets.token_hex(8)
 
 
@@ -126,29 +121,6 @@ def settings(database_url: str, tmp_path: Path) -> Settings:
         auth_cache_ttl_s=5.0,
         _env_file=None,
     )
-
-
-@pytest.fixture
-async def redis_client() -> AsyncIterator[Redis]:
-    import redis.asyncio as redis_asyncio
-
-    client = redis_asyncio.from_url(REDIS_URL)
-    try:
-        await client.ping()
-    except Exception as exc:
-        await client.aclose()
-        pytest.fail(f"Redis at {REDIS_URL} is not reachable ({exc}); set ISOGATE_TEST_REDIS_URL")
-    yield client
-    await client.aclose()
-
-
-@pytest.fixture
-async def redis_prefix(redis_client: Redis) -> AsyncIterator[str]:
-    prefix = "isogate-test-" + secrets.token_hex(6)
-    yield prefix
-    keys = [key async for key in redis_client.scan_iter(match=f"{prefix}:*")]
-    if keys:
-        await redis_client.delete(*keys)
 
 
 def tenancy_app(components: object) -> Starlette:

@@ -20,9 +20,9 @@ import yaml
 
 from gateway.dev.harness import GatewayProcess
 from gateway.dev.model import ensure_tiny_model
+from tests.conftest import REDIS_URL
 from tests.harness import PoolSpec, write_policies
 from tests.standin_worker import Behaviour, StandInWorker
-from tests.tenancy.conftest import REDIS_URL
 
 MODEL = "tiny-llama"
 OTHER_MODEL = "other-model"

@@ -23,8 +23,7 @@ import gateway.tenancy.limits
 from gateway.common.errors import APIError
 from gateway.config.policies import TenantLimits
 from gateway.tenancy.limits import _REDIS_RETRY_S, LimitLease, TenantLimiter, limiter_scripts
-
-from .conftest import REDIS_URL
+from tests.conftest import REDIS_URL
 
 pytestmark = pytest.mark.anyio
 

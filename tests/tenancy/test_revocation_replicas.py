@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from gateway.dev.harness import GatewayProcess
+from tests.conftest import REDIS_URL
 from tests.harness import PoolSpec, write_policies
-from tests.tenancy.conftest import REDIS_URL
 
 
 @pytest.fixture

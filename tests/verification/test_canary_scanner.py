@@ -132,7 +132,7 @@ def test_rewritten_stream_text_is_refused() -> None:
 async def test_markers_are_shared_between_replicas_through_redis() -> None:
     import redis.asyncio as redis_asyncio
 
-    from tests.tenancy.conftest import REDIS_URL
+    from tests.conftest import REDIS_URL
 
     client = redis_asyncio.from_url(REDIS_URL)
     key = "isogate-test-canary-" + secrets.token_hex(6)

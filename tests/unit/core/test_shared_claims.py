@@ -7,10 +7,7 @@ uses its own key prefix.
 from __future__ import annotations
 
 import asyncio
-import os
-import secrets
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +23,7 @@ from gateway.observability.metrics import Metrics
 from gateway.service.components import connect_redis
 from gateway.workers.capacity import WorkerCapacity
 from gateway.workers.pairs import WorkerPair
+from tests.conftest import REDIS_URL
 from tests.harness import PoolSpec, write_policies
 
 pytestmark = [pytest.mark.redis, pytest.mark.anyio]
@@ -34,9 +32,6 @@ pytestmark = [pytest.mark.redis, pytest.mark.anyio]
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
-
-
-REDIS_URL = os.environ.get("ISOGATE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
 
 def pair(pool: int, *, used: int = 0, decode_pool: int | None = None, port: int = 1) -> WorkerPair:
@@ -57,26 +52,13 @@ def pair(pool: int, *, used: int = 0, decode_pool: int | None = None, port: int 
 
 
 @pytest.fixture
-async def redis() -> AsyncIterator[Any]:
-    import redis.asyncio as redis_asyncio
-
-    client = redis_asyncio.from_url(REDIS_URL)
-    try:
-        await client.ping()
-    except Exception as exc:
-        await client.aclose()
-        pytest.fail(f"Redis at {REDIS_URL} is not reachable ({exc}); set ISOGATE_TEST_REDIS_URL")
-    yield client
-    await client.aclose()
+def redis(redis_client: Any) -> Any:
+    return redis_client
 
 
 @pytest.fixture
-async def prefix(redis: Any) -> AsyncIterator[str]:
-    prefix = "isogate-test-claims-" + secrets.token_hex(6)
-    yield prefix
-    keys = [key async for key in redis.scan_iter(match=f"{prefix}:*")]
-    if keys:
-        await redis.delete(*keys)
+def prefix(redis_prefix: str) -> str:
+    return redis_prefix
 
 
 def process(redis: Any, prefix: str, heartbeat_s: float = 1.0) -> SharedClaims:
