@@ -396,7 +396,7 @@ def _responses_paths() -> dict[str, Any]:
     pipeline; stored responses read and deleted by the tenant that created them only (another
     tenant's id is the same 404 as a missing one)."""
     response_id = _path_param("response_id")
-    stored_errors = _errors(*_AUTHENTICATED, 404, 503)
+    stored_errors = _errors(*_AUTHENTICATED, 404, 429, 503)
     return {
         "/v1/responses": {
             "post": {

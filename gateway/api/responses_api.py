@@ -14,9 +14,10 @@ object or its semantic stream, storing it (``store``) before its last event goes
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, TypeVar
@@ -28,6 +29,7 @@ from starlette.routing import BaseRoute, Route
 
 from gateway.common.errors import APIError, bad_request, forbidden, unavailable
 from gateway.core.generation import ChoiceStreams, Completion, StreamEnd, Trace
+from gateway.core.held import Held
 from gateway.openai.protocol import ChatCompletionRequest
 from gateway.openai.responses import (
     LOGPROBS_INCLUDE,
@@ -204,7 +206,18 @@ def _now_s() -> int:
 # ---- the stored responses' routes ---------------------------------------------------------
 
 
-async def _tenant(request: Request) -> tuple[Components, str]:
+@contextlib.asynccontextmanager
+async def _tenant(request: Request) -> AsyncIterator[tuple[Components, str]]:
+    """The asking tenant, its request counted against its limits (requests per minute and
+    concurrency, as every route that does work for a tenant) until the answer is built."""
+    components, tenant_id = await _authenticated(request)
+    async with Held() as held:
+        limits = components.policies.tenant(tenant_id).limits
+        await components.core.enter(tenant_id, limits, held)
+        yield components, tenant_id
+
+
+async def _authenticated(request: Request) -> tuple[Components, str]:
     components: Components = request.app.state.components
     client = request.scope.get("client")
     principal = await components.unauthenticated.authenticate(
@@ -223,41 +236,48 @@ def _json(payload: object) -> Response:
 
 async def retrieve(request: Request) -> Response:
     """The tenant's stored response, as it was answered."""
-    components, tenant_id = await _tenant(request)
-    response_id = request.path_params["response_id"]
-    found = await _stored(components.responses.response, tenant_id, response_id)
+    async with _tenant(request) as (components, tenant_id):
+        response_id = request.path_params["response_id"]
+        found = await _stored(components.responses.response, tenant_id, response_id)
     if found is None:
         raise response_not_found(response_id)
     return _json(found)
 
 
 async def delete(request: Request) -> Response:
-    components, tenant_id = await _tenant(request)
-    response_id = request.path_params["response_id"]
-    if not await _stored(components.responses.delete, tenant_id, response_id):
+    async with _tenant(request) as (components, tenant_id):
+        response_id = request.path_params["response_id"]
+        removed = await _stored(components.responses.delete, tenant_id, response_id)
+    if not removed:
         raise response_not_found(response_id)
     return _json(deleted(response_id))
 
 
 async def input_items(request: Request) -> Response:
     """The input items of the tenant's stored response, a page at a time."""
-    components, tenant_id = await _tenant(request)
-    response_id = request.path_params["response_id"]
-    query = request.query_params
-    limit_text = query.get("limit", str(DEFAULT_PAGE))
-    if not limit_text.isascii() or not limit_text.isdigit() or not 1 <= int(limit_text) <= MAX_PAGE:
-        raise bad_request(
-            f"limit is a whole number from 1 to {MAX_PAGE}.", code="invalid_value", param="limit"
-        )
-    order = query.get("order", "desc")
-    if order not in ("asc", "desc"):
-        raise bad_request("order is 'asc' or 'desc'.", code="invalid_value", param="order")
-    for value in query.getlist("include") + query.getlist("include[]"):
-        if value not in _INCLUDABLE:
+    async with _tenant(request) as (components, tenant_id):
+        response_id = request.path_params["response_id"]
+        query = request.query_params
+        limit_text = query.get("limit", str(DEFAULT_PAGE))
+        if (
+            not limit_text.isascii()
+            or not limit_text.isdigit()
+            or not 1 <= int(limit_text) <= MAX_PAGE
+        ):
             raise bad_request(
-                f"Unknown include value {value[:64]!r}.", code="invalid_value", param="include"
+                f"limit is a whole number from 1 to {MAX_PAGE}.",
+                code="invalid_value",
+                param="limit",
             )
-    found = await _stored(components.responses.input_items, tenant_id, response_id)
+        order = query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise bad_request("order is 'asc' or 'desc'.", code="invalid_value", param="order")
+        for value in query.getlist("include") + query.getlist("include[]"):
+            if value not in _INCLUDABLE:
+                raise bad_request(
+                    f"Unknown include value {value[:64]!r}.", code="invalid_value", param="include"
+                )
+        found = await _stored(components.responses.input_items, tenant_id, response_id)
     if found is None:
         raise response_not_found(response_id)
     return _json(

@@ -24,6 +24,7 @@ from tests.verification.stack import gateway_metric
 # One tenant whose responses are kept for seconds (the retention is in days).
 SHORT_LIVED = "shorty"
 SHORT_RETENTION_S = 5.0
+METERED = "metered"  # three requests a minute
 
 
 @pytest.fixture
@@ -33,7 +34,10 @@ def stack(database_url: str, tmp_path: Path) -> Iterator[StandInStack]:
         "ISOGATE_RESPONSE_SWEEP_INTERVAL_S": "0.5",
         "ISOGATE_AUDIT_FLUSH_INTERVAL_S": "0.05",
     }
-    tenants = {SHORT_LIVED: {"response_retention_days": SHORT_RETENTION_S / 86400}}
+    tenants = {
+        SHORT_LIVED: {"response_retention_days": SHORT_RETENTION_S / 86400},
+        METERED: {"limits": {"requests_per_minute": 3}},
+    }
     with standin_stack(tmp_path, env=env, tenants=tenants) as running:
         yield running
 
@@ -155,3 +159,15 @@ def test_each_tenants_stored_responses_are_counted_for_the_operator(stack: Stand
         ]
 
     assert wait_until(lambda: counts() == [2.0, 1.0], timeout_s=30), counts()
+
+
+def test_the_stored_responses_routes_count_against_the_tenants_requests(
+    stack: StandInStack,
+) -> None:
+    with stack.client(stack.key(METERED)) as client:
+        response_id = create(client).json()["id"]  # the minute's first request
+        answers = [client.get(f"/v1/responses/{response_id}") for _ in range(2)]
+        answers.append(client.get(f"/v1/responses/{response_id}/input_items"))
+        answers.append(client.delete(f"/v1/responses/{response_id}"))
+    assert [a.status_code for a in answers] == [200, 200, 429, 429]
+    assert answers[2].headers["retry-after"]
