@@ -35,6 +35,9 @@ import os
 import uuid
 from typing import Any
 
+import redis.exceptions as redis_exceptions
+
+from gateway.common.redis_pipeline import RedisPipeline
 from gateway.workers.pairs import WorkerPair
 
 log = logging.getLogger(__name__)
@@ -109,9 +112,18 @@ class SharedClaims:
     """This process's side of the claims every process counts together (see the module doc)."""
 
     def __init__(
-        self, redis: Any, key_prefix: str, *, heartbeat_s: float, timeout_s: float = 1.0
+        self,
+        redis: Any,
+        key_prefix: str,
+        *,
+        heartbeat_s: float,
+        timeout_s: float = 1.0,
+        commands: RedisPipeline | None = None,
     ) -> None:
         self._redis = redis
+        # Claims and releases go out with the other requests' commands, one round trip for all
+        # that are waiting (``gateway.common.redis_pipeline``); the heartbeat is its own.
+        self._commands = commands if commands is not None else RedisPipeline(redis)
         self._key_prefix = key_prefix
         self.heartbeat_s = heartbeat_s
         # Three missed heartbeats: a process is dead, not slow, by then.
@@ -126,7 +138,7 @@ class SharedClaims:
         # Live claims of this process: id -> (worker URLs, tokens), what each heartbeat renews.
         self.live: dict[str, tuple[tuple[str, ...], int]] = {}
         # Releases under way, kept referenced until done.
-        self._releasing: set[asyncio.Task[None]] = set()
+        self._releasing: set[asyncio.Future[Any]] = set()
         # Every process's claims per worker as of the last heartbeat, for the workers routing
         # has compared: what it prefers, never what it admits on.
         self._seen: dict[str, int] = {}
@@ -146,7 +158,7 @@ class SharedClaims:
             args.extend((state.max_total_num_tokens, state.used_tokens))
         try:
             async with asyncio.timeout(self._timeout_s):
-                admitted = await self._claim(keys=keys, args=args)
+                admitted = await self._commands.run_script(self._claim, keys, args)
         except Exception as exc:  # whatever Redis did, nothing is known: fail closed
             # If the claim was recorded after all, nobody renews it: it expires within a TTL.
             raise ClaimsUnreachable(f"{type(exc).__name__}: {exc}") from exc
@@ -161,19 +173,27 @@ class SharedClaims:
         entry = self.live.pop(claim_id, None)
         if entry is None:
             return
+        keys = [key for url in entry[0] for key in self.keys(url)]
         try:
-            task = asyncio.get_running_loop().create_task(self._released(claim_id, entry[0]))
+            # Submitted, not awaited (no task of its own): the request is over either way.
+            released = self._commands.submit(
+                "EVALSHA", self._release.sha, len(keys), *keys, claim_id
+            )
         except RuntimeError:  # no loop left (shutdown): a release must not fail its request
             return  # not renewed any more: it expires within a TTL
-        self._releasing.add(task)
-        task.add_done_callback(self._releasing.discard)
+        self._releasing.add(released)
+        released.add_done_callback(lambda done: self._released(done, keys, claim_id))
 
-    async def _released(self, claim_id: str, urls: tuple[str, ...]) -> None:
-        keys = [key for url in urls for key in self.keys(url)]
-        try:
-            async with asyncio.timeout(self._timeout_s):
-                await self._release(keys=keys, args=[claim_id])
-        except Exception as exc:
+    def _released(self, done: asyncio.Future[Any], keys: list[str], claim_id: str) -> None:
+        self._releasing.discard(done)
+        exc = None if done.cancelled() else done.exception()
+        if isinstance(exc, redis_exceptions.NoScriptError):  # the first release: load it
+            retry = asyncio.ensure_future(
+                self._commands.run_script(self._release, keys, [claim_id])
+            )
+            self._releasing.add(retry)
+            retry.add_done_callback(lambda again: self._released(again, keys, claim_id))
+        elif exc is not None:
             log.warning("claims: release of %s left to expire: %s", claim_id, exc)
 
     def seen(self, url: str) -> int:

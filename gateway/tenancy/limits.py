@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, TypeVar
 
 from gateway.common.errors import APIError, rate_limited
+from gateway.common.redis_pipeline import RedisPipeline
 from gateway.config.policies import ModelPolicy, Policies, TenantLimits
 
 if TYPE_CHECKING:
@@ -377,8 +378,12 @@ class TenantLimiter:
         *,
         lease_ttl_s: float = 900.0,
         redis_timeout_s: float = 0.5,
+        commands: RedisPipeline | None = None,
     ):
         self._redis = redis
+        # Every take, settle and release goes out with the other requests' commands, one
+        # round trip for all that are waiting (``gateway.common.redis_pipeline``).
+        self._commands = commands if commands is not None or redis is None else RedisPipeline(redis)
         self._prefix = key_prefix
         self._lease_ttl_ms = lease_ttl_s * 1000
         self._buckets: dict[str, _Bucket] = {}
@@ -449,7 +454,8 @@ class TenantLimiter:
         self, lease: LimitLease, reserved: int, mode: _Mode
     ) -> list[tuple[int, int]]:
         scopes = lease.all_scopes()
-        assert self._acquire_script is not None  # ``_shared`` said so
+        commands = self._commands
+        assert self._acquire_script is not None and commands is not None  # ``_shared`` said so
         keys: list[str] = []
         args: list[str | int] = [reserved, lease.lease_id, int(self._lease_ttl_ms)]
         for index, scope in enumerate(scopes):
@@ -463,7 +469,7 @@ class TenantLimiter:
             ]
         try:
             verdict, retry_ms, refusing, *left = await self._with_timeout(
-                self._acquire_script(keys=keys, args=args)
+                commands.run_script(self._acquire_script, keys, args)
             )
         except Exception as exc:
             if not _redis_unreachable(exc):
@@ -526,15 +532,17 @@ class TenantLimiter:
         return lefts
 
     async def _settle_shared(self, lease: LimitLease, delta: int) -> None:
-        assert self._settle_script is not None  # a lease is in Redis only if it is configured
+        commands = self._commands
+        # A lease is in Redis only if it is configured.
+        assert self._settle_script is not None and commands is not None
         scopes = lease.all_scopes()
         args: list[str | int] = [delta]
         for scope in scopes:
             args += [scope.limits.requests_per_minute, scope.limits.tokens_per_minute]
         try:
             await self._with_timeout(
-                self._settle_script(
-                    keys=[self._key(scope.key, "bucket") for scope in scopes], args=args
+                commands.run_script(
+                    self._settle_script, [self._key(scope.key, "bucket") for scope in scopes], args
                 )
             )
         except Exception as exc:
@@ -552,18 +560,15 @@ class TenantLimiter:
                 bucket.tokens = min(limits.tokens_per_minute, bucket.tokens + delta)
 
     async def _release_shared(self, lease: LimitLease) -> None:
-        assert self._redis is not None  # a lease is in Redis only if it is configured
+        commands = self._commands
+        assert commands is not None  # a lease is in Redis only if it is configured
         try:
-            scopes = lease.all_scopes()
-            if len(scopes) == 1:
-                await self._with_timeout(
-                    self._redis.zrem(self._key(scopes[0].key, "inflight"), lease.lease_id)
-                )
-            else:
-                pipe = self._redis.pipeline(transaction=False)
-                for scope in scopes:
-                    pipe.zrem(self._key(scope.key, "inflight"), lease.lease_id)
-                await self._with_timeout(pipe.execute())
+            lease_id = lease.lease_id
+            removed = [
+                commands.submit("ZREM", self._key(scope.key, "inflight"), lease_id)
+                for scope in lease.all_scopes()
+            ]
+            await self._with_timeout(removed[0] if len(removed) == 1 else asyncio.gather(*removed))
         except Exception as exc:
             if not _redis_unreachable(exc):
                 raise
@@ -582,7 +587,8 @@ class TenantLimiter:
 
     async def _with_timeout(self, call: Awaitable[_T]) -> _T:
         # A partitioned Redis must not hang admission; a refused connection fails at once.
-        return await asyncio.wait_for(call, timeout=self._redis_timeout_s)
+        async with asyncio.timeout(self._redis_timeout_s):
+            return await call
 
     def _warn_fallback(self, exc: Exception) -> None:
         # Leave Redis alone for a moment instead of paying a failed call on every request.

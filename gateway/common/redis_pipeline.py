@@ -1,0 +1,131 @@
+"""Redis commands of concurrent requests sent together: one pipeline per round trip.
+
+The problem: with Redis configured (``isogate serve --workers N``, replicas), every request
+asks Redis several things of its own (its tenant's limits, its KV claim, their releases),
+and redis-py spends far more of the gateway's CPU on each round trip (a connection taken
+from the pool, a write, a wakeup, a parse) than Redis spends answering it. Sent one by one,
+the round trips cost a request more than everything else it does.
+
+What this does (the auto-pipelining of ioredis, for redis-py): a command is queued, and one
+flush sends every command queued by then as one pipeline on one connection, then hands each
+caller its own reply (or its own error). While a flush is on the wire, new commands wait for
+the next one, so under load each round trip carries the commands of many requests, and at
+one request in flight a command goes out as soon as the loop turns. Order and meaning are
+the caller's: each command is what it would be alone (no transaction), and a caller awaits
+its reply as before, so a release awaited before an answer is still done when the answer is.
+
+The invariant: every queued command's future is resolved exactly once, with its reply, its
+own error, or the flush's error (a flush that fails or outlasts ``timeout_s`` fails all of its
+commands: whatever Redis did, nothing is known, as when a lone command fails).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+# A command and the future its caller waits on.
+_Queued = tuple[tuple[Any, ...], "asyncio.Future[Any]"]
+
+
+class RedisPipeline:
+    """Sends the commands queued between round trips as one pipeline (see the module doc).
+
+    A command is ``submit``-ted (its reply a future) or awaited (``execute_command``); a
+    redis-py ``Script`` runs through ``run_script``."""
+
+    def __init__(self, redis: Any, *, timeout_s: float = 1.0) -> None:
+        self._redis = redis
+        self._timeout_s = timeout_s
+        self._queued: list[_Queued] = []
+        self._flushing: asyncio.Task[None] | None = None
+
+    def submit(self, *command: Any) -> asyncio.Future[Any]:
+        """Queue ``command`` for the next round trip; its future holds the reply."""
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._queued.append((command, future))
+        if self._flushing is None:
+            self._flushing = asyncio.get_running_loop().create_task(self._flush())
+        return future
+
+    async def execute_command(self, *command: Any) -> Any:
+        return await self.submit(*command)
+
+    async def run_script(self, script: Any, keys: Sequence[Any], args: Sequence[Any]) -> Any:
+        """A registered redis-py ``Script`` by its SHA, loaded again if Redis lost it."""
+        import redis.exceptions
+
+        try:
+            return await self.submit("EVALSHA", script.sha, len(keys), *keys, *args)
+        except redis.exceptions.NoScriptError:
+            script.sha = await self._redis.script_load(script.script)
+            return await self.submit("EVALSHA", script.sha, len(keys), *keys, *args)
+
+    async def _flush(self) -> None:
+        try:
+            while self._queued:
+                batch, self._queued = self._queued, []
+                await self._send(batch)
+        finally:
+            self._flushing = None
+
+    async def _send(self, batch: list[_Queued]) -> None:
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                replies = await self._round_trip(batch)
+        except BaseException as exc:
+            for _, future in batch:
+                if not future.done():
+                    future.set_exception(exc if isinstance(exc, Exception) else ConnectionError())
+            if not isinstance(exc, Exception):
+                raise  # cancelled: the callers were told, the cancellation goes on
+            return
+        for (_, future), reply in zip(batch, replies, strict=True):
+            if future.done():  # its caller stopped waiting (a timeout, a client gone)
+                continue
+            if isinstance(reply, Exception):
+                future.set_exception(reply)
+            else:
+                future.set_result(reply)
+
+    async def _round_trip(self, batch: list[_Queued]) -> list[Any]:
+        if len(batch) == 1:  # alone, a command costs less without a pipeline around it
+            command = batch[0][0]
+            try:
+                return [await self._redis.execute_command(*command)]
+            except Exception as exc:  # a reply that is an error is the caller's, as below
+                if _is_connection_error(exc):
+                    raise
+                return [exc]
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for command, _ in batch:
+                pipe.execute_command(*command)
+            replies: list[Any] = await pipe.execute(raise_on_error=False)
+            return replies
+
+    async def aclose(self) -> None:
+        """Wait for the commands under way (a release queued at shutdown still goes out)."""
+        if self._flushing is not None:
+            await asyncio.gather(self._flushing, return_exceptions=True)
+
+    async def __aenter__(self) -> RedisPipeline:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+
+def _is_connection_error(exc: Exception) -> bool:
+    import redis.exceptions
+
+    return isinstance(exc, redis.exceptions.ConnectionError | redis.exceptions.TimeoutError)
