@@ -69,6 +69,12 @@ CPU_SERVER_ARGS: tuple[str, ...] = (
     "--enable-priority-scheduling",
     "--default-priority-value", "200",
     "--retraction-policy", "priority",
+    # Decode admits a transferred request only while its free pool exceeds this many tokens
+    # per request it holds (SGLang's default: 512). The gateway has already claimed every
+    # request's prompt + max_tokens + margin of the pool, so its margin is reserve enough;
+    # with 512, a request the gateway let in waited in decode's prealloc queue for room the
+    # gateway had counted, while prefill busy-polled it and the batch's throughput halved.
+    "--num-reserved-decode-tokens", "16",
 )  # fmt: skip
 
 
