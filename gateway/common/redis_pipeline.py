@@ -24,20 +24,28 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
 log = logging.getLogger(__name__)
 
-# A command and the future its caller waits on.
-_Queued = tuple[tuple[Any, ...], "asyncio.Future[Any]"]
+
+@dataclass(slots=True)
+class _Queued:
+    command: tuple[Any, ...]
+    future: asyncio.Future[Any]
+    script: Any = None  # the redis-py ``Script`` an EVALSHA runs, to load it if Redis lost it
 
 
 class RedisPipeline:
     """Sends the commands queued between round trips as one pipeline (see the module doc).
 
     A command is ``submit``-ted (its reply a future) or awaited (``execute_command``); a
-    redis-py ``Script`` runs through ``run_script``."""
+    redis-py ``Script`` is ``submit_script``-ed or awaited (``run_script``). Commands reach
+    Redis in the order they were submitted, with one exception: a script Redis does not have
+    (its first use, or Redis restarted and lost every count with it) is loaded and its
+    commands sent again after the rest of their round trip, before any later one."""
 
     def __init__(self, redis: Any, *, timeout_s: float = 1.0) -> None:
         self._redis = redis
@@ -47,24 +55,26 @@ class RedisPipeline:
 
     def submit(self, *command: Any) -> asyncio.Future[Any]:
         """Queue ``command`` for the next round trip; its future holds the reply."""
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._queued.append((command, future))
-        if self._flushing is None:
-            self._flushing = asyncio.get_running_loop().create_task(self._flush())
-        return future
+        return self._queue(_Queued(command, asyncio.get_running_loop().create_future()))
+
+    def submit_script(
+        self, script: Any, keys: Sequence[Any], args: Sequence[Any]
+    ) -> asyncio.Future[Any]:
+        """Queue a registered redis-py ``Script`` (run by its SHA); its future holds the reply."""
+        command = ("EVALSHA", script.sha, len(keys), *keys, *args)
+        return self._queue(_Queued(command, asyncio.get_running_loop().create_future(), script))
 
     async def execute_command(self, *command: Any) -> Any:
         return await self.submit(*command)
 
     async def run_script(self, script: Any, keys: Sequence[Any], args: Sequence[Any]) -> Any:
-        """A registered redis-py ``Script`` by its SHA, loaded again if Redis lost it."""
-        import redis.exceptions
+        return await self.submit_script(script, keys, args)
 
-        try:
-            return await self.submit("EVALSHA", script.sha, len(keys), *keys, *args)
-        except redis.exceptions.NoScriptError:
-            script.sha = await self._redis.script_load(script.script)
-            return await self.submit("EVALSHA", script.sha, len(keys), *keys, *args)
+    def _queue(self, queued: _Queued) -> asyncio.Future[Any]:
+        self._queued.append(queued)
+        if self._flushing is None:
+            self._flushing = asyncio.get_running_loop().create_task(self._flush())
+        return queued.future
 
     async def _flush(self) -> None:
         try:
@@ -78,33 +88,40 @@ class RedisPipeline:
         try:
             async with asyncio.timeout(self._timeout_s):
                 replies = await self._round_trip(batch)
+                lost = [i for i, reply in enumerate(replies) if _lost_script(reply, batch[i])]
+                if lost:  # Redis restarted or was flushed: load, send those again, in order
+                    for script in {id(batch[i].script): batch[i].script for i in lost}.values():
+                        script.sha = await self._redis.script_load(script.script)
+                    again = [_Queued(_with_sha(batch[i]), batch[i].future) for i in lost]
+                    for i, reply in zip(lost, await self._round_trip(again), strict=True):
+                        replies[i] = reply
         except BaseException as exc:
-            for _, future in batch:
-                if not future.done():
-                    future.set_exception(exc if isinstance(exc, Exception) else ConnectionError())
+            for queued in batch:
+                if not queued.future.done():
+                    failure = exc if isinstance(exc, Exception) else ConnectionError()
+                    queued.future.set_exception(failure)
             if not isinstance(exc, Exception):
                 raise  # cancelled: the callers were told, the cancellation goes on
             return
-        for (_, future), reply in zip(batch, replies, strict=True):
-            if future.done():  # its caller stopped waiting (a timeout, a client gone)
+        for queued, reply in zip(batch, replies, strict=True):
+            if queued.future.done():  # its caller stopped waiting (a timeout, a client gone)
                 continue
             if isinstance(reply, Exception):
-                future.set_exception(reply)
+                queued.future.set_exception(reply)
             else:
-                future.set_result(reply)
+                queued.future.set_result(reply)
 
     async def _round_trip(self, batch: list[_Queued]) -> list[Any]:
         if len(batch) == 1:  # alone, a command costs less without a pipeline around it
-            command = batch[0][0]
             try:
-                return [await self._redis.execute_command(*command)]
+                return [await self._redis.execute_command(*batch[0].command)]
             except Exception as exc:  # a reply that is an error is the caller's, as below
                 if _is_connection_error(exc):
                     raise
                 return [exc]
         async with self._redis.pipeline(transaction=False) as pipe:
-            for command, _ in batch:
-                pipe.execute_command(*command)
+            for queued in batch:
+                pipe.execute_command(*queued.command)
             replies: list[Any] = await pipe.execute(raise_on_error=False)
             return replies
 
@@ -123,6 +140,16 @@ class RedisPipeline:
         tb: TracebackType | None,
     ) -> None:
         await self.aclose()
+
+
+def _lost_script(reply: Any, queued: _Queued) -> bool:
+    import redis.exceptions
+
+    return queued.script is not None and isinstance(reply, redis.exceptions.NoScriptError)
+
+
+def _with_sha(queued: _Queued) -> tuple[Any, ...]:
+    return ("EVALSHA", queued.script.sha, *queued.command[2:])
 
 
 def _is_connection_error(exc: Exception) -> bool:

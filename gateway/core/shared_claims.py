@@ -35,8 +35,6 @@ import os
 import uuid
 from typing import Any
 
-import redis.exceptions as redis_exceptions
-
 from gateway.common.redis_pipeline import RedisPipeline
 from gateway.workers.pairs import WorkerPair
 
@@ -176,24 +174,15 @@ class SharedClaims:
         keys = [key for url in entry[0] for key in self.keys(url)]
         try:
             # Submitted, not awaited (no task of its own): the request is over either way.
-            released = self._commands.submit(
-                "EVALSHA", self._release.sha, len(keys), *keys, claim_id
-            )
+            released = self._commands.submit_script(self._release, keys, [claim_id])
         except RuntimeError:  # no loop left (shutdown): a release must not fail its request
             return  # not renewed any more: it expires within a TTL
         self._releasing.add(released)
-        released.add_done_callback(lambda done: self._released(done, keys, claim_id))
+        released.add_done_callback(lambda done: self._released(done, claim_id))
 
-    def _released(self, done: asyncio.Future[Any], keys: list[str], claim_id: str) -> None:
+    def _released(self, done: asyncio.Future[Any], claim_id: str) -> None:
         self._releasing.discard(done)
-        exc = None if done.cancelled() else done.exception()
-        if isinstance(exc, redis_exceptions.NoScriptError):  # the first release: load it
-            retry = asyncio.ensure_future(
-                self._commands.run_script(self._release, keys, [claim_id])
-            )
-            self._releasing.add(retry)
-            retry.add_done_callback(lambda again: self._released(again, keys, claim_id))
-        elif exc is not None:
+        if not done.cancelled() and (exc := done.exception()) is not None:
             log.warning("claims: release of %s left to expire: %s", claim_id, exc)
 
     def seen(self, url: str) -> int:

@@ -384,6 +384,8 @@ class TenantLimiter:
         # Every take, settle and release goes out with the other requests' commands, one
         # round trip for all that are waiting (``gateway.common.redis_pipeline``).
         self._commands = commands if commands is not None or redis is None else RedisPipeline(redis)
+        # Settles under way (``_settle_shared``), kept referenced until done.
+        self._settling: set[asyncio.Future[object]] = set()
         self._prefix = key_prefix
         self._lease_ttl_ms = lease_ttl_s * 1000
         self._buckets: dict[str, _Bucket] = {}
@@ -539,16 +541,28 @@ class TenantLimiter:
         args: list[str | int] = [delta]
         for scope in scopes:
             args += [scope.limits.requests_per_minute, scope.limits.tokens_per_minute]
-        try:
-            await self._with_timeout(
-                commands.run_script(
-                    self._settle_script, [self._key(scope.key, "bucket") for scope in scopes], args
-                )
-            )
-        except Exception as exc:
-            if not _redis_unreachable(exc):
-                raise
+        # Sent, not awaited: this process's later commands (the lease's release, the next
+        # request's take) follow it on the one pipeline, so none of them can overtake it, and
+        # the request need not wait a round trip of its own for it.
+        keys = [self._key(scope.key, "bucket") for scope in scopes]
+        settling = commands.submit_script(self._settle_script, keys, args)
+        self._settling.add(settling)
+        settling.add_done_callback(self._settled)
+
+    async def drain(self) -> None:
+        """Wait for the settles under way (shutdown, tests)."""
+        if self._settling:
+            await asyncio.gather(*self._settling, return_exceptions=True)
+
+    def _settled(self, done: asyncio.Future[object]) -> None:
+        self._settling.discard(done)
+        exc = None if done.cancelled() else done.exception()
+        if exc is None:
+            return
+        if isinstance(exc, Exception) and _redis_unreachable(exc):
             self._warn_fallback(exc)  # the reservation stands: conservative
+        else:
+            log.error("limits: a settle failed: %r", exc)
 
     def _settle_local(self, lease: LimitLease, delta: int) -> None:
         now = time.monotonic() * 1000

@@ -432,6 +432,9 @@ class TwoPaths:
     async def settle(self, index: int, actual_tokens: int) -> None:
         for lease in self.leases[index]:
             await lease.settle(actual_tokens)
+        # A settle is sent, not awaited; the clock is set on a connection of its own, which
+        # must not overtake it.
+        await self.redis.drain()
 
     async def release(self, index: int) -> None:
         for lease in self.leases[index]:

@@ -111,3 +111,21 @@ async def test_a_script_redis_lost_is_loaded_again(redis_client: Any, redis_pref
     assert await commands.run_script(script, [key], []) == 1  # never loaded: loaded now
     await redis_client.script_flush()
     assert await commands.run_script(script, [key], []) == 2
+
+
+async def test_commands_reach_redis_in_the_order_they_were_submitted(
+    redis_client: Any, redis_prefix: str
+) -> None:
+    script = redis_client.register_script("return redis.call('APPEND', KEYS[1], ARGV[1])")
+    commands = RedisPipeline(redis_client)
+    key = f"{redis_prefix}:log"
+    await commands.run_script(script, [key], ["0"])  # loaded
+    submitted = [
+        commands.submit_script(script, [key], ["a"]),
+        commands.submit("APPEND", key, "b"),
+        commands.submit_script(script, [key], ["c"]),
+    ]
+    await asyncio.sleep(0)  # that round trip is on its way; these go in the next
+    submitted.append(commands.submit("APPEND", key, "d"))
+    await asyncio.gather(*submitted)
+    assert await redis_client.get(key) == b"0abcd"
