@@ -12,6 +12,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.common.redis_pipeline import RedisPipeline
 from gateway.config.policies import Policies, load_policies
 from gateway.config.settings import Settings
 from gateway.core.admission import ClaimLedger
@@ -148,6 +149,8 @@ async def build_components(settings: Settings) -> Components:
     policies = load_policies(settings.policies_dir)
     tokenizers = load_tokenizers(policies, settings)
     redis_client = connect_redis(settings.redis_url) if settings.redis_url else None
+    # The limits' and the claims' commands of every request in flight, sent together.
+    redis_commands = RedisPipeline(redis_client) if redis_client is not None else None
     capacity = CapacityRegistry(
         poll_interval_s=settings.capacity_poll_interval_s,
         stale_after_s=settings.capacity_stale_after_s,
@@ -164,7 +167,10 @@ async def build_components(settings: Settings) -> Components:
     shared_claims = None
     if redis_client is not None:
         shared_claims = SharedClaims(
-            redis_client, settings.redis_key_prefix, heartbeat_s=settings.claim_heartbeat_s
+            redis_client,
+            settings.redis_key_prefix,
+            heartbeat_s=settings.claim_heartbeat_s,
+            commands=redis_commands,
         )
     scanner: ContentScanner = NoScanner()
     if settings.canary_scan:
@@ -187,7 +193,7 @@ async def build_components(settings: Settings) -> Components:
         store=store,
         authenticator=Authenticator(store, settings),
         audit=AuditLog(store, settings),
-        limiter=TenantLimiter(redis_client, settings.redis_key_prefix),
+        limiter=TenantLimiter(redis_client, settings.redis_key_prefix, commands=redis_commands),
         metrics=metrics,
         queues=PairQueues(
             QueueSettings(
@@ -266,6 +272,9 @@ async def close_components(components: Components) -> None:
     await asyncio.gather(*components.tasks, return_exceptions=True)
     components.parser.close()
     await components.budgets.drain()  # charges under way reach their counters
+    await components.limiter.drain()  # so do settles
+    if components.ledger.shared is not None:
+        await components.ledger.shared.drain()  # and claims' releases (or they expire)
     await components.audit.close()
     await components.capacity.close()
     await components.dispatcher.aclose()
