@@ -188,8 +188,7 @@ async def metrics(request: Request) -> Response:
     """Prometheus metrics, admin key only: the series name tenants and their traffic."""
     components = _components(request)
     await components.authenticator.require_admin(request.headers.get("authorization"))
-    workers: list[tuple[str, str]] = list(components.workers())
-    body = await asyncio.to_thread(components.metrics.export, components.capacity, workers)
+    body = await asyncio.to_thread(components.metrics_exposition)
     return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import sys
 from collections.abc import Sequence
@@ -15,6 +16,7 @@ import httpx
 
 from gateway.config.policies import PolicyError, load_policies
 from gateway.config.settings import Settings
+from gateway.observability.multiprocess import run_directory
 from gateway.service.components import workers_of
 from gateway.workers.capacity import Role, WorkerCapacity, poll_worker
 
@@ -63,6 +65,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    with contextlib.ExitStack() as run:  # what the run holds until the server stops
+        return _serve_within(args, run)
+
+
+def _serve_within(args: argparse.Namespace, run: contextlib.ExitStack) -> int:
     import uvicorn
 
     from gateway.api.app import create_app
@@ -86,6 +93,8 @@ def _serve(args: argparse.Namespace) -> int:
         # the factory), and the pair queues' caps are split across every process that shares
         # the workers: this host's processes times the replicas the deployment declares.
         os.environ["ISOGATE_QUEUE_REPLICAS"] = str(settings.queue_replicas * workers)
+        # Each process leaves its metrics there, so that any of them answers /metrics for all.
+        os.environ["ISOGATE_METRICS_DIR"] = str(run.enter_context(run_directory()))
     uvicorn.run(
         create_app(settings) if workers == 1 else "gateway.cli.main:worker_app",
         factory=workers != 1,

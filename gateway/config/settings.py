@@ -25,6 +25,11 @@ class Settings(BaseSettings):
     policies_dir: Path = REPO_ROOT / "policies"
     log_level: str = "info"
     log_json: bool = True
+    # Set by ``serve --workers N`` (N > 1), not by hand: the run's directory where each process
+    # leaves its metrics for the scrapes the others answer (observability.multiprocess), and
+    # how often each rewrites its file there (how far a scrape may lag a process's counts).
+    metrics_dir: Path | None = None
+    metrics_write_interval_s: float = Field(default=1.0, gt=0)
 
     # Client bounds (server.http_server, api.pipeline.read_body): how long a client may
     # take to send a request's headers and its body, how large its headers may be, how many

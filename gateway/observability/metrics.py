@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 from bisect import bisect_left
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import (
@@ -23,6 +23,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.utils import floatToGoString
 
+from gateway.observability.multiprocess import GaugeRule
 from gateway.workers.capacity import CapacityRegistry
 
 _LATENCY_BUCKETS = (
@@ -155,13 +156,21 @@ class LoopLagSeries:
     before, which a histogram's buckets cannot say. Scrapes run in a worker thread
     (``asyncio.to_thread``) while the probe writes on the loop: the lock keeps a wake-up from
     being lost between the read and the reset.
+
+    With several processes (``gateway.observability.multiprocess``) a process's report is its
+    file, which a scrape may or may not read before the next one replaces it:
+    ``last_report_read`` says whether one did, and until then the maxima reported are carried
+    into the next report, so a stall is reported until a scrape has seen it.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, last_report_read: Callable[[], bool] | None = None) -> None:
         self._lock = threading.Lock()
         self._lag = LatencyBuckets()
         self._max_lag = 0.0
         self._max_held = 0.0
+        self._last_report_read = last_report_read  # None: every report is a scrape's
+        self._unread_lag = 0.0
+        self._unread_held = 0.0
 
     def observe(self, lag_s: float, held_s: float) -> None:
         with self._lock:
@@ -178,9 +187,13 @@ class LoopLagSeries:
         yield GaugeMetricFamily("isogate_event_loop_held_max_seconds", "")
 
     def collect(self) -> Iterator[Metric]:
+        read = self._last_report_read is None or self._last_report_read()  # (a file: unlocked)
         with self._lock:
             buckets, total = self._lag.cumulative(), self._lag.total
-            largest, held = self._max_lag, self._max_held
+            if read:
+                self._unread_lag = self._unread_held = 0.0
+            largest = self._unread_lag = max(self._unread_lag, self._max_lag)
+            held = self._unread_held = max(self._unread_held, self._max_held)
             self._max_lag = self._max_held = 0.0
         lag = HistogramMetricFamily(
             "isogate_event_loop_lag_seconds",
@@ -201,8 +214,20 @@ class LoopLagSeries:
         )
 
 
+# How a scrape of several processes combines each gauge (``GaugeRule``); any other gauge is
+# one value that every process reads from a shared source (a worker's capacity): the freshest.
+GAUGE_RULES: Mapping[str, GaugeRule] = {
+    "isogate_queue_length": "livesum",
+    "isogate_event_loop_lag_max_seconds": "livemax",
+    "isogate_event_loop_held_max_seconds": "livemax",
+}
+
+
 class Metrics:
-    def __init__(self) -> None:
+    """The gateway's series. ``last_report_read``: with several processes, whether a scrape
+    has read this process's last report (``LoopLagSeries``)."""
+
+    def __init__(self, last_report_read: Callable[[], bool] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.admission_refusals = Counter(
             "isogate_admission_refusals",
@@ -301,7 +326,7 @@ class Metrics:
         )
         self.per_request = PerRequestSeries()
         self.registry.register(self.per_request)
-        self.loop_lag = LoopLagSeries()
+        self.loop_lag = LoopLagSeries(last_report_read)
         self.registry.register(self.loop_lag)
 
     def stored_response_counts(self, counts: dict[str, int]) -> None:
@@ -328,7 +353,20 @@ class Metrics:
     def queue_observer(self, pool: str) -> PoolQueueMetrics:
         return PoolQueueMetrics(self, pool)
 
-    def export(self, capacity: CapacityRegistry, workers: list[tuple[str, str]]) -> bytes:
+    def export(self, capacity: CapacityRegistry, workers: Sequence[tuple[str, str]]) -> bytes:
+        self._worker_gauges(capacity, workers)
+        return generate_latest(self.registry)
+
+    def families(
+        self, capacity: CapacityRegistry, workers: Sequence[tuple[str, str]]
+    ) -> list[Metric]:
+        """What ``export`` renders, as families (a process's part of several's ``/metrics``)."""
+        self._worker_gauges(capacity, workers)
+        return list(self.registry.collect())
+
+    def _worker_gauges(
+        self, capacity: CapacityRegistry, workers: Sequence[tuple[str, str]]
+    ) -> None:
         for url, role in workers:
             state = capacity.get(url)
             self.worker_fresh.labels(url, role).set(1 if capacity.fresh(url) else 0)
@@ -337,7 +375,6 @@ class Metrics:
             if state:
                 self.pool_tokens.labels(url, role).set(state.max_total_num_tokens)
                 self.used_tokens.labels(url, role).set(state.used_tokens)
-        return generate_latest(self.registry)
 
 
 class PoolQueueMetrics:

@@ -12,6 +12,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from prometheus_client.metrics_core import Metric
+
 from gateway.common.redis_pipeline import RedisPipeline
 from gateway.config.policies import Policies, load_policies
 from gateway.config.settings import Settings
@@ -21,7 +23,8 @@ from gateway.core.pair_queues import PairQueues, QueueSettings
 from gateway.core.routing import RoutingCache
 from gateway.core.shared_claims import SharedClaims
 from gateway.observability.loop_lag import LoopLagProbe
-from gateway.observability.metrics import Metrics
+from gateway.observability.metrics import GAUGE_RULES, Metrics
+from gateway.observability.multiprocess import ProcessMetrics
 from gateway.openai.tokenize import ModelTokenizer
 from gateway.server.intake import BodyParser
 from gateway.service.canary import CanaryMetrics, CanaryProber
@@ -61,6 +64,8 @@ class Components:
     scanner: ContentScanner = field(default_factory=NoScanner)
     redis: Any | None = None
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
+    # With ``serve --workers``: this process's part of the one ``/metrics`` of all of them.
+    process_metrics: ProcessMetrics | None = None
     core: GenerationCore = field(init=False)
     revocations: Revocations = field(init=False)
     # The Responses API's stored responses (in the store's database).
@@ -96,6 +101,16 @@ class Components:
 
     def workers(self) -> list[tuple[str, Role]]:
         return workers_of(self.policies)
+
+    def metrics_exposition(self) -> bytes:
+        """What ``/metrics`` answers: this process's series, or every process's as one (off
+        the loop: it walks every series)."""
+        if self.process_metrics is None:
+            return self.metrics.export(self.capacity, self.workers())
+        return self.process_metrics.scrape(self.own_metric_families)
+
+    def own_metric_families(self) -> list[Metric]:
+        return self.metrics.families(self.capacity, self.workers())
 
     def apply_policies(self, policies: Policies) -> None:
         """Adopt new policies (already validated) together with their tokenizers."""
@@ -161,7 +176,10 @@ async def build_components(settings: Settings) -> Components:
     )
     capacity.set_workers(workers_of(policies))
     store = create_store(settings.database_url)
-    metrics = Metrics()
+    process_metrics = None
+    if settings.metrics_dir is not None:
+        process_metrics = ProcessMetrics(settings.metrics_dir, GAUGE_RULES)
+    metrics = Metrics(process_metrics.last_file_read if process_metrics else None)
     # With Redis, KV claims are counted across every process that shares it (gate 1 holds
     # across --workers and replicas); without it, per process as before.
     shared_claims = None
@@ -216,6 +234,7 @@ async def build_components(settings: Settings) -> Components:
         ),
         scanner=scanner,
         redis=redis_client,
+        process_metrics=process_metrics,
     )
     components.parser.start()
     await components.audit.start()
@@ -237,6 +256,15 @@ async def build_components(settings: Settings) -> Components:
             name="stored-responses-sweeper",
         )
     )
+    if process_metrics is not None:
+        components.tasks.append(
+            asyncio.create_task(
+                process_metrics.run(
+                    components.own_metric_families, settings.metrics_write_interval_s
+                ),
+                name="process-metrics-writer",
+            )
+        )
     start_canaries(components)
     return components
 
@@ -270,6 +298,8 @@ async def close_components(components: Components) -> None:
     for task in components.tasks:
         task.cancel()
     await asyncio.gather(*components.tasks, return_exceptions=True)
+    if components.process_metrics is not None:
+        components.process_metrics.close(components.own_metric_families)  # its counts outlive it
     components.parser.close()
     await components.budgets.drain()  # charges under way reach their counters
     await components.limiter.drain()  # so do settles
