@@ -16,6 +16,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.reliability.stack import STANDIN_POOL_TOKENS
 from tests.reliability.test_shared_claims_replicas import _post, deployment
 
 pytestmark = pytest.mark.redis
@@ -25,7 +26,8 @@ SCRAPES = 12
 
 
 def _request_counts(url: str, admin_key: str) -> tuple[float, float]:
-    """The requests counted by one scrape: the counter's total and the histogram's count."""
+    """The requests counted by one scrape: the counter's total and the histogram's count. Its
+    worker pool gauges are the stand-ins' pools, which every process polls: never summed."""
     body = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {admin_key}"}, timeout=30)
     body.raise_for_status()
     counted = histogram = 0.0
@@ -35,13 +37,15 @@ def _request_counts(url: str, admin_key: str) -> tuple[float, float]:
                 counted += sample.value
             elif sample.name == "isogate_request_duration_seconds_count":
                 histogram += sample.value
+            elif sample.name == "isogate_worker_kv_pool_tokens":
+                assert sample.value == STANDIN_POOL_TOKENS, sample
     return counted, histogram
 
 
 def test_every_scrape_of_a_multi_process_gateway_counts_every_processes_requests(
     tmp_path: Path,
 ) -> None:
-    with deployment(tmp_path, "workers", pool=8192) as stack:
+    with deployment(tmp_path, "workers", pool=STANDIN_POOL_TOKENS) as stack:
         stack.gate.set()  # the stand-in decode answers at once
         key = stack.key("acme")
         url = stack.urls[0]
