@@ -36,6 +36,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import operator
 import os
 import secrets
 import tempfile
@@ -108,7 +109,9 @@ def merge(processes: Sequence[ProcessFamilies], gauge_rules: Mapping[str, GaugeR
     """The processes' families as one exposition (the module doc), in the newest one's order
     first."""
     families: dict[str, Metric] = {}
-    values: dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]] = {}
+    # Each sample's values, newest process first, and how they combine.
+    values: dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], list[float]]] = {}
+    rules: dict[tuple[str, str], _Combine] = {}
     for process in sorted(processes, key=lambda p: p.written_at, reverse=True):
         for family in process.families:
             merged = families.get(family.name)
@@ -119,22 +122,16 @@ def merge(processes: Sequence[ProcessFamilies], gauge_rules: Mapping[str, GaugeR
                 values[family.name] = {}
             into = values[family.name]
             for sample in family.samples:
-                combine = _combine(family, sample, gauge_rules)
-                if not process.live and combine not in ("sum", "min"):
-                    continue
-                key = (sample.name, tuple(sorted(sample.labels.items())))
-                if key not in into:
-                    into[key] = sample.value
-                elif combine in ("sum", "livesum"):
-                    into[key] += sample.value
-                elif combine == "min":
-                    into[key] = min(into[key], sample.value)
-                elif combine == "livemax":
-                    into[key] = max(into[key], sample.value)
-                # mostrecent: the newest process's value, already in
+                rule = rules.get((family.name, sample.name))
+                if rule is None:
+                    rule = rules[family.name, sample.name] = _combine(family, sample, gauge_rules)
+                if process.live or rule in ("sum", "min"):
+                    key = (sample.name, tuple(sorted(sample.labels.items())))
+                    into.setdefault(key, []).append(sample.value)
     for name, merged in families.items():
-        for (sample_name, labels), value in values[name].items():
-            merged.samples.append(Sample(sample_name, dict(labels), value))
+        for (sample_name, labels), each in values[name].items():
+            rule = rules[name, sample_name]
+            merged.samples.append(Sample(sample_name, dict(labels), _COMBINE[rule](each)))
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Families(list(families.values())))
     return generate_latest(registry)
@@ -148,6 +145,18 @@ def _combine(family: Metric, sample: Sample, gauge_rules: Mapping[str, GaugeRule
     if family.type == "gauge":
         return gauge_rules.get(family.name, "mostrecent")
     return "mostrecent"
+
+
+# fsum: a sum rounded once, whatever the order the processes come in (the newest first, so
+# the answering one's first): an idle gateway's float sums never move between scrapes, which
+# a counter's rate would read as a reset.
+_COMBINE: dict[_Combine, Callable[[list[float]], float]] = {
+    "sum": math.fsum,
+    "livesum": math.fsum,
+    "min": min,
+    "livemax": max,
+    "mostrecent": operator.itemgetter(0),
+}
 
 
 class _Families(Collector):

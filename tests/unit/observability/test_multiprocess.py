@@ -196,3 +196,21 @@ def test_a_stall_is_reported_until_a_scrape_of_any_process_has_seen_it(tmp_path:
     scraped = _samples(answering.scrape(_render(answering_metrics)))
     assert _value(scraped, "isogate_event_loop_lag_max_seconds") == 0.0
     assert _value(scraped, "isogate_event_loop_lag_seconds_count") == 1
+
+
+def test_an_idle_gateways_sums_read_the_same_whichever_process_answers() -> None:
+    # Float addition depends on its order, and the order is the answering process's first: a
+    # sum that moved by its last digit between scrapes would read as a counter reset.
+    processes = [_busy_process(1, seconds) for seconds in (0.1, 0.2, 0.3)]
+    latency = {"model": "m", "outcome": "completed"}
+    sums = set()
+    for newest in range(3):
+        merged = merge(
+            [
+                _process(p, written_at=2.0 if i == newest else 1.0 + i / 10)
+                for i, p in enumerate(processes)
+            ],
+            GAUGE_RULES,
+        )
+        sums.add(_value(_samples(merged), "isogate_request_duration_seconds_sum", **latency))
+    assert len(sums) == 1, sums
