@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+from typing import Any
+
 import pytest
+import uvicorn
 
 from gateway.cli.main import main, worker_count
 
@@ -34,3 +39,27 @@ def test_serve_refuses_to_start_several_processes_without_redis(
     monkeypatch.chdir("/")  # no .env here to configure one
     assert main(["serve", "--workers", "2"]) == 2
     assert "needs Redis" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_several_processes_share_a_metrics_directory_that_lives_as_long_as_the_run(
+    monkeypatch: pytest.MonkeyPatch, workers: int
+) -> None:
+    for name in ("ISOGATE_METRICS_DIR", "ISOGATE_QUEUE_REPLICAS"):
+        monkeypatch.setenv(name, "")  # restored (unset) when the test ends, whatever serve sets
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("ISOGATE_REDIS_URL", "redis://127.0.0.1:1/0")  # never connected here
+    seen: list[Path | None] = []
+
+    def run(*args: Any, **kwargs: Any) -> None:
+        directory = os.environ.get("ISOGATE_METRICS_DIR")
+        seen.append(Path(directory) if directory else None)
+        assert directory is None or Path(directory).is_dir()
+
+    monkeypatch.setattr(uvicorn, "run", run)
+    assert main(["serve", "--workers", str(workers)]) == 0
+    (directory,) = seen
+    if workers == 1:
+        assert directory is None  # one process answers for itself, as it always did
+    else:
+        assert directory is not None and not directory.exists()  # gone with the run
