@@ -72,7 +72,8 @@ class Settings(BaseSettings):
     # A worker whose capacity polls fail and whose /health does not answer 200 within this
     # long is taken out at once.
     worker_liveness_timeout_s: float = Field(default=10.0, gt=0)
-    # Tokens kept free in every pool on top of prompt + max_tokens.
+    # Tokens kept free in every pool on top of prompt + max_tokens (the dev decode workers'
+    # --num-reserved-decode-tokens is no larger: gateway/dev/cluster.py).
     admission_safety_margin_tokens: int = 16
 
     # Fair queueing per worker pair (gateway.core.pair_queues). Requests in flight per pair before
@@ -81,10 +82,11 @@ class Settings(BaseSettings):
     # with concurrency (docs/operations.md).
     queue_in_flight_per_pair: int = Field(default=12, gt=0)
     # The same while more than one tenant holds or wants slots of a pair, and for
-    # queue_contention_linger_s after (a tenant within its share still starts at once): on
-    # the measured curve of a CPU pair, the most that kept a quiet tenant's p50 within 2.5x of
-    # alone beside a flood, and a linger longer than such a tenant's pause between requests
-    # (docs/operations.md, section 9). Unset: no lower cap.
+    # queue_contention_linger_s after (a tenant within its share still starts at once): the
+    # cap that met most of the noisy-neighbour targets measured on a CPU pair (a quiet
+    # tenant's p50 within 2.5x of alone, the pair's throughput within 80 % of no queue), and a
+    # linger longer than such a tenant's pause between requests (docs/operations.md,
+    # section 9). Unset: no lower cap.
     queue_in_flight_per_pair_contended: int | None = Field(default=4, gt=0)
     queue_contention_linger_s: float = Field(default=10.0, ge=0)
     # The longest a request waits for its turn before 429 (its tenant is over its share) or
