@@ -8,6 +8,7 @@ pytest, the tests or the bench suite, and the production gateway never imports i
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import signal
@@ -136,14 +137,19 @@ class GatewayProcess:
             return ""
 
     def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
+        if self.process is None:
             return
-        os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        # What a process killed outright (a test's SIGKILL) left behind, its body parser's
+        # forkserver and resource tracker, is still in the group, with nobody to stop it.
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
 
     def __enter__(self) -> GatewayProcess:
         return self.start()
