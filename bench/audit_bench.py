@@ -42,14 +42,9 @@ BASE_TIME = datetime(2026, 1, 1, tzinfo=UTC)
 
 
 def run_audit_bench(
-    database_url: str,
-    *,
-    total_rows: int = 1_000_000,
-    tenants: int = 100,
-    insert_events: int = 50_000,
-    queries: int = 300,
-    batch_size: int = 500,
-) -> dict[str, Any]:
+    database_url: str, *, total_rows: int = 1_000_000, tenants: int = 100,
+    insert_events: int = 50_000, queries: int = 300, batch_size: int = 500,
+) -> dict[str, Any]:  # fmt: skip
     with _scratch_database(database_url) as url:
         store = create_store(url, migrate=True)
         try:
@@ -59,14 +54,9 @@ def run_audit_bench(
 
 
 def _measure(
-    store: Store,
-    url: str,
-    total_rows: int,
-    tenants: int,
-    insert_events: int,
-    queries: int,
+    store: Store, url: str, total_rows: int, tenants: int, insert_events: int, queries: int,
     batch_size: int,
-) -> dict[str, Any]:
+) -> dict[str, Any]:  # fmt: skip
     result: dict[str, Any] = {
         "database": store.dialect,
         "total_rows": total_rows,

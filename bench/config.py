@@ -22,9 +22,9 @@ class Ports:
     decode: int = 34011
     bootstrap: int = 34012
     slow_decode: int = 34013  # streams slowly: holds streams open for the memory bench
-    router: int = 34020  # and router + 1 for its Prometheus endpoint
-    smg: int = 34022  # and smg + 1 for its Prometheus endpoint
-    gateway: int = 34030
+    router: int = 34020  # and router + 1 for its Prometheus endpoint; unpinned: + 4
+    smg: int = 34022  # and smg + 1 for its Prometheus endpoint; unpinned: + 4
+    gateway: int = 34030  # and the scale-out and granian gateways' from + 2
     # Spaced out: SGLang takes ports above its own for internal use (as gateway.dev.cluster does).
     real_prefill: int = 34100
     real_decode: int = 34120
@@ -52,6 +52,7 @@ class BenchConfig:
     helper_cpus: set[int] | None
     priority: int  # autogroup nice of the bench's processes (0: none)
     gateway_root: Path | None  # run the gateway package of this checkout instead of ours
+    scale: bool  # section 1 also unpinned: the Rust routers and ``serve --workers 2``
     sections: frozenset[str] = SECTIONS
     ports: Ports = field(default_factory=Ports)
 
@@ -85,5 +86,6 @@ class BenchConfig:
             helper_cpus=set(cpus[:-1]) if pinned else None,
             priority=int(os.environ.get("BENCH_PRIORITY", "0")),
             gateway_root=Path(root) if root else None,
+            scale=pinned and env_flag("BENCH_SCALE", True),
             sections=frozenset(sections) & SECTIONS,
         )

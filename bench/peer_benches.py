@@ -22,13 +22,8 @@ COSTS_SNIPPET = (
 
 
 def _engine_patch_costs() -> Any:
-    done = subprocess.run(
-        [str(ENGINE_PYTHON), "-c", COSTS_SNIPPET],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    command = [str(ENGINE_PYTHON), "-c", COSTS_SNIPPET]
+    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     if done.returncode != 0:
         raise RuntimeError(f"rc {done.returncode}: {done.stderr[-3000:]}")
     return json.loads(done.stdout.splitlines()[-1])

@@ -97,16 +97,9 @@ class Server:
 
 
 def serve(
-    name: str,
-    command: list[str],
-    log_dir: Path,
-    port: int,
-    ready: str,
-    *,
-    cpus: set[int] | None,
-    priority: int,
-    timeout_s: float = 20,
-) -> Server:
+    name: str, command: list[str], log_dir: Path, port: int, ready: str, *,
+    cpus: set[int] | None, priority: int, timeout_s: float = 20,
+) -> Server:  # fmt: skip
     """Start ``command`` pinned to ``cpus`` (every thread, from its first: ``taskset``) and wait
     until ``GET ready`` answers 200."""
     pinned = ["taskset", "-c", ",".join(map(str, sorted(cpus)))] if cpus else []
@@ -139,16 +132,9 @@ class BenchPool:
 
 
 def instant_backend(
-    role: str,
-    port: int,
-    log_dir: Path,
-    *,
-    cpus: set[int] | None,
-    pool_tokens: int,
-    chunks: int = 4,
-    stream_interval_s: float = 0.0,
-    priority: int = 0,
-) -> Server:
+    role: str, port: int, log_dir: Path, *, cpus: set[int] | None, pool_tokens: int,
+    chunks: int = 4, stream_interval_s: float = 0.0, priority: int = 0,
+) -> Server:  # fmt: skip
     port = free_ports(port)
     arguments = f"--role {role} --port {port} --pool-tokens {pool_tokens} --chunks {chunks}"
     command = [sys.executable, "-m", "bench.instant_backend", *arguments.split()]
@@ -157,15 +143,9 @@ def instant_backend(
 
 
 def pd_router(
-    kind: str,
-    pool: BenchPool,
-    port: int,
-    log_dir: Path,
-    *,
-    cpus: set[int] | None,
-    priority: int = 0,
-    models: Sequence[str] = (),
-) -> Server:
+    kind: str, pool: BenchPool, port: int, log_dir: Path, *, cpus: set[int] | None,
+    priority: int = 0, models: Sequence[str] = (),
+) -> Server:  # fmt: skip
     """A Rust PD router in front of one pair: ``sglang-router`` (engine venv) or ``smg``, which
     routes by model: each of ``models`` becomes an alias of the workers' model path."""
     for attempt in range(3):
@@ -226,24 +206,29 @@ def write_bench_policies(
 
 
 def start_gateway(
-    policies_dir: Path,
-    work_dir: Path,
-    port: int,
-    *,
-    cpus: set[int] | None,
-    env: dict[str, str] | None = None,
-    priority: int = 0,
-    root: Path | None = None,
-) -> tuple[GatewayProcess, str]:
-    """``python -m gateway serve`` (of ``root``'s checkout, ours by default), pinned; returns it
-    and a tenant key."""
+    policies_dir: Path, work_dir: Path, port: int, *, cpus: set[int] | None,
+    env: dict[str, str] | None = None, priority: int = 0, root: Path | None = None,
+    workers: int = 1, granian: bool = False,
+) -> tuple[GatewayProcess, str]:  # fmt: skip
+    """``python -m gateway serve [--workers N]`` (of ``root``'s checkout, ours by default), or
+    with ``granian`` the same app under granian instead of uvicorn, every process pinned;
+    returns it and a tenant key."""
     env = {"ISOGATE_CAPACITY_POLL_INTERVAL_S": "1.0", **(env or {})}
-    gateway = GatewayProcess(policies_dir, work_dir, env, free_ports(port), root=root or REPO_ROOT)
+    port = free_ports(port)
+    # granian in place of ``serve``: ``python -c`` takes the serve command after it as argv.
+    options = "--interface asgi --factory --loop uvloop --http 1 --no-ws --log-level warning "
+    options += f"--port {port} gateway.cli.main:worker_app"
+    served = [sys.executable, "-c", f"from granian.cli import cli; cli({options.split()!r})"]
+    gateway = GatewayProcess(
+        policies_dir, work_dir, env, port, root=root or REPO_ROOT, workers=workers,
+        command_prefix=served if granian else [],
+    )  # fmt: skip
     try:
         gateway.start()
         assert gateway.process is not None
-        pin(gateway.process.pid, cpus)
-        boost(gateway.process.pid, priority)
+        for pid in group_members(gateway.process.pid):  # every worker process
+            pin(pid, cpus)
+            boost(pid, priority)
         _, key = gateway.create_tenant("bench-tenant")
     except BaseException:
         gateway.stop()

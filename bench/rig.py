@@ -5,8 +5,11 @@ started once for sections 1, 2 and 4."""
 from __future__ import annotations
 
 import contextlib
+import importlib.util
+import os
+import secrets
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.config import BenchConfig
@@ -24,6 +27,7 @@ from gateway.dev.deepseek_model import ensure_deepseek_model
 from gateway.dev.harness import GatewayProcess
 from gateway.dev.model import ensure_tiny_model
 
+REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 POOL_TOKENS = 8_388_608  # the instant backends' advertised KV pool: admission never binds on it
 MODEL = "tiny-llama"  # everyday limit: the 65,536-token policy of the dev model
 LONG_MODEL = "tiny-llama-long"  # admits the 1M-token prompts of the tokenization bench
@@ -52,6 +56,8 @@ class Rig:
     gateway_key: str
     slow_decode: Server
     pool: BenchPool  # the instant prefill and decode every model but the slow one routes to
+    # Section 1's plain-mode extras (``BENCH_SCALE``): name, url, process group, tenant key.
+    scale_out: list[tuple[str, str, int, str]] = field(default_factory=list)
 
     @property
     def gateway_url(self) -> str:
@@ -85,13 +91,19 @@ def instant_rig(config: BenchConfig, work_dir: Path) -> Iterator[Rig]:
         slow_decode = _backend(config, work_dir, up, "decode", ports.slow_decode, **slow)
         pool = BenchPool(prefill.url, ports.bootstrap, decode.url)
         routers: dict[str, Server] = {}
+        scale, unpinned = config.scale and config.runs("routing"), []
         for kind, port in (("sglang-router", ports.router), ("smg", ports.smg)):
-            if kind == "smg" and not SMG_BINARY.exists():
-                continue  # section 1 runs without it
-            placed = {"cpus": config.router_cpus, "priority": config.priority}
-            router = pd_router(kind, pool, port, work_dir, **placed, models=[MODEL])
-            routers[kind.replace("-", "_")] = router
-            up.callback(router.stop)
+            for cpus in (config.router_cpus, None) if scale else (config.router_cpus,):
+                if kind == "smg" and not SMG_BINARY.exists():
+                    continue  # section 1 runs without it
+                placed = {"cpus": cpus, "priority": config.priority, "models": [MODEL]}
+                server = pd_router(kind, pool, port + 4 * (not cpus), work_dir, **placed)
+                up.callback(server.stop)
+                name = kind.replace("-", "_")
+                if cpus:
+                    routers[name] = server
+                else:  # both cores: section 1's scale-out cells
+                    unpinned.append((name + "_unpinned", server.url, server.pid, ""))
         slow_pool = BenchPool(prefill.url, ports.bootstrap, slow_decode.url)
         deepseek = ensure_deepseek_model()
         models = [
@@ -106,7 +118,24 @@ def instant_rig(config: BenchConfig, work_dir: Path) -> Iterator[Rig]:
             priority=config.priority, root=config.gateway_root, env=INSTANT_GATEWAY_ENV,
         )  # fmt: skip
         up.callback(gateway.stop)
-        yield Rig(config, work_dir, decode.url, routers, gateway, key, slow_decode, pool)
+        rig = Rig(config, work_dir, decode.url, routers, gateway, key, slow_decode, pool, unpinned)
+        # Scale-out: ``serve --workers 2`` on both cores, claims in Redis; and the HTTP layer's
+        # comparison: the same app under granian, where installed, pinned like ``gateway``.
+        prefix = {"ISOGATE_REDIS_KEY_PREFIX": "isogate-bench-" + secrets.token_hex(4)}
+        redis = INSTANT_GATEWAY_ENV | prefix | {"ISOGATE_REDIS_URL": REDIS_URL}
+        variants = [("gateway_workers2", None, {"workers": 2, "env": redis})]
+        if importlib.util.find_spec("granian"):
+            variants.append(("gateway_granian", config.router_cpus, {"granian": True}))
+        for offset, (name, cpus, options) in enumerate(variants if scale else [], start=1):
+            extra, extra_key = start_gateway(
+                policies, work_dir / name, ports.gateway + 2 * offset, cpus=cpus,
+                priority=config.priority, root=config.gateway_root,
+                **{"env": INSTANT_GATEWAY_ENV} | options,
+            )  # fmt: skip
+            up.callback(extra.stop)
+            assert extra.process is not None
+            rig.scale_out.append((name, extra.url, extra.process.pid, extra_key))
+        yield rig
 
 
 @contextlib.contextmanager

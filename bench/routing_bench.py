@@ -23,11 +23,11 @@ def request_body(stream: bool) -> bytes:
     return orjson.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "stream": stream})
 
 
-def _measure(rig: Rig, mode: str, concurrency: int, url: str) -> dict:
+def _measure(rig: Rig, mode: str, concurrency: int, url: str, key: str) -> dict:
     """One run of one target: wrk for whole responses, the stream client for ``ttft``."""
     config = rig.config
     if mode == "ttft":
-        auth = (("Authorization", f"Bearer {rig.gateway_key}"),)
+        auth = (("Authorization", f"Bearer {key}"),)
         target = Target(url + "/v1/completions", request_body(True), auth)
         duration = config.ttft_duration_s
         s = asyncio.run(
@@ -38,7 +38,7 @@ def _measure(rig: Rig, mode: str, concurrency: int, url: str) -> dict:
     body, duration = request_body(mode == "stream"), config.wrk_duration_s
     return run_wrk(
         url + "/v1/completions", body, connections=concurrency, duration_s=duration,
-        auth=rig.gateway_key, cpus=config.helper_cpus,
+        auth=key, cpus=config.helper_cpus,
     )  # fmt: skip
 
 
@@ -53,26 +53,30 @@ def _median(runs: list[dict]) -> dict:
 
 
 def run_routing_bench(rig: Rig, log=print) -> list[dict]:
-    """Each target's cells: mode, in flight, requests, errors, rps, p50/p99, router CPU."""
+    """Each target's cells: mode, in flight, requests, errors, rps, p50/p99, router CPU. The
+    scale-out and granian targets (``rig.scale_out``) run whole responses only."""
+    key = rig.gateway_key
     targets = [
-        ("direct", rig.direct_url, None),
-        *((name, router.url, router.pid) for name, router in rig.routers.items()),
-        ("gateway", rig.gateway_url, rig.gateway_pid),
+        ("direct", rig.direct_url, None, key),
+        *((name, router.url, router.pid, key) for name, router in rig.routers.items()),
+        ("gateway", rig.gateway_url, rig.gateway_pid, key),
     ]
-    for _, url, _ in targets:  # warm every path (connection pools, tokenizer, auth cache)
+    every = [*targets, *rig.scale_out]
+    for _, url, _, key in every:  # warm every path (connection pools, tokenizer, auth cache)
         for stream in (False, True):
-            body, key = request_body(stream), rig.gateway_key
+            body = request_body(stream)
             run_wrk(url + "/v1/completions", body, connections=4, duration_s=1, auth=key)
     cells: list[dict] = []
     for mode in ("plain", "stream", "ttft"):
         for concurrency in rig.config.concurrencies:
-            runs: dict[str, list[dict]] = {name: [] for name, _, _ in targets}
+            measured = every if mode == "plain" else targets
+            runs: dict[str, list[dict]] = {target[0]: [] for target in measured}
             for _ in range(rig.config.routing_rounds):
-                for name, url, pgid in targets:
+                for name, url, pgid, key in measured:
                     cpu_before = group_cpu_seconds(pgid) if pgid else 0.0
                     wall_before = time.perf_counter()
                     cell = {"target": name, "mode": mode, "concurrency": concurrency}
-                    cell |= _measure(rig, mode, concurrency, url)
+                    cell |= _measure(rig, mode, concurrency, url, key)
                     cell["cpu_us_per_request"] = cell["cpu_utilisation"] = None
                     if pgid:
                         wall = time.perf_counter() - wall_before

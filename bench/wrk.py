@@ -13,15 +13,9 @@ LUA = Path(__file__).resolve().parent / "wrk_post.lua"
 
 
 def run_wrk(
-    url: str,
-    body: bytes,
-    *,
-    connections: int,
-    duration_s: float,
-    auth: str | None = None,
-    cpus: set[int] | None = None,
-    timeout_s: float = 10.0,
-) -> dict[str, float]:
+    url: str, body: bytes, *, connections: int, duration_s: float, auth: str | None = None,
+    cpus: set[int] | None = None, timeout_s: float = 10.0,
+) -> dict[str, float]:  # fmt: skip
     """``connections`` keep-alive connections in closed loop for ``duration_s``, one wrk thread:
     requests, errors (connect, read, write, timeout and non-2xx), rps, p50_ms, p99_ms."""
     with tempfile.NamedTemporaryFile(suffix=".json") as body_file:
