@@ -196,7 +196,9 @@ async def sse_events(
                 chunk = completion_chunk(gid, model, created, "", item.finish_reason, index)
             events.append(sse_chunk(chunk, index))
             continue
-        if item.delta or item.logprobs or item.reasoning or item.tool_calls:
+        if item.pieces is not None and not continuous_usage:  # checked as one, sent as cut
+            events += [content(index, piece, None) for piece in item.pieces]
+        elif item.delta or item.logprobs or item.reasoning or item.tool_calls:
             events.append(
                 content(index, item.delta, item.logprobs, item.reasoning, item.tool_calls)
             )

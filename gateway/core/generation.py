@@ -694,6 +694,9 @@ class StreamStep:
     logprobs: list[TokenLogprob] | None = None
     reasoning: str = ""
     tool_calls: list[ToolCall] | None = None
+    # Plain text of several chunks: ``delta`` cut where each chunk ended, so that the client
+    # gets an event per engine chunk, as from the engine itself (None: one event).
+    pieces: list[str] | None = None
 
     @property
     def finished(self) -> bool:
@@ -759,10 +762,14 @@ class CheckedStream:
         expected = self.choice.expected
         for chunk in batch:
             check_meta(chunk.get("meta_info"), expected)
-        delta = self._guard.feed_all([chunk.get("text", "") for chunk in batch])
+        texts = [chunk.get("text", "") for chunk in batch]
+        sent = self._guard.sent_chars
+        delta = self._guard.feed_all(texts)
         self._last_meta = meta = batch[-1]["meta_info"]
         step = StreamStep(delta, meta) if self._shaper is None else self._shaper.step(delta, meta)
         if expected.top_logprobs is None or self._tokenizer is None:
+            if len(texts) > 1 and self._shaper is None:
+                step.pieces = pieces_of(texts, sent, sent + len(delta))
             return step
         # Cumulative in every chunk: the new entries are those past the ones already taken.
         fresh = token_logprobs(meta, self._tokenizer, start=len(self._logprobs))
@@ -805,6 +812,18 @@ class CheckedStream:
 
     async def aclose(self) -> None:
         await self._batches.aclose()
+
+
+def pieces_of(texts: list[str], start: int, end: int) -> list[str]:
+    """The text released from cumulative chunk texts, ``[start, end)`` of the last, cut where
+    each chunk's text ended (chunks that add nothing released give no piece)."""
+    whole, pieces = texts[-1], []
+    for text in texts:
+        cut = min(len(text), end)
+        if cut > start:
+            pieces.append(whole[start:cut])
+            start = cut
+    return pieces
 
 
 class ChoiceStreams:

@@ -75,14 +75,21 @@ def texts(write: bytes) -> list[str]:
     return [orjson.loads(e)["choices"][0]["text"] for e in events if e != b"[DONE]"]
 
 
-def test_chunks_that_arrive_together_become_one_event_and_one_write() -> None:
+def test_chunks_that_arrive_together_are_one_write_with_an_event_per_engine_chunk() -> None:
+    # As the engine (and a byte-forwarding router) sends them: a client counting events per
+    # token sees the same stream through the gateway.
     writes, failure = writes_of(
         chunk("He", 1), [chunk("Hell", 2), chunk("Hello", 3)], [chunk("Hello!", 4, "stop")]
     )
     assert failure is None
     assert texts(writes[0]) == ["He"]
-    assert texts(writes[1]) == ["llo"]  # two engine chunks, one delta
+    assert texts(writes[1]) == ["ll", "o"]  # two engine chunks, checked as one
     assert len(writes) == 3
+
+
+def test_a_chunk_that_adds_no_text_gives_no_event() -> None:
+    writes, _ = writes_of(chunk("He", 1), [chunk("He", 2), chunk("Hey", 3)], [chunk("Hey", 4)])
+    assert texts(writes[1]) == ["y"]
 
 
 def test_the_last_text_goes_out_with_the_end_of_the_stream() -> None:
