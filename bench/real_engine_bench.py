@@ -16,7 +16,7 @@ import orjson
 
 from bench import processes as procs
 from bench.config import BenchConfig
-from bench.processes import BenchModel, BenchPool, free_ports, pd_router, start_gateway
+from bench.processes import SMG_BINARY, BenchModel, BenchPool, free_ports, pd_router, start_gateway
 from bench.routing_bench import PROMPT
 from bench.serving_bench import ServingTarget, run_serving_bench
 from bench.stream_client import Target, described, run_load, run_pd_direct
@@ -83,11 +83,15 @@ def run_real_engine_bench(config: BenchConfig, work_dir: Path, log=print) -> dic
             pool = BenchPool(cluster.prefill_url, cluster.bootstrap_port, cluster.decode_url)
             router = pd_router("sglang-router", pool, ports.real_router, work_dir, cpus=None)
             up.callback(router.stop)
+            targets = [ServingTarget("sglang_router", router.url)]
+            if SMG_BINARY.exists():  # its port pair after sglang_router's
+                smg = pd_router("smg", pool, router.port + 2, work_dir, cpus=None, models=[MODEL])
+                up.callback(smg.stop)
+                targets.append(ServingTarget("smg", smg.url))
             gateway_dir = work_dir / "real-gateway"
             gateway, key = start_gateway(policies, gateway_dir, ports.real_gateway, cpus=None)
             up.callback(gateway.stop)
             cells = _cells(config, cluster, router.url, gateway.url, key, log)
-            targets = [ServingTarget("sglang_router", router.url)]
             targets.append(ServingTarget("gateway", gateway.url, key))
             serving = run_serving_bench(
                 targets, worker_urls=(cluster.prefill_url, cluster.decode_url),

@@ -1,5 +1,5 @@
-"""``sglang.bench_serving`` (SGLang 0.5.23's own load generator) through ``sglang_router`` and the
-gateway, in front of the same real CPU PD pair (inside the real-engine section). Each backend
+"""``sglang.bench_serving`` (SGLang 0.5.23's own load generator) through ``sglang_router``, SMG
+and the gateway, in front of the same real CPU PD pair (in the real-engine section). Each backend
 runs once per target with the same arguments and seed (same prompts, same Poisson arrivals),
 targets alternating, prefix caches flushed before each run; offline, prompts sampled from a
 ShareGPT-format file written here, the gateway's key in ``OPENAI_API_KEY``."""
@@ -47,11 +47,12 @@ _TEXT = (
     "table chair river mountain city garden window letter music number colour morning evening"
 )
 _WORDS = tuple(_TEXT.split())
+_TURNS = (("human", 40, 160), ("gpt", 20, 80))  # (who, fewest words, most words)
 
 
 @dataclass(frozen=True)
 class ServingTarget:
-    name: str  # sglang_router | gateway
+    name: str  # sglang_router | smg | gateway
     base_url: str
     api_key: str | None = None
 
@@ -74,14 +75,10 @@ def write_sharegpt_file(
         words = [rng.choice(_WORDS) for _ in range(rng.randint(low, high))]
         return " ".join(words).capitalize() + "."
 
-    turns = (("human", 40, 160), ("gpt", 20, 80))
-    rows = [
-        {
-            "id": f"isogate-bench-{i}",
-            "conversations": [{"from": who, "value": text(lo, hi)} for who, lo, hi in turns],
-        }
-        for i in range(conversations)
-    ]
+    def turns() -> list[dict[str, str]]:
+        return [{"from": who, "value": text(lo, hi)} for who, lo, hi in _TURNS]
+
+    rows = [{"id": f"isogate-bench-{i}", "conversations": turns()} for i in range(conversations)]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(rows, indent=0))
     return path
@@ -98,10 +95,8 @@ def _environment(api_key: str | None) -> dict[str, str]:
 
 def _why_no_result(log_path: Path, returncode: int | None) -> str:
     lines = log_path.read_text(errors="replace").splitlines() if log_path.exists() else []
-    for line in reversed(lines):
-        if "Error" in line or "error" in line:
-            return line.strip()[:500]
-    return f"bench_serving exited with {returncode} and wrote no result"
+    errors = [line.strip()[:500] for line in lines if "error" in line.lower()]
+    return errors[-1] if errors else f"bench_serving exited with {returncode} and wrote no result"
 
 
 def run_bench_serving(
@@ -131,6 +126,8 @@ def run_bench_serving(
         "--seed", str(SEED), "--ready-check-timeout-sec", "0", "--disable-tqdm",
         "--output-file", str(output_file), "--output-details",
     ]  # fmt: skip
+    if backend == "sglang-oai":  # SMG refuses its "best_of": 1 on a stream; null means 1
+        command += ["--extra-request-body", '{"best_of": null}']
     with log_path.open("wb") as log:
         process = subprocess.Popen(
             command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
