@@ -67,7 +67,7 @@ def _scale_out(routing: list[dict]) -> list[str]:
     """Issue 44's targets: ``serve --workers 2`` against SMG, both unpinned; and, for the
     choice of HTTP layer, the same app under granian against uvicorn, both pinned."""
     plain, fig = _cells(routing, "plain"), {}
-    for t in ("gateway_workers2", "smg_unpinned", "gateway", "gateway_granian"):
+    for t in ("gateway_workers2", "smg_unpinned", "gateway", "gateway_granian", "gateway_redis"):
         at = {n: plain.get((n, t)) for n in (1, 16, 64)}
         if all(at.values()) and (d := plain.get((1, "direct"))):
             cpu = min(at[n]["cpu_us_per_request"] or 0.0 for n in (16, 64))
@@ -85,11 +85,13 @@ def _scale_out(routing: list[dict]) -> list[str]:
             got = f"gateway {w[key]:,.{places}f}, SMG {s[key]:,.{places}f} {unit}"
             got += f" (×{ratio:.2f})" if ratio else ""
             rows.append([f"`--workers 2` vs SMG, both cores: {what}", got, _verdict(ok)])
-    if (g := fig.get("gateway_granian")) and (u := fig.get("gateway")):
-        rps = ", ".join(f"×{g['at'][n]['rps'] / u['at'][n]['rps']:.2f}" for n in (1, 16, 64))
-        what = "(HTTP layer) granian ÷ uvicorn, same app, one core"
-        got = f"req/s at 1/16/64 {rps}; CPU ×{g['cpu'] / u['cpu']:.2f}; added p99 at 1 "
-        rows.append([what, got + f"×{g['p99'] / u['p99']:.2f}", "-"])
+    others = {"gateway_granian": "(HTTP layer) granian ÷ uvicorn, same app"}
+    for other, what in (others | {"gateway_redis": "(sharing) with Redis ÷ without"}).items():
+        if (g := fig.get(other)) and (u := fig.get("gateway")):
+            rps = ", ".join(f"×{g['at'][n]['rps'] / u['at'][n]['rps']:.2f}" for n in (1, 16, 64))
+            got = f"req/s at 1/16/64 {rps}; CPU ×{g['cpu'] / u['cpu']:.2f}; added p99 at 1 "
+            p99 = f"×{g['p99'] / u['p99']:.2f}" if u["p99"] > 0 else "-"
+            rows.append([what + ", one core", got + p99, "-"])
     note = (
         "Targets (issue 44). `*_unpinned` and `gateway_workers2` (`serve --workers 2`, claims "
         "in Redis, whose own CPU is not counted) run on both cores, shared with wrk and the "
@@ -401,7 +403,7 @@ def _serving_section(section: dict) -> list[str]:
         f"per run at {section['request_rate']:g} req/s (Poisson, at most "
         f"{section['max_concurrency']} in flight), {low['input_len']}-{section['input_len']} "
         f"prompt and {low['output_len']}-{section['output_len']} output tokens (ignore_eos), "
-        "streaming; the same prompts and arrival times for both targets; prefix caches "
+        "streaming; the same prompts and arrival times for every target; prefix caches "
         + ("flushed before each run." if section.get("caches_flushed") else "NOT all flushed."),
         "",
         *_table(header, [[*r, *f, e] for r, f, e in zip(rows, figures, errors, strict=True)]),

@@ -119,11 +119,12 @@ def instant_rig(config: BenchConfig, work_dir: Path) -> Iterator[Rig]:
         )  # fmt: skip
         up.callback(gateway.stop)
         rig = Rig(config, work_dir, decode.url, routers, gateway, key, slow_decode, pool, unpinned)
-        # Scale-out: ``serve --workers 2`` on both cores, claims in Redis; and the HTTP layer's
-        # comparison: the same app under granian, where installed, pinned like ``gateway``.
+        # Scale-out: ``serve --workers 2`` on both cores, and one process pinned, claims in
+        # Redis; the HTTP layer: the same app under granian, where installed, pinned too.
         prefix = {"ISOGATE_REDIS_KEY_PREFIX": "isogate-bench-" + secrets.token_hex(4)}
         redis = INSTANT_GATEWAY_ENV | prefix | {"ISOGATE_REDIS_URL": REDIS_URL}
         variants = [("gateway_workers2", None, {"workers": 2, "env": redis})]
+        variants.append(("gateway_redis", config.router_cpus, {"workers": 1, "env": redis}))
         if importlib.util.find_spec("granian"):
             variants.append(("gateway_granian", config.router_cpus, {"granian": True}))
         for offset, (name, cpus, options) in enumerate(variants if scale else [], start=1):
