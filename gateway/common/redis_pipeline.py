@@ -116,7 +116,7 @@ class RedisPipeline:
             try:
                 return [await self._redis.execute_command(*batch[0].command)]
             except Exception as exc:  # a reply that is an error is the caller's, as below
-                if _is_connection_error(exc):
+                if redis_unreachable(exc):
                     raise
                 return [exc]
         async with self._redis.pipeline(transaction=False) as pipe:
@@ -152,7 +152,15 @@ def _with_sha(queued: _Queued) -> tuple[Any, ...]:
     return ("EVALSHA", queued.script.sha, *queued.command[2:])
 
 
-def _is_connection_error(exc: Exception) -> bool:
+def redis_unreachable(exc: BaseException) -> bool:
+    """Whether ``exc`` says Redis could not be reached or did not answer in time (as opposed
+    to a reply that is an error): what every caller falls back or fails closed on."""
     import redis.exceptions
 
-    return isinstance(exc, redis.exceptions.ConnectionError | redis.exceptions.TimeoutError)
+    return isinstance(
+        exc,
+        redis.exceptions.ConnectionError
+        | redis.exceptions.TimeoutError
+        | OSError
+        | asyncio.TimeoutError,
+    )

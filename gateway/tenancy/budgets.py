@@ -26,6 +26,7 @@ from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from gateway.common.errors import APIError
+from gateway.common.redis_pipeline import redis_unreachable
 from gateway.config.policies import ModelPolicy, Policies, TokenBudget
 
 if TYPE_CHECKING:
@@ -207,7 +208,7 @@ class TokenBudgets:
                 found = await asyncio.wait_for(redis.get(key), self._timeout_s)
                 return int(found) if found is not None else rebuilt
             except Exception as exc:
-                if not _redis_unreachable(exc):
+                if not redis_unreachable(exc):
                     raise
                 log.error("budgets: Redis unreachable (%r); counting in this process", exc)
         used = self._local.get(key)
@@ -236,7 +237,7 @@ class TokenBudgets:
                 )
                 return int(result)
             except Exception as exc:
-                if not _redis_unreachable(exc):
+                if not redis_unreachable(exc):
                     raise
                 log.error("budgets: Redis unreachable (%r); counting in this process", exc)
         if key not in self._local:
@@ -280,17 +281,3 @@ def _spent(standing: _Standing, now: datetime) -> APIError:
 
 def _rfc3339(moment: datetime) -> str:
     return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def _redis_unreachable(exc: Exception) -> bool:
-    import redis.exceptions
-
-    return isinstance(
-        exc,
-        (
-            redis.exceptions.ConnectionError,
-            redis.exceptions.TimeoutError,
-            OSError,
-            asyncio.TimeoutError,
-        ),
-    )

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, TypeVar
 
 from gateway.common.errors import APIError, rate_limited
-from gateway.common.redis_pipeline import RedisPipeline
+from gateway.common.redis_pipeline import RedisPipeline, redis_unreachable
 from gateway.config.policies import ModelPolicy, Policies, TenantLimits
 
 if TYPE_CHECKING:
@@ -474,7 +474,7 @@ class TenantLimiter:
                 commands.run_script(self._acquire_script, keys, args)
             )
         except Exception as exc:
-            if not _redis_unreachable(exc):
+            if not redis_unreachable(exc):
                 raise
             self._warn_fallback(exc)
         else:
@@ -559,7 +559,7 @@ class TenantLimiter:
         exc = None if done.cancelled() else done.exception()
         if exc is None:
             return
-        if isinstance(exc, Exception) and _redis_unreachable(exc):
+        if isinstance(exc, Exception) and redis_unreachable(exc):
             self._warn_fallback(exc)  # the reservation stands: conservative
         else:
             log.error("limits: a settle failed: %r", exc)
@@ -584,7 +584,7 @@ class TenantLimiter:
             ]
             await self._with_timeout(removed[0] if len(removed) == 1 else asyncio.gather(*removed))
         except Exception as exc:
-            if not _redis_unreachable(exc):
+            if not redis_unreachable(exc):
                 raise
             self._warn_fallback(exc)  # the lease expires on its own
 
@@ -652,17 +652,3 @@ def _scoped(error: APIError, scope: LimitScope) -> APIError:
     # The binding limit named in a header too, for clients that act on it without parsing.
     error.headers["x-ratelimit-scope"] = scope.name
     return error
-
-
-def _redis_unreachable(exc: Exception) -> bool:
-    import redis.exceptions
-
-    return isinstance(
-        exc,
-        (
-            redis.exceptions.ConnectionError,
-            redis.exceptions.TimeoutError,
-            OSError,
-            asyncio.TimeoutError,
-        ),
-    )

@@ -11,8 +11,9 @@ from __future__ import annotations
 import os
 import secrets
 import types
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
 import httpx
@@ -29,6 +30,7 @@ from gateway.common.errors import APIError
 from gateway.config.settings import Settings
 from gateway.observability.metrics import Metrics
 from gateway.tenancy.auth import Authenticator
+from gateway.tenancy.limits import TenantLimiter
 from gateway.tenancy.revocations import Revocations
 from gateway.tenancy.store import Store, create_store, normalize_url
 
@@ -162,3 +164,14 @@ def admin_headers() -> dict[str, str]:
 
 def key_headers(raw_key: str) -> dict[str, str]:
     return {"authorization": f"Bearer {raw_key}"}
+
+
+@pytest.fixture(params=["memory", "redis"])
+def new_limiter(
+    request: pytest.FixtureRequest, redis_client: Any, redis_prefix: str
+) -> Callable[[], TenantLimiter]:
+    """Makes limiters that share state the way gateway replicas do (Redis), or the one (memory)."""
+    if request.param == "memory":
+        limiter = TenantLimiter(None)
+        return lambda: limiter
+    return lambda: TenantLimiter(redis_client, key_prefix=redis_prefix)

@@ -30,17 +30,6 @@ pytestmark = pytest.mark.anyio
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-@pytest.fixture(params=["memory", "redis"])
-def new_limiter(
-    request: pytest.FixtureRequest, redis_client: redis_asyncio.Redis, redis_prefix: str
-) -> Callable[[], TenantLimiter]:
-    """Makes limiters that share state the way gateway replicas do (Redis), or the one (memory)."""
-    if request.param == "memory":
-        limiter = TenantLimiter(None)
-        return lambda: limiter
-    return lambda: TenantLimiter(redis_client, key_prefix=redis_prefix)
-
-
 async def refusal(
     limiter: TenantLimiter, tenant: str, limits: TenantLimits, tokens: int
 ) -> APIError:

@@ -7,7 +7,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import redis.asyncio as redis_asyncio
 
 from gateway.common.errors import APIError
 from gateway.config.policies import PolicyError, TenantLimits, load_policies
@@ -23,17 +22,6 @@ from tests.unit.config.test_model_access import write
 pytestmark = pytest.mark.anyio
 
 WIDE = TenantLimits(requests_per_minute=1000, tokens_per_minute=1_000_000, max_concurrent=100)
-
-
-@pytest.fixture(params=["memory", "redis"])
-def new_limiter(
-    request: pytest.FixtureRequest, redis_client: redis_asyncio.Redis, redis_prefix: str
-) -> Callable[[], TenantLimiter]:
-    """Limiters sharing state as gateway replicas do (Redis), or the one limiter (memory)."""
-    if request.param == "memory":
-        limiter = TenantLimiter(None)
-        return lambda: limiter
-    return lambda: TenantLimiter(redis_client, key_prefix=redis_prefix)
 
 
 async def _refused(
