@@ -117,18 +117,33 @@ class GatewayProcess:
 
     def _wait(self, path: str, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
+        # With --workers the processes share the port, and each probe (a connection of its
+        # own) reaches one of them: every process started, then several answers in a row,
+        # none refused, before all are taken for ready, not the first one's.
+        wanted, in_a_row = (1 if self.workers == 1 else 4 * self.workers), 0
         while time.monotonic() < deadline:
             if self.process is not None and self.process.poll() is not None:
                 raise RuntimeError(
                     f"gateway exited with {self.process.returncode}:\n{self.log_tail()}"
                 )
             try:
-                if httpx.get(self.url + path, timeout=2).status_code == 200:
-                    return
+                ok = httpx.get(self.url + path, timeout=2).status_code == 200
             except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+                ok = False
+            in_a_row = in_a_row + 1 if ok and self._all_started() else 0
+            if in_a_row >= wanted:
+                return
+            time.sleep(0.2 if not ok else 0.02)
         raise RuntimeError(f"gateway not ready at {path} after {timeout_s}s:\n{self.log_tail()}")
+
+    def _all_started(self) -> bool:
+        if self.workers == 1:
+            return True
+        try:
+            log = self.log_path.read_bytes()
+        except FileNotFoundError:
+            return False
+        return log.count(b"Application startup complete.") >= self.workers
 
     def log_tail(self, size: int = 4000) -> str:
         try:
