@@ -43,15 +43,18 @@ class RedisPipeline:
 
     A command is ``submit``-ted (its reply a future) or awaited (``execute_command``); a
     redis-py ``Script`` is ``submit_script``-ed or awaited (``run_script``). Commands reach
-    Redis in the order they were submitted, with one exception: a script Redis does not have
-    (its first use, or Redis restarted and lost every count with it) is loaded and its
-    commands sent again after the rest of their round trip, before any later one."""
+    Redis in the order they were submitted, with one exception: a script Redis lost (it
+    restarted, or its scripts were flushed) is loaded and its commands sent again after the
+    rest of their round trip, before any later one. A script's first use here sends its text
+    (``EVAL``, which Redis keeps), so a first use keeps its place too."""
 
     def __init__(self, redis: Any, *, timeout_s: float = 1.0) -> None:
         self._redis = redis
         self._timeout_s = timeout_s
         self._queued: list[_Queued] = []
         self._flushing: asyncio.Task[None] | None = None
+        # The scripts (by SHA) sent whole once already: Redis has them, unless it lost them.
+        self._sent_scripts: set[str] = set()
 
     def submit(self, *command: Any) -> asyncio.Future[Any]:
         """Queue ``command`` for the next round trip; its future holds the reply."""
@@ -61,7 +64,11 @@ class RedisPipeline:
         self, script: Any, keys: Sequence[Any], args: Sequence[Any]
     ) -> asyncio.Future[Any]:
         """Queue a registered redis-py ``Script`` (run by its SHA); its future holds the reply."""
-        command = ("EVALSHA", script.sha, len(keys), *keys, *args)
+        if script.sha in self._sent_scripts:
+            command: tuple[Any, ...] = ("EVALSHA", script.sha, len(keys), *keys, *args)
+        else:
+            self._sent_scripts.add(script.sha)
+            command = ("EVAL", script.script, len(keys), *keys, *args)
         return self._queue(_Queued(command, asyncio.get_running_loop().create_future(), script))
 
     async def execute_command(self, *command: Any) -> Any:

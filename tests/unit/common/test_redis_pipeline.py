@@ -113,6 +113,20 @@ async def test_a_script_redis_lost_is_loaded_again(redis_client: Any, redis_pref
     assert await commands.run_script(script, [key], []) == 2
 
 
+async def test_a_scripts_first_use_keeps_its_place_in_the_order(
+    redis_client: Any, redis_prefix: str
+) -> None:
+    # A script no process has run yet: its text is new to Redis.
+    text = f"-- {redis_prefix}\nreturn redis.call('APPEND', KEYS[1], ARGV[1])"
+    script = redis_client.register_script(text)
+    commands = RedisPipeline(redis_client)
+    key = f"{redis_prefix}:log"
+    first = commands.submit_script(script, [key], ["a"])
+    after = commands.submit("APPEND", key, "b")
+    await asyncio.gather(first, after)
+    assert await redis_client.get(key) == b"ab"
+
+
 async def test_commands_reach_redis_in_the_order_they_were_submitted(
     redis_client: Any, redis_prefix: str
 ) -> None:
