@@ -106,6 +106,11 @@ class Settings(BaseSettings):
     # With Redis, every process renews its live KV claims this often; a claim not renewed for
     # three heartbeats (a process killed while holding it) is free again.
     claim_heartbeat_s: float = Field(default=1.0, gt=0)
+    # With Redis, each process takes its tenants' limits from Redis in shares and spends them
+    # without asking Redis: at most this fraction of each limit unspent (gateway.tenancy.
+    # limit_shares), given back at once past it and every heartbeat once idle. 0: every
+    # request's count, slot and tokens are taken and given back in Redis one by one.
+    limits_spare_fraction: float = Field(default=1 / 64, ge=0, le=1)
     # The admin key (raw). Requests bearing it may administer tenants and read every audit event.
     admin_key: str | None = None
     # Secret from which per-tenant cache salts (SGLang ``extra_key``) are derived.

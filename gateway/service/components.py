@@ -211,7 +211,13 @@ async def build_components(settings: Settings) -> Components:
         store=store,
         authenticator=Authenticator(store, settings),
         audit=AuditLog(store, settings),
-        limiter=TenantLimiter(redis_client, settings.redis_key_prefix, commands=redis_commands),
+        limiter=TenantLimiter(
+            redis_client,
+            settings.redis_key_prefix,
+            commands=redis_commands,
+            spare_fraction=settings.limits_spare_fraction,
+            heartbeat_s=settings.claim_heartbeat_s,
+        ),
         metrics=metrics,
         queues=PairQueues(
             QueueSettings(
@@ -242,6 +248,10 @@ async def build_components(settings: Settings) -> Components:
     components.tasks.append(asyncio.create_task(capacity.run_liveness(), name="liveness-prober"))
     if shared_claims is not None:
         components.tasks.append(asyncio.create_task(shared_claims.run(), name="claims-heartbeat"))
+    if redis_client is not None:
+        components.tasks.append(
+            asyncio.create_task(components.limiter.run(), name="limits-heartbeat")
+        )
     components.tasks.append(
         asyncio.create_task(components.revocations.run(), name="auth-invalidations")
     )
@@ -302,7 +312,7 @@ async def close_components(components: Components) -> None:
         components.process_metrics.close(components.own_metric_families)  # its counts outlive it
     components.parser.close()
     await components.budgets.drain()  # charges under way reach their counters
-    await components.limiter.drain()  # so do settles
+    await components.limiter.close()  # so do settles, and shares go back
     if components.ledger.shared is not None:
         await components.ledger.shared.drain()  # and claims' releases (or they expire)
     await components.audit.close()

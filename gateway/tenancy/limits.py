@@ -12,7 +12,10 @@ hold them forever.
 
 With Redis, one Lua script checks all three limits and takes from them atomically (nothing
 is taken unless all three pass), using Redis's clock, so any number of gateway replicas hold
-a tenant's limits together. Without Redis, the same algorithm runs in process memory. If
+a tenant's limits together. Each process takes from Redis in shares (a request's need and a
+spare) and spends them without a round trip until they run short
+(``gateway.tenancy.limit_shares``); with no spare, every take is the request's own, exactly
+the algorithm memory runs. Without Redis, that algorithm runs in process memory. If
 Redis becomes unreachable, each replica falls back to its in-memory limiter (logged) rather
 than refusing every request: limits are about fairness, not isolation.
 
@@ -29,11 +32,20 @@ import secrets
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from gateway.common.errors import APIError, rate_limited
 from gateway.common.redis_pipeline import RedisPipeline, redis_unreachable
 from gateway.config.policies import ModelPolicy, Policies, TenantLimits
+from gateway.tenancy.limit_shares import (
+    Share,
+    Taking,
+    all_unspent,
+    least_and_most,
+    over_spare,
+    spare_of,
+    take_from,
+)
 
 if TYPE_CHECKING:
     import redis.asyncio
@@ -48,6 +60,8 @@ _WINDOW_MS = 60_000.0
 _floor = math.floor
 # Retry hint when the concurrency limit is reached: when a slot frees is unknown.
 _CONCURRENCY_RETRY_S = 1.0
+# With Redis, the most of each limit a process holds unspent (``gateway.tenancy.limit_shares``).
+DEFAULT_SPARE_FRACTION = 1 / 64
 # After Redis failed, the in-memory limiter alone is used for this long before Redis is tried again.
 _REDIS_RETRY_S = 1.0
 
@@ -73,69 +87,91 @@ local function refill(key, rpm, tpm, now)
 end
 """
 
-# KEYS: each scope's bucket hash and in-flight zset. ARGV: reserved, lease id, lease ttl (ms),
-# then each scope's rpm, tpm, max_concurrent and what to take of it: "all", "count" (the request
-# only, at entry) or "rest" (the concurrency slot and tokens of a request counted already).
-# Every scope is checked before any is taken from, so nothing is taken unless all pass. Returns
-# {0, 0, 0, then each scope's requests left and tokens left} when admitted, else {which (1
-# concurrency, 2 rpm, 3 tpm), retry after (ms), the refusing scope's index}.
+# KEYS: each scope's bucket hash and in-flight zset. ARGV: the take's id (its slots are named
+# after it), the slot TTL (ms), then for each scope its rpm, tpm and max_concurrent, and the
+# least and the most to take of its requests, its tokens and its slots (``limit_shares``: the
+# least is what the request lacks, the most adds the process's spare). Every scope is checked
+# for its least before any is taken from, so nothing is taken unless all pass; a bucket left
+# in debt by a settle refuses even a take of no tokens. Returns {0, 0, 0, then per scope the
+# requests and tokens left, and the requests, tokens and slots taken} when admitted, else
+# {which (1 concurrency, 2 rpm, 3 tpm), retry after (ms), the refusing scope's index}.
 _ACQUIRE_BODY_LUA = """
-local reserved = tonumber(ARGV[1])
-local lease_ttl = tonumber(ARGV[3])
+local take_id = ARGV[1]
+local slot_ttl = tonumber(ARGV[2])
 local scopes = #KEYS / 2
-local rs, ts = {}, {}
+local rs, ts, free = {}, {}, {}
 for i = 1, scopes do
-  local rpm = tonumber(ARGV[4 * i])
-  local tpm = tonumber(ARGV[4 * i + 1])
-  local max_concurrent = tonumber(ARGV[4 * i + 2])
-  local mode = ARGV[4 * i + 3]
+  local a = 9 * i - 7
+  local rpm, tpm = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
+  local max_concurrent = tonumber(ARGV[a + 3])
+  local least_r, least_t = tonumber(ARGV[a + 4]), tonumber(ARGV[a + 6])
+  local least_s = tonumber(ARGV[a + 8])
   local r, tokens = refill(KEYS[2 * i - 1], rpm, tpm, now)
-  if mode ~= 'count' then
+  local held = 0
+  if least_s > 0 then
     redis.call('ZREMRANGEBYSCORE', KEYS[2 * i], '-inf', now)
-    if redis.call('ZCARD', KEYS[2 * i]) >= max_concurrent then
+    held = redis.call('ZCARD', KEYS[2 * i])
+    if held + least_s > max_concurrent then
       return {1, 1000, i}
     end
   end
-  if mode ~= 'rest' and r < 1 then
-    return {2, math.ceil((1 - r) * 60000 / rpm), i}
+  if r < least_r then
+    return {2, math.ceil((least_r - r) * 60000 / rpm), i}
   end
-  if tokens < reserved then
-    return {3, math.ceil((reserved - tokens) * 60000 / tpm), i}
+  if tokens < least_t then
+    return {3, math.ceil((least_t - tokens) * 60000 / tpm), i}
   end
-  rs[i], ts[i] = r, tokens
+  rs[i], ts[i], free[i] = r, tokens, max_concurrent - held
 end
-local left = {0, 0, 0}
+local out = {0, 0, 0}
 for i = 1, scopes do
-  local mode = ARGV[4 * i + 3]
-  local taken = 0
-  if mode ~= 'rest' then
-    taken = 1
-  end
-  redis.call('HSET', KEYS[2 * i - 1], 'r', rs[i] - taken, 't', ts[i] - reserved, 'ts', now)
+  local a = 9 * i - 7
+  local took_r = math.max(tonumber(ARGV[a + 4]), math.min(tonumber(ARGV[a + 5]), math.floor(rs[i])))
+  local took_t = math.max(tonumber(ARGV[a + 6]), math.min(tonumber(ARGV[a + 7]), math.floor(ts[i])))
+  redis.call('HSET', KEYS[2 * i - 1], 'r', rs[i] - took_r, 't', ts[i] - took_t, 'ts', now)
   redis.call('PEXPIRE', KEYS[2 * i - 1], 600000)
-  if mode ~= 'count' then
-    redis.call('ZADD', KEYS[2 * i], now + lease_ttl, ARGV[2])
-    redis.call('PEXPIRE', KEYS[2 * i], lease_ttl + 60000)
+  local took_s = 0
+  if tonumber(ARGV[a + 8]) > 0 then
+    took_s = math.max(tonumber(ARGV[a + 8]), math.min(tonumber(ARGV[a + 9]), free[i]))
+    for k = 1, took_s do
+      redis.call('ZADD', KEYS[2 * i], now + slot_ttl, take_id .. ':' .. i .. ':' .. k)
+    end
+    redis.call('PEXPIRE', KEYS[2 * i], slot_ttl + 60000)
   end
-  left[#left + 1] = math.floor(rs[i] - taken)
-  left[#left + 1] = math.floor(ts[i] - reserved)
+  out[#out + 1] = math.floor(rs[i] - took_r)
+  out[#out + 1] = math.floor(ts[i] - took_t)
+  out[#out + 1] = took_r
+  out[#out + 1] = took_t
+  out[#out + 1] = took_s
 end
-return left
+return out
 """
 
-# KEYS: each scope's bucket hash. ARGV: tokens to give back (negative: to take), then each
-# scope's rpm and tpm. Each bucket is refilled first and the correction applied after, as in
-# memory: giving back never fills it past the limit, and an overshoot is taken from what the
-# bucket holds now.
+# KEYS: each scope's bucket hash. ARGV: each scope's rpm and tpm, and the requests and tokens
+# to give back (negative: to take). Each bucket is refilled first and the correction applied
+# after, as in memory: giving back never fills it past the limit, and an overshoot is taken
+# from what the bucket holds now.
 _SETTLE_BODY_LUA = """
-local delta = tonumber(ARGV[1])
 for i = 1, #KEYS do
-  local rpm = tonumber(ARGV[2 * i])
-  local tpm = tonumber(ARGV[2 * i + 1])
+  local rpm, tpm = tonumber(ARGV[4 * i - 3]), tonumber(ARGV[4 * i - 2])
   local r, tokens = refill(KEYS[i], rpm, tpm, now)
-  redis.call('HSET', KEYS[i], 'r', r, 't', math.min(tpm, tokens + delta), 'ts', now)
+  r = math.min(rpm, r + tonumber(ARGV[4 * i - 1]))
+  tokens = math.min(tpm, tokens + tonumber(ARGV[4 * i]))
+  redis.call('HSET', KEYS[i], 'r', r, 't', tokens, 'ts', now)
   redis.call('PEXPIRE', KEYS[i], 600000)
 end
+return 0
+"""
+
+# KEYS: one scope's in-flight zset. ARGV: the slot TTL (ms), then the slot members this process
+# holds there: each is given a new expiry, and recorded again if it had expired meanwhile.
+_RENEW_SLOTS_LUA = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
+for i = 2, #ARGV do
+  redis.call('ZADD', KEYS[1], now + tonumber(ARGV[1]), ARGV[i])
+end
+redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[1]) + 60000)
 return 0
 """
 
@@ -262,12 +298,12 @@ class LimitLease:
     any (``scopes``: the tenant's first)."""
 
     __slots__ = (
-        "_id",
         "_in_redis",
         "_limiter",
         "_limits",
         "_released",
         "_settled",
+        "_slots",
         "left",
         "reserved_tokens",
         "scope_left",
@@ -282,22 +318,15 @@ class LimitLease:
         self.reserved_tokens = reserved
         self._limiter = limiter
         self._limits = limits
-        self._id: str | None = None
         self._in_redis = False
+        # In Redis: the slot this lease holds of each scope's share (scope key, slot member).
+        self._slots: list[tuple[str, str]] = []
         self._settled = False
         self._released = False
         self.left: Allowance | None = None  # what the tenant may still send, when known
         # The scopes past the tenant's, and what each has left once taken from.
         self.scopes: tuple[LimitScope, ...] = ()
         self.scope_left: list[Allowance] = []
-
-    @property
-    def lease_id(self) -> str:
-        """The lease's name in Redis's set of leases in flight, unique across replicas: made
-        when Redis first needs it (in memory the lease itself is the key)."""
-        if self._id is None:
-            self._id = self._limiter._new_lease_id()
-        return self._id
 
     def all_scopes(self) -> tuple[LimitScope, ...]:
         return (tenant_scope(self.tenant_id, self._limits), *self.scopes)
@@ -349,7 +378,7 @@ class LimitLease:
         delta = self.reserved_tokens - max(0, actual_tokens)
         if delta:
             if self._in_redis:
-                await self._limiter._settle_shared(self, delta)
+                self._limiter._settle_shared(self, delta)
             else:
                 self._limiter._settle_local(self, delta)
 
@@ -379,23 +408,31 @@ class TenantLimiter:
         lease_ttl_s: float = 900.0,
         redis_timeout_s: float = 0.5,
         commands: RedisPipeline | None = None,
+        spare_fraction: float = DEFAULT_SPARE_FRACTION,
+        heartbeat_s: float = 1.0,
     ):
         self._redis = redis
-        # Every take, settle and release goes out with the other requests' commands, one
-        # round trip for all that are waiting (``gateway.common.redis_pipeline``).
+        # What Redis is still asked goes out with the other requests' commands, one round trip
+        # for all that are waiting (``gateway.common.redis_pipeline``).
         self._commands = commands if commands is not None or redis is None else RedisPipeline(redis)
-        # Settles under way (``_settle_shared``), kept referenced until done.
-        self._settling: set[asyncio.Future[object]] = set()
+        # With Redis: this process's share of each scope (``gateway.tenancy.limit_shares``).
+        self._shares: dict[str, Share] = {}
+        self._spare_fraction = spare_fraction
+        self.heartbeat_s = heartbeat_s
+        self._renewed_at = time.monotonic()
+        # Give-backs under way (settles, shares returned), kept referenced until done.
+        self._settling: set[asyncio.Future[Any]] = set()
         self._prefix = key_prefix
         self._lease_ttl_ms = lease_ttl_s * 1000
         self._buckets: dict[str, _Bucket] = {}
         self._acquire_script = redis.register_script(_ACQUIRE_LUA) if redis is not None else None
         self._settle_script = redis.register_script(_SETTLE_LUA) if redis is not None else None
+        self._renew_script = redis.register_script(_RENEW_SLOTS_LUA) if redis is not None else None
         self._warned_fallback = False
         self._redis_timeout_s = redis_timeout_s
         self._redis_down_until = 0.0
-        # Lease IDs: unique across replicas (a random prefix per limiter) without a system call
-        # for randomness per request.
+        # Take IDs (slots are named after them): unique across replicas (a random prefix per
+        # limiter) without a system call for randomness per request.
         self._lease_prefix = secrets.token_hex(8)
         self._lease_numbers = itertools.count()
 
@@ -455,37 +492,85 @@ class TenantLimiter:
     async def _take_shared(
         self, lease: LimitLease, reserved: int, mode: _Mode
     ) -> list[tuple[int, int]]:
+        """Take from this process's shares what they hold, and what they lack from Redis in one
+        round trip (with a spare for the next requests); nothing is taken unless all is."""
         scopes = lease.all_scopes()
+        takings: list[Taking] = []
+        for index, scope in enumerate(scopes):
+            scope_mode = mode if index == 0 else "all"
+            share = self._share(scope)
+            takings.append(
+                take_from(share, int(scope_mode != "rest"), reserved, scope_mode != "count")
+            )
+        if any(taking.lacks() for taking in takings):
+            try:
+                await self._top_up(scopes, takings)
+            except Exception as exc:
+                for taking in takings:
+                    taking.undo()
+                if isinstance(exc, APIError) or not redis_unreachable(exc):
+                    raise
+                self._warn_fallback(exc)
+                return self._take_local(lease, reserved, mode)  # Redis unreachable: in memory
+            if self._warned_fallback:
+                self._warned_fallback = False
+                log.warning("limits: Redis reachable again; limits are shared again")
+        lease._in_redis = True
+        lease._slots = [
+            (scope.key, taking.slot)
+            for scope, taking in zip(scopes, takings, strict=True)
+            if taking.slot is not None
+        ]
+        return [
+            (taking.share.bucket_requests + taking.share.requests,
+             taking.share.bucket_tokens + taking.share.tokens)
+            for taking in takings
+        ]  # fmt: skip
+
+    def _share(self, scope: LimitScope) -> Share:
+        share = self._shares.get(scope.key)
+        if share is None:
+            share = self._shares[scope.key] = Share(scope.limits)
+        share.limits = scope.limits  # a policy reload applies from the next take on
+        return share
+
+    async def _top_up(self, scopes: tuple[LimitScope, ...], takings: list[Taking]) -> None:
+        """Ask Redis for what each scope's share lacks, plus its spare; 429 if any lacks more
+        than its limits have left."""
         commands = self._commands
         assert self._acquire_script is not None and commands is not None  # ``_shared`` said so
+        take_id = self._new_lease_id()
         keys: list[str] = []
-        args: list[str | int] = [reserved, lease.lease_id, int(self._lease_ttl_ms)]
-        for index, scope in enumerate(scopes):
+        args: list[str | int] = [take_id, int(self._lease_ttl_ms)]
+        asked: list[tuple[LimitScope, Taking]] = []
+        for scope, taking in zip(scopes, takings, strict=True):
+            if not taking.lacks():
+                continue
+            limits, spare = scope.limits, spare_of(scope.limits, self._spare_fraction)
             keys += [self._key(scope.key, "bucket"), self._key(scope.key, "inflight")]
-            limits = scope.limits
             args += [
                 limits.requests_per_minute,
                 limits.tokens_per_minute,
                 limits.max_concurrent,
-                mode if index == 0 else "all",
+                *least_and_most(taking.lack_requests, spare.requests),
+                *least_and_most(taking.lack_tokens, spare.tokens),
+                *least_and_most(taking.lack_slot, spare.slots),
             ]
-        try:
-            verdict, retry_ms, refusing, *left = await self._with_timeout(
-                commands.run_script(self._acquire_script, keys, args)
+            asked.append((scope, taking))
+        verdict, retry_ms, refusing, *figures = await self._with_timeout(
+            commands.run_script(self._acquire_script, keys, args)
+        )
+        if int(verdict):
+            _raise_if_refused(int(verdict), int(retry_ms) / 1000, asked[int(refusing) - 1][0])
+        for index, (_, taking) in enumerate(asked):
+            left_r, left_t, took_r, took_t, took_s = (
+                int(f) for f in figures[5 * index : 5 * index + 5]
             )
-        except Exception as exc:
-            if not redis_unreachable(exc):
-                raise
-            self._warn_fallback(exc)
-        else:
-            if self._warned_fallback:
-                self._warned_fallback = False
-                log.warning("limits: Redis reachable again; limits are shared again")
-            if int(verdict):
-                _raise_if_refused(int(verdict), int(retry_ms) / 1000, scopes[int(refusing) - 1])
-            lease._in_redis = True
-            return [(int(left[i]), int(left[i + 1])) for i in range(0, len(left), 2)]
-        return self._take_local(lease, reserved, mode)  # Redis unreachable: in memory
+            taking.got(left_r, left_t, took_r, took_t, [
+                f"{take_id}:{index + 1}:{k}" for k in range(1, took_s + 1)
+            ])  # fmt: skip
+        # Two requests of this process may have topped up one share at once.
+        self._give_back([scope.key for scope, _ in asked], wait=False)
 
     def _take_local(self, lease: LimitLease, reserved: int, mode: _Mode) -> list[tuple[int, int]]:
         """The script's decisions in memory, in its order: every scope checked (the concurrency
@@ -533,36 +618,115 @@ class TenantLimiter:
             lefts.append((_floor(bucket.requests), _floor(bucket.tokens)))
         return lefts
 
-    async def _settle_shared(self, lease: LimitLease, delta: int) -> None:
+    def _settle_shared(self, lease: LimitLease, delta: int) -> None:
+        """The correction goes to this process's shares; what they then hold past their spare
+        (or owe) goes to Redis, sent, not awaited: this process's later commands (a release,
+        the next request's take) follow it on the one pipeline, so none of them can overtake
+        it, and the request need not wait a round trip of its own for it."""
+        keys = []
+        for scope in lease.all_scopes():
+            self._share(scope).tokens += delta
+            keys.append(scope.key)
+        self._give_back(keys, wait=False)
+
+    def _give_back(
+        self, keys: list[str], *, wait: bool, idle: bool = False
+    ) -> asyncio.Future[Any] | None:
+        """Send Redis what the scopes' shares hold past their spare (everything unspent with
+        ``idle``): requests and tokens to their buckets, slots out of the set in flight. The
+        future of it, or None when there was nothing to send. ``wait`` is whether the caller
+        awaits it; otherwise it is kept referenced until done."""
         commands = self._commands
-        # A lease is in Redis only if it is configured.
         assert self._settle_script is not None and commands is not None
-        scopes = lease.all_scopes()
-        args: list[str | int] = [delta]
-        for scope in scopes:
-            args += [scope.limits.requests_per_minute, scope.limits.tokens_per_minute]
-        # Sent, not awaited: this process's later commands (the lease's release, the next
-        # request's take) follow it on the one pipeline, so none of them can overtake it, and
-        # the request need not wait a round trip of its own for it.
-        keys = [self._key(scope.key, "bucket") for scope in scopes]
-        settling = commands.submit_script(self._settle_script, keys, args)
-        self._settling.add(settling)
-        settling.add_done_callback(self._settled)
+        buckets: list[str] = []
+        args: list[str | int] = []
+        sent: list[asyncio.Future[Any]] = []
+        for key in keys:
+            share = self._shares.get(key)
+            if share is None:
+                continue
+            limits = share.limits
+            requests, tokens, slots = (
+                all_unspent(share)
+                if idle
+                else over_spare(share, spare_of(limits, self._spare_fraction))
+            )
+            if requests or tokens:
+                buckets.append(self._key(key, "bucket"))
+                args += [limits.requests_per_minute, limits.tokens_per_minute, requests, tokens]
+            if slots:
+                sent.append(commands.submit("ZREM", self._key(key, "inflight"), *slots))
+        if buckets:
+            sent.append(commands.submit_script(self._settle_script, buckets, args))
+        if not sent:
+            return None
+        future = sent[0] if len(sent) == 1 else asyncio.gather(*sent)
+        if not wait:
+            self._settling.add(future)
+            future.add_done_callback(self._settled)
+        return future
 
     async def drain(self) -> None:
-        """Wait for the settles under way (shutdown, tests)."""
+        """Wait for the give-backs under way (shutdown, tests)."""
         if self._settling:
             await asyncio.gather(*self._settling, return_exceptions=True)
 
-    def _settled(self, done: asyncio.Future[object]) -> None:
+    def _settled(self, done: asyncio.Future[Any]) -> None:
         self._settling.discard(done)
         exc = None if done.cancelled() else done.exception()
         if exc is None:
             return
         if isinstance(exc, Exception) and redis_unreachable(exc):
-            self._warn_fallback(exc)  # the reservation stands: conservative
+            self._warn_fallback(exc)  # the reservation stands, the slots expire: conservative
         else:
-            log.error("limits: a settle failed: %r", exc)
+            log.error("limits: a give-back failed: %r", exc)
+
+    async def heartbeat(self) -> None:
+        """Give back every share not spent from since the last heartbeat, forget the empty
+        ones, and renew the slots this process holds before their TTL runs out."""
+        idle = [key for key, share in self._shares.items() if not share.spent]
+        for share in self._shares.values():
+            share.spent = False
+        given = self._give_back(idle, wait=True, idle=True)
+        for key in idle:
+            if self._shares[key].empty():
+                del self._shares[key]
+        renewals: list[asyncio.Future[Any]] = []
+        if time.monotonic() - self._renewed_at >= self._lease_ttl_ms / 3000:
+            self._renewed_at = time.monotonic()
+            commands = self._commands
+            assert self._renew_script is not None and commands is not None
+            for key, share in self._shares.items():
+                if held := [*share.free_slots, *share.busy_slots]:
+                    inflight = self._key(key, "inflight")
+                    args = [int(self._lease_ttl_ms), *held]
+                    renewals.append(commands.submit_script(self._renew_script, [inflight], args))
+        await asyncio.gather(*([given] if given else []), *renewals)
+
+    async def close(self) -> None:
+        """Give every share back (shutdown): what this process holds, the others may use now,
+        not after it expires; then wait for the give-backs under way."""
+        if self._shares and self._commands is not None:
+            for share in self._shares.values():
+                share.spent = False
+            try:
+                async with asyncio.timeout(self._redis_timeout_s):
+                    await self.heartbeat()
+            except Exception as exc:  # the slots expire, the tokens are lost: conservative
+                log.warning("limits: shares not given back at shutdown: %r", exc)
+        await self.drain()
+
+    async def run(self) -> None:
+        """The heartbeat, for as long as the process serves (with Redis only)."""
+        while True:
+            await asyncio.sleep(self.heartbeat_s)
+            if time.monotonic() < self._redis_down_until:
+                continue
+            try:
+                async with asyncio.timeout(max(self.heartbeat_s, self._redis_timeout_s)):
+                    await self.heartbeat()
+            except Exception as exc:  # a missed beat is survivable: never let it die
+                log.warning("limits: heartbeat failed: %r", exc)
 
     def _settle_local(self, lease: LimitLease, delta: int) -> None:
         now = time.monotonic() * 1000
@@ -574,19 +738,26 @@ class TenantLimiter:
                 bucket.tokens = min(limits.tokens_per_minute, bucket.tokens + delta)
 
     async def _release_shared(self, lease: LimitLease) -> None:
-        commands = self._commands
-        assert commands is not None  # a lease is in Redis only if it is configured
+        """The slots go back to this process's shares; what they then hold past their spare
+        leaves the set in flight before the answer is sent, so that a client that waits for
+        its answer never meets its own slot still held."""
+        keys: list[str] = []
+        for key, member in lease._slots:
+            share = self._shares.get(key)
+            if share is None:
+                continue  # never: a share holding a busy slot is not forgotten
+            share.busy_slots.discard(member)
+            share.free_slots.append(member)
+            keys.append(key)
+        given = self._give_back(keys, wait=True) if keys else None
+        if given is None:
+            return
         try:
-            lease_id = lease.lease_id
-            removed = [
-                commands.submit("ZREM", self._key(scope.key, "inflight"), lease_id)
-                for scope in lease.all_scopes()
-            ]
-            await self._with_timeout(removed[0] if len(removed) == 1 else asyncio.gather(*removed))
+            await self._with_timeout(given)
         except Exception as exc:
             if not redis_unreachable(exc):
                 raise
-            self._warn_fallback(exc)  # the lease expires on its own
+            self._warn_fallback(exc)  # the slot expires on its own
 
     def _release_local(self, lease: LimitLease) -> None:
         for scope in lease.all_scopes():

@@ -103,7 +103,8 @@ async def test_the_rate_limit_headers_give_the_binding_scope_of_each_figure(
     )
     token_limits = TenantLimits(requests_per_minute=1000, tokens_per_minute=500, max_concurrent=50)
     few_tokens = tenant_model_scope("acme", "tiny", token_limits)
-    lease = await new_limiter().acquire("acme", WIDE, 100, (few_requests, few_tokens))
+    limiter = new_limiter()
+    lease = await limiter.acquire("acme", WIDE, 100, (few_requests, few_tokens))
     headers = dict(
         line.split(": ", 1) for line in lease.header_lines().decode().strip().split("\r\n")
     )
@@ -115,7 +116,7 @@ async def test_the_rate_limit_headers_give_the_binding_scope_of_each_figure(
     assert headers["x-ratelimit-scope-tokens"] == "tenant on model tiny"
     # Settled to what it used: every scope's tokens given back alike.
     await lease.settle(0)
-    again = await new_limiter().acquire("acme", WIDE, 500, (few_tokens,))
+    again = await limiter.acquire("acme", WIDE, 500, (few_tokens,))
     assert again.scope_left[0].tokens == 0
 
 
