@@ -103,9 +103,16 @@ class Settings(BaseSettings):
     redis_url: str | None = None
     # Prefix of every Redis key this deployment uses (capacity, limits, canaries).
     redis_key_prefix: str = "isogate"
-    # With Redis, every process renews its live KV claims this often; a claim not renewed for
-    # three heartbeats (a process killed while holding it) is free again.
+    # With Redis, every process renews its KV leases this often; a lease not renewed for three
+    # heartbeats (a process killed while holding it) is free again.
     claim_heartbeat_s: float = Field(default=1.0, gt=0)
+    # With Redis, each process admits within KV room it leases from Redis per worker, and asks
+    # Redis only for a request its lease cannot hold: then for what that request lacks plus
+    # this fraction of the worker's pool spare, so the next requests fit locally. Each
+    # heartbeat shrinks a lease to what is in use plus this block (none once idle): what one
+    # idle process withholds from the others, for one heartbeat (gateway.core.shared_claims).
+    # 0: every growth is exactly what a request lacks.
+    claim_lease_block: float = Field(default=1 / 16, ge=0, le=1)
     # With Redis, each process takes its tenants' limits from Redis in shares and spends them
     # without asking Redis: at most this fraction of each limit unspent (gateway.tenancy.
     # limit_shares), given back at once past it and every heartbeat once idle. 0: every

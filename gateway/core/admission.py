@@ -13,7 +13,8 @@ fit a pool alone cannot both be sent to it on one stale poll. A ``Claim`` is rel
 exit path (it is a context manager), so claimed tokens never leak.
 
 Across processes (``--workers``, replicas) the claims are shared through Redis when it is
-configured: ``ClaimLedger.take`` also claims atomically against every process's claims
+configured: ``ClaimLedger.take`` also claims within this process's lease of the pool, which
+grows only by room one atomic step has found free among every process's leases
 (``gateway.core.shared_claims``), and fails closed when Redis does not answer. This ledger
 stays this process's own account either way.
 """

@@ -189,6 +189,7 @@ async def build_components(settings: Settings) -> Components:
             settings.redis_key_prefix,
             heartbeat_s=settings.claim_heartbeat_s,
             commands=redis_commands,
+            lease_block=settings.claim_lease_block,
         )
     scanner: ContentScanner = NoScanner()
     if settings.canary_scan:
@@ -314,7 +315,7 @@ async def close_components(components: Components) -> None:
     await components.budgets.drain()  # charges under way reach their counters
     await components.limiter.close()  # so do settles, and shares go back
     if components.ledger.shared is not None:
-        await components.ledger.shared.drain()  # and claims' releases (or they expire)
+        await components.ledger.shared.drain()  # leased KV room goes back (or expires)
     await components.audit.close()
     await components.capacity.close()
     await components.dispatcher.aclose()

@@ -1,7 +1,9 @@
-"""Gate 1 across processes: the Lua claim, release and renewal against the real Redis.
+"""Gate 1 across processes: the leases, claims within them, their growth in Lua, their
+renewal and shrinking, against the real Redis.
 
 Each ``SharedClaims`` here stands for one gateway process (its own owner id); every test
-uses its own key prefix.
+uses its own key prefix. A lease holds one spare block (a sixteenth of the pool) beyond what
+its requests use until the heartbeat after it was last admitted into.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 import pytest
 
 from gateway.common.errors import APIError
+from gateway.common.redis_pipeline import RedisPipeline
 from gateway.config.policies import DecodeWorker, PrefillWorker, load_policies
 from gateway.core.admission import ClaimLedger
 from gateway.core.pair_queues import PairQueues, QueueSettings
@@ -61,8 +64,13 @@ def prefix(redis_prefix: str) -> str:
     return redis_prefix
 
 
-def process(redis: Any, prefix: str, heartbeat_s: float = 1.0) -> SharedClaims:
-    return SharedClaims(redis, prefix, heartbeat_s=heartbeat_s)
+def process(
+    redis: Any, prefix: str, heartbeat_s: float = 1.0, commands: RedisPipeline | None = None
+) -> SharedClaims:
+    return SharedClaims(redis, prefix, heartbeat_s=heartbeat_s, commands=commands)
+
+
+BLOCK = 1000 // 16  # the spare block a lease on a pool of 1000 takes with a top-up
 
 
 async def test_of_two_processes_racing_for_a_pool_that_holds_one_only_one_is_admitted(
@@ -92,23 +100,26 @@ async def test_a_running_request_counts_once_not_as_claim_plus_engine_use(
     redis: Any, prefix: str
 ) -> None:
     first, second = process(redis, prefix), process(redis, prefix)
-    assert await first.claim(pair(1000), 400) is not None
-    # The engine now reports that request's 400 tokens in use: the larger of the two, 400,
-    # is taken, so 600 are free (their sum would leave 200).
-    assert await second.claim(pair(1000, used=400), 600) is not None
+    assert await first.claim(pair(1000), 400) is not None  # its lease: 400 and a block spare
+    # The engine now reports that request's 400 tokens in use: the larger of the two, the
+    # lease's 400 + BLOCK, is taken, so 600 - BLOCK are free (their sum would leave less).
+    assert await second.claim(pair(1000, used=400), 600 - BLOCK) is not None
     assert await second.claim(pair(1000, used=400), 1) is None
     # Use the gateway did not claim (another client of the engine) is counted too.
     third = process(redis, f"{prefix}-other")
     assert await third.claim(pair(1000, used=900), 200) is None
 
 
-async def test_a_release_frees_the_tokens_for_every_process(redis: Any, prefix: str) -> None:
+async def test_a_release_frees_the_tokens_for_every_process_at_the_next_heartbeat(
+    redis: Any, prefix: str
+) -> None:
     first, second = process(redis, prefix), process(redis, prefix)
     claim_id = await first.claim(pair(1000), 600)
     assert claim_id is not None
     assert await second.claim(pair(1000), 600) is None
     first.release(claim_id)
-    await first.drain()
+    assert await second.claim(pair(1000), 600) is None  # still in the first's lease
+    await first.renew()
     assert await second.claim(pair(1000), 600) is not None
 
 
@@ -179,7 +190,7 @@ async def test_the_ledger_takes_and_releases_the_shared_claim_with_its_own(
         pass
     assert ledger.claimed == {}
     assert ledger.shared is not None
-    await ledger.shared.drain()
+    await ledger.shared.renew()  # the heartbeat returns what the release left in the lease
     assert await other.claim(pair(1000), 600) is not None
 
 
@@ -234,10 +245,106 @@ async def test_routing_prefers_the_pair_the_other_processes_hold_less_of(
     other = process(redis, prefix)
     first, second = pair(1000, port=1), pair(1000, port=2)
     candidates = Candidates([first, second], 8192)
-    assert await other.claim(first, 500) is not None  # another process holds half of the first
+    # Another process holds half of the first, and a block spare.
+    assert await other.claim(first, 500) is not None
     ledger.free_now(first.decode_state)  # routing has compared these workers: now watched
     ledger.free_now(second.decode_state)
     assert ledger.shared is not None
     await ledger.shared.renew()  # one heartbeat
-    assert ledger.free_now(first.decode_state) == 500
+    assert ledger.free_now(first.decode_state) == 500 - BLOCK
     assert candidates.choose_for_all(ledger, (10,), 10, 0) is second
+
+
+class CountedPipeline(RedisPipeline):
+    """The auto-pipeline, counting the round trips it makes."""
+
+    def __init__(self, redis: Any) -> None:
+        super().__init__(redis)
+        self.round_trips = 0
+
+    async def _round_trip(self, batch: list[Any]) -> list[Any]:
+        self.round_trips += 1
+        return await super()._round_trip(batch)
+
+
+def lease_of(claims: SharedClaims) -> str:
+    return f"{claims._owner}:lease"
+
+
+async def test_claims_within_the_lease_make_no_redis_round_trip(redis: Any, prefix: str) -> None:
+    commands = CountedPipeline(redis)
+    claims = process(redis, prefix, commands=commands)
+    first = await claims.claim(pair(1000), 400)  # grows the lease: 400 and a block spare
+    assert first is not None and commands.round_trips == 1
+    for _ in range(20):  # each fits the block left: taken and given back locally
+        claim_id = await claims.claim(pair(1000), BLOCK)
+        assert claim_id is not None
+        claims.release(claim_id)
+    assert commands.round_trips == 1
+    assert await claims.claim(pair(1000), BLOCK + 1) is not None  # past the lease: Redis
+    assert commands.round_trips == 2
+
+
+async def test_an_idle_processs_lease_is_returned_at_its_heartbeat(redis: Any, prefix: str) -> None:
+    idle, other = process(redis, prefix), process(redis, prefix)
+    claim_id = await idle.claim(pair(1000), 600)
+    assert claim_id is not None
+    idle.release(claim_id)
+    # Admitted into since its last heartbeat: the next one keeps a block spare, no more.
+    await idle.renew()
+    assert await redis.hget(idle.keys("http://d:1")[0], lease_of(idle)) == str(BLOCK).encode()
+    assert await other.claim(pair(1000), 1000) is None
+    # Idle for a whole heartbeat: the next one returns all of it.
+    await idle.renew()
+    assert await redis.hlen(idle.keys("http://d:1")[0]) == 0
+    assert await other.claim(pair(1000), 1000) is not None
+
+
+async def test_a_busy_processs_lease_keeps_at_most_one_block_spare(redis: Any, prefix: str) -> None:
+    busy = process(redis, prefix)
+    ids = [await busy.claim(pair(1000), 100) for _ in range(8)]
+    for claim_id in ids[2:]:  # 200 still in use, the lease far above it
+        assert claim_id is not None
+        busy.release(claim_id)
+    await busy.renew()
+    for url in ("http://p:1", "http://d:1"):
+        assert await redis.hvals(busy.keys(url)[0]) == [str(200 + BLOCK).encode()]
+    other = process(redis, prefix)
+    assert await other.claim(pair(1000), 800 - BLOCK) is not None
+
+
+async def test_a_process_whose_renewals_fail_past_the_ttl_stops_admitting_locally(
+    prefix: str,
+) -> None:
+    import redis.asyncio as redis_asyncio
+    from redis.exceptions import ConnectionError as Unreachable
+
+    client = redis_asyncio.from_url(REDIS_URL)  # its own: this test cuts it off Redis
+    try:
+        claims = process(client, prefix)
+        leased_at = time.monotonic()  # before the top-up was sent: its entry outlives the TTL
+        assert await claims.claim(pair(1000), 100) is not None
+        # Cut off: its connections closed and new ones made where nothing listens.
+        client.connection_pool.connection_kwargs["port"] = 1
+        await client.connection_pool.disconnect()
+        client.connection_pool.reset()
+        # Within the lease: still admitted, locally, while the heartbeat fails.
+        with pytest.raises(Unreachable):
+            await claims.renew()
+        claim_id = await claims.claim(pair(1000), 10)
+        assert claim_id is not None
+        claims.release(claim_id)
+        # Before its entry in Redis can have expired, the process goes to Redis: fails closed.
+        while True:
+            with pytest.raises(Unreachable):
+                await claims.renew()
+            try:
+                claim_id = await claims.claim(pair(1000), 10)
+            except ClaimsUnreachable:
+                break
+            assert claim_id is not None
+            claims.release(claim_id)
+            assert time.monotonic() < leased_at + claims.ttl_ms / 1000, "admitted past the TTL"
+            await asyncio.sleep(0.05)
+    finally:
+        await client.aclose()
