@@ -348,3 +348,14 @@ async def test_a_process_whose_renewals_fail_past_the_ttl_stops_admitting_locall
             await asyncio.sleep(0.05)
     finally:
         await client.aclose()
+
+
+async def test_concurrent_claims_of_one_process_never_take_more_than_its_lease(
+    redis: Any, prefix: str
+) -> None:
+    claims = process(redis, prefix)
+    ids = await asyncio.gather(*(claims.claim(pair(1000), 300) for _ in range(10)))
+    assert sum(1 for claim_id in ids if claim_id) == 3
+    for url in ("http://p:1", "http://d:1"):
+        assert claims.in_use[url] == 900 <= claims.leased[url] <= 1000
+        assert await redis.hvals(claims.keys(url)[0]) == [str(claims.leased[url]).encode()]
