@@ -25,8 +25,10 @@ recorded it; the heartbeat's and the top-ups' writes are serialized, so Redis ne
 than the process admits into.
 
 What a lease costs the others: room this process released stays in its lease until its next
-heartbeat, and an idle process gives its lease back within two (one block spare, then none):
-at most one block per process withheld for at most one heartbeat once it is idle.
+heartbeat, unless a release leaves more than two blocks unused (a large request ended: a prompt
+that needs its room may come to another process next), which shrinks the lease at once, in the
+background; an idle process gives its lease back within two heartbeats (one block spare, then
+none). So at most two blocks per process are withheld, for at most one heartbeat.
 
 Counted once, not twice: the engine's reported use already includes the requests it runs, and
 a lease covers them from admission to their end, so a running request is in both. Free is the
@@ -186,6 +188,8 @@ class SharedClaims:
         # Every write of a lease (top-ups, heartbeats): Redis sees them in the order they
         # change the local figures.
         self._writing = asyncio.Lock()
+        # A shrink a large release started, running (or None).
+        self._shrinking: asyncio.Task[None] | None = None
         # Top-ups that found Redis unreachable: one waiting behind a failed one fails at once.
         self._failures = 0
         # Every process's entries per worker as of the last heartbeat, for the workers routing
@@ -268,9 +272,26 @@ class SharedClaims:
         if entry is None:
             return
         urls, tokens = entry
-        in_use = self.in_use
+        in_use, leased, blocks = self.in_use, self.leased, self._blocks
         for url in urls:
             in_use[url] -= tokens
+        if self._shrinking is None and any(
+            leased.get(url, 0) - in_use[url] > 2 * blocks.get(url, 0) for url in urls
+        ):
+            try:
+                self._shrinking = asyncio.get_running_loop().create_task(self._shrink())
+            except RuntimeError:  # no loop left (shutdown): the lease expires within a TTL
+                pass
+
+    async def _shrink(self) -> None:
+        """A heartbeat's shrink now: a large request's room goes back to every process."""
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                await self.renew()
+        except Exception as exc:  # the next heartbeat does it
+            log.warning("claims: shrink after a release failed: %s", exc)
+        finally:
+            self._shrinking = None
 
     def seen(self, url: str) -> int:
         """Every process's leases on the worker as of the last heartbeat (0 until one has read
@@ -333,6 +354,8 @@ class SharedClaims:
     async def drain(self) -> None:
         """Give back the leased room no request of this process uses (shutdown): one round
         trip; if Redis does not answer, it expires within a TTL."""
+        if self._shrinking is not None:
+            await asyncio.gather(self._shrinking, return_exceptions=True)
         try:
             async with asyncio.timeout(self._timeout_s):
                 await self._beat(spare=False)

@@ -110,17 +110,33 @@ async def test_a_running_request_counts_once_not_as_claim_plus_engine_use(
     assert await third.claim(pair(1000, used=900), 200) is None
 
 
-async def test_a_release_frees_the_tokens_for_every_process_at_the_next_heartbeat(
+async def test_a_small_release_stays_in_the_lease_until_the_next_heartbeat(
+    redis: Any, prefix: str
+) -> None:
+    first, second = process(redis, prefix), process(redis, prefix)
+    claim_id = await first.claim(pair(1000), 50)
+    held = await first.claim(pair(1000), 400)  # the lease: 450 and a block spare
+    assert claim_id is not None and held is not None
+    assert await second.claim(pair(1000), 500) is None
+    first.release(claim_id)  # 50 more unused: within two blocks, kept for the next requests
+    await asyncio.sleep(0.1)  # time enough for a shrink, had one been started
+    assert await second.claim(pair(1000), 500) is None
+    await first.renew()
+    assert await second.claim(pair(1000), 500) is not None
+
+
+async def test_a_large_release_frees_its_room_for_every_process_without_waiting_for_a_heartbeat(
     redis: Any, prefix: str
 ) -> None:
     first, second = process(redis, prefix), process(redis, prefix)
     claim_id = await first.claim(pair(1000), 600)
     assert claim_id is not None
     assert await second.claim(pair(1000), 600) is None
-    first.release(claim_id)
-    assert await second.claim(pair(1000), 600) is None  # still in the first's lease
-    await first.renew()
-    assert await second.claim(pair(1000), 600) is not None
+    first.release(claim_id)  # no heartbeat runs in this test
+    deadline = time.monotonic() + 1  # well within the TTL, after which the lease would expire
+    while await second.claim(pair(1000), 600) is None:
+        assert time.monotonic() < deadline, "the released room stayed in the first's lease"
+        await asyncio.sleep(0.01)
 
 
 async def test_a_process_that_stops_renewing_frees_its_claims_within_the_ttl(
