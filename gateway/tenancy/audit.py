@@ -2,7 +2,8 @@
 
 ``record`` only appends to an in-memory queue (never blocks, never raises). A writer task
 inserts the queue in batches of ``settings.audit_batch_size`` every
-``settings.audit_flush_interval_s``: into PostgreSQL from a thread (the store is
+``settings.audit_flush_interval_s`` while events arrive, and sleeps without a timer while there
+is nothing to write (the first event recorded wakes it): into PostgreSQL from a thread (the store is
 synchronous); into SQLite from the event loop itself, 64 rows per turn, on a connection that
 never waits long for a lock nor checkpoints (``gateway.tenancy.store.SQLiteAuditWriter`` says why).
 
@@ -218,6 +219,8 @@ class AuditLog:
         self._spool = AuditSpool(Path(settings.audit_spool_dir))
         self._queue: deque[AuditEvent] = deque()
         self._wake = asyncio.Event()
+        # The writer waits for the first event of the next batch (``_sleep_until_recorded``).
+        self._asleep = False
         # One writer at a time (the task, or flush/close): the spool order depends on it.
         self._writing = asyncio.Lock()
         self._closing = False
@@ -255,7 +258,7 @@ class AuditLog:
                 self._spool.append([event.values()])
                 return
             self._queue.append(event)
-            if len(self._queue) >= self._batch_size:
+            if self._asleep or len(self._queue) >= self._batch_size:
                 self._wake.set()
         except Exception:  # never let auditing break a request
             log.exception("audit: could not queue an event")
@@ -280,8 +283,10 @@ class AuditLog:
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
+            if not (self._queue or self._spool.pending or self._closing):
+                await self._sleep_until_recorded(loop)
             # A timer that sets the event, rather than ``wait_for``: that wraps the wait in a
-            # new task every flush interval, which an idle gateway paid 50 times a second.
+            # new task every flush interval.
             timer = loop.call_later(self._flush_interval_s, self._wake.set)
             try:
                 await self._wake.wait()
@@ -298,6 +303,24 @@ class AuditLog:
                 continue
             if closing and not self._queue:
                 return
+
+    async def _sleep_until_recorded(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Nothing queued, spooled or closing: wait for ``record`` (or ``close``) to wake the
+        writer, with a timer only for a checkpoint that falls due. A timer every flush
+        interval was an idle gateway's most frequent wake-up."""
+        timer = None
+        if self._sqlite is not None and self._rows_since_checkpoint:
+            due_in = max(0.0, self._checkpoint_at - time.monotonic())
+            timer = loop.call_later(due_in, self._wake.set)
+        self._asleep = True
+        try:
+            await self._wake.wait()
+        finally:
+            self._asleep = False
+            if timer is not None:
+                timer.cancel()
+        if not self._closing and len(self._queue) < self._batch_size:
+            self._wake.clear()  # the batch's first event: the next ones get the interval to come
 
     async def _write(self, *, force_retry: bool) -> None:
         async with self._writing:

@@ -145,6 +145,33 @@ async def test_every_recorded_event_is_stored_once_in_record_order(
     assert audit.spool_files == 0
 
 
+async def test_an_idle_writer_sleeps_until_an_event_is_recorded(
+    store: Store, settings: Settings
+) -> None:
+    audit = AuditLog(store, settings)
+    await audit.start()
+    writes = 0
+    write = audit._write
+
+    async def counted(*, force_retry: bool) -> None:
+        nonlocal writes
+        writes += 1
+        await write(force_retry=force_retry)
+
+    audit._write = counted  # type: ignore[method-assign]
+    await asyncio.sleep(10 * settings.audit_flush_interval_s)
+    assert writes == 0  # no wake-up per flush interval with nothing to write
+    # The first event wakes it: stored within about one interval, without a flush or close.
+    event = make_event(1)
+    audit.record(event)
+    await wait_until(
+        lambda: store.count_audit() == 1, timeout_s=20 * settings.audit_flush_interval_s
+    )
+    assert writes == 1
+    await audit.close()
+    assert_stored_exactly(store, [event])
+
+
 class HungDatabase:
     """The store, but each audit insert hangs until released, as one to a database that
     accepted the connection and stopped answering would; an insert made on the recording
