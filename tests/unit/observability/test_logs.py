@@ -13,6 +13,7 @@ from pathlib import Path
 import orjson
 
 from gateway.dev.cluster import ManagedProcess
+from gateway.observability import logs
 from gateway.observability.logs import (
     BatchingStreamHandler,
     GenerationIdFilter,
@@ -51,6 +52,28 @@ def test_info_lines_are_written_together_after_the_interval_in_order() -> None:
         time.sleep(0.02)
     assert stream.getvalue().splitlines() == [f"line {n}" for n in range(50)]
     assert stream.writes == 1
+
+
+def test_an_idle_handler_leaves_its_flush_thread_asleep(monkeypatch) -> None:
+    sleeps = 0
+    sleep = time.sleep
+
+    def counted(seconds: float) -> None:
+        nonlocal sleeps
+        sleeps += seconds == interval_s  # this handler's thread: no other sleeps this long
+        sleep(seconds)
+
+    interval_s = 0.0137
+    monkeypatch.setattr(logs.time, "sleep", counted)
+    stream = CountingStream()
+    log = _logger(BatchingStreamHandler(stream, flush_interval_s=interval_s), "test.batching.idle")
+    sleep(0.3)
+    assert sleeps == 0  # no wake-up per interval with nothing pending
+    log.info("after a quiet while")
+    deadline = time.monotonic() + 5
+    while not stream.getvalue() and time.monotonic() < deadline:
+        sleep(0.01)
+    assert stream.getvalue() == "after a quiet while\n"
 
 
 def test_a_warning_is_written_at_once_after_the_lines_before_it() -> None:
