@@ -12,13 +12,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import httpx
-
 from gateway.config.policies import PolicyError, load_policies
 from gateway.config.settings import Settings
 from gateway.observability.multiprocess import run_directory
 from gateway.service.components import workers_of
-from gateway.workers.capacity import Role, WorkerCapacity, poll_worker
+from gateway.workers.capacity import Role, WorkerCapacity, json_getter, poll_worker
+from gateway.workers.upstream import UpstreamClient
 
 if TYPE_CHECKING:
     from gateway.api.app import Gateway
@@ -186,16 +185,20 @@ def _check_pools(args: argparse.Namespace) -> int:
 async def _poll_all(
     workers: list[tuple[str, Role]],
 ) -> list[tuple[str, str, WorkerCapacity | str]]:
-    async with httpx.AsyncClient(timeout=5.0) as client:
+    client = UpstreamClient(connect_timeout_s=5.0, timeout_s=5.0)
+    get_json = json_getter(client)
 
-        async def one(url: str, role: Role) -> tuple[str, str, WorkerCapacity | str]:
-            try:
-                state, _ = await poll_worker(client, url, role)
-                return url, role, state
-            except Exception as exc:  # report, don't crash: an unreachable worker fails the gate
-                return url, role, f"unreachable: {type(exc).__name__}"
+    async def one(url: str, role: Role) -> tuple[str, str, WorkerCapacity | str]:
+        try:
+            state, _ = await poll_worker(get_json, url, role)
+            return url, role, state
+        except Exception as exc:  # report, don't crash: an unreachable worker fails the gate
+            return url, role, f"unreachable: {type(exc).__name__}"
 
+    try:
         return list(await asyncio.gather(*(one(url, role) for url, role in workers)))
+    finally:
+        await client.aclose()
 
 
 def pool_verdict(state: WorkerCapacity) -> str | None:

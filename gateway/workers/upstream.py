@@ -9,7 +9,8 @@ parses with ``httptools`` (already installed with ``uvicorn[standard]``).
 
 Only what dispatch needs: POST with a body, then either await whole answers, several together
 (``send``, ``wait_for_answers``, ``finish``: prefill and decode wait that way, with no task per
-request), or read one answer as it streams (``stream``).
+request), or read one answer as it streams (``stream``); and a GET of a whole answer (``get``:
+the capacity poller's, every second per worker, where httpx cost several times the answer's use).
 """
 
 from __future__ import annotations
@@ -161,13 +162,12 @@ class UpstreamConnection(asyncio.Protocol):
             self.transport.close()
 
 
-def _target(url: str) -> tuple[Origin, bytes]:
+def _target(url: str, method: str = "POST") -> tuple[Origin, bytes]:
     parts = urlsplit(url)
     tls = parts.scheme == "https"
     origin = Origin(parts.hostname or "127.0.0.1", parts.port or (443 if tls else 80), tls)
-    return origin, f"POST {parts.path or '/'} HTTP/1.1\r\nHost: {parts.netloc}\r\n".encode(
-        "latin-1"
-    )
+    path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    return origin, f"{method} {path} HTTP/1.1\r\nHost: {parts.netloc}\r\n".encode("latin-1")
 
 
 class UpstreamClient:
@@ -185,6 +185,8 @@ class UpstreamClient:
         self._idle: dict[Origin, list[UpstreamConnection]] = {}
         # URL → (origin, request line and Host header): parsed once per URL, not per request.
         self._targets: dict[str, tuple[Origin, bytes]] = {}
+        # URL → (origin, the whole GET request).
+        self._gets: dict[str, tuple[Origin, bytes]] = {}
         self._tls = ssl.create_default_context()
         # Every connection's deadline (an answer, a chunk) on one timer (``common.deadlines``).
         self._sweep = DeadlineSweep(deadline_resolution_s)
@@ -248,6 +250,38 @@ class UpstreamClient:
         connection = self._pooled(origin) or await self._connect(origin)
         connection.begin(raw)
         return connection
+
+    async def get(self, url: str, timeout_s: float | None = None) -> tuple[int, bytes]:
+        """A GET's status and whole body, within ``timeout_s`` (the client's timeout if None);
+        raises ``UpstreamError`` if the connection fails or the answer is late."""
+        target = self._gets.get(url)
+        if target is None:
+            origin, request_line = _target(url, "GET")
+            target = self._gets[url] = (origin, request_line + b"\r\n")
+        origin, raw = target
+        pooled = self._pooled(origin)
+        if pooled is not None:
+            try:
+                return await self._get_on(pooled, raw, timeout_s)
+            except UpstreamTimeout:
+                raise
+            except UpstreamError:
+                # A kept-alive connection the worker closed as it was reused (its idle
+                # timeout): a GET may be sent again, on a new connection.
+                pass
+        return await self._get_on(await self._connect(origin), raw, timeout_s)
+
+    async def _get_on(
+        self, connection: UpstreamConnection, request: bytes, timeout_s: float | None
+    ) -> tuple[int, bytes]:
+        try:
+            connection.begin(request)
+            await self._wait(
+                connection, connection.done, "upstream did not answer in time", timeout_s
+            )
+            return connection.status, connection.body()
+        finally:
+            self.finish(connection)
 
     async def wait_for_answers(self, connections: Sequence[UpstreamConnection]) -> None:
         """Until every answer has arrived, or one failed or came with a status other than 200.
@@ -322,11 +356,15 @@ class UpstreamClient:
             self.finish(connection)
 
     async def _wait(
-        self, connection: UpstreamConnection, future: asyncio.Future[None], message: str
+        self,
+        connection: UpstreamConnection,
+        future: asyncio.Future[None],
+        message: str,
+        timeout_s: float | None = None,
     ) -> None:
         # A deadline that fails the connection's futures, once per streamed chunk: a loop
         # timer each, or ``asyncio.timeout``, cost many times what the chunk's own work does.
-        connection.due_within(self._timeout_s, message)
+        connection.due_within(self._timeout_s if timeout_s is None else timeout_s, message)
         try:
             await future
         finally:

@@ -28,6 +28,7 @@ class ScriptedServer:
     def __init__(self) -> None:
         self.connections = 0
         self.bodies: list[bytes] = []
+        self.heads: list[bytes] = []
         self.respond: Callable[[asyncio.StreamWriter], object] = self.whole_json
         self.hold = asyncio.Event()  # what a hung server waits for (never set unless a test does)
         self._server: asyncio.base_events.Server | None = None
@@ -58,10 +59,14 @@ class ScriptedServer:
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
+                self.heads.append(head)
                 length = next(
-                    int(line.split(b":")[1])
-                    for line in head.split(b"\r\n")
-                    if line.lower().startswith(b"content-length:")
+                    (
+                        int(line.split(b":")[1])
+                        for line in head.split(b"\r\n")
+                        if line.lower().startswith(b"content-length:")
+                    ),
+                    0,  # a GET
                 )
                 self.bodies.append(await reader.readexactly(length))
                 outcome = self.respond(writer)
@@ -132,6 +137,52 @@ async def test_posts_reuse_one_keep_alive_connection(server: ScriptedServer) -> 
         )
     assert server.connections == 1
     assert server.bodies == [b'{"n": 0}', b'{"n": 1}', b'{"n": 2}']
+    await client.aclose()
+
+
+async def test_gets_send_path_and_query_and_reuse_one_keep_alive_connection(
+    server: ScriptedServer,
+) -> None:
+    client = UpstreamClient(connect_timeout_s=2, timeout_s=5)
+    for _ in range(3):
+        assert await client.get(server.url + "?include=core") == (200, b'{"text": "ok"}')
+    assert server.connections == 1
+    host = server.url.split("/")[2].encode()
+    assert server.heads[0] == b"GET /generate?include=core HTTP/1.1\r\nHost: %s\r\n\r\n" % host
+    await client.aclose()
+
+
+async def test_a_get_on_a_kept_alive_connection_the_server_closed_is_sent_again_on_a_new_one(
+    server: ScriptedServer,
+) -> None:
+    answered = 0
+
+    def answer_once_per_connection(writer: asyncio.StreamWriter) -> None:
+        nonlocal answered
+        answered += 1
+        if answered == 2:  # the second request, on the kept-alive connection: closed unanswered
+            writer.close()
+            return
+        server.whole_json(writer)
+
+    server.respond = answer_once_per_connection
+    client = UpstreamClient(connect_timeout_s=2, timeout_s=5)
+    assert await client.get(server.url) == (200, b'{"text": "ok"}')
+    assert await client.get(server.url) == (200, b'{"text": "ok"}')
+    assert server.connections == 2 and answered == 3
+    await client.aclose()
+
+
+async def test_a_get_without_answer_times_out_within_its_own_timeout(
+    server: ScriptedServer,
+) -> None:
+    async def hang(writer: asyncio.StreamWriter) -> None:
+        await server.hold.wait()
+
+    server.respond = hang
+    client = UpstreamClient(connect_timeout_s=2, timeout_s=60, deadline_resolution_s=0.05)
+    with pytest.raises(UpstreamTimeout, match="did not answer in time"):
+        await asyncio.wait_for(client.get(server.url, timeout_s=0.2), timeout=5)
     await client.aclose()
 
 
