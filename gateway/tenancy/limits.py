@@ -726,7 +726,12 @@ class TenantLimiter:
                 async with asyncio.timeout(max(self.heartbeat_s, self._redis_timeout_s)):
                     await self.heartbeat()
             except Exception as exc:  # a missed beat is survivable: never let it die
-                log.warning("limits: heartbeat failed: %r", exc)
+                if redis_unreachable(exc):
+                    # Told now, not when a share runs short: the requests that follow take from
+                    # memory, as when a take finds Redis gone.
+                    self._warn_fallback(exc)
+                else:
+                    log.warning("limits: heartbeat failed: %r", exc)
 
     def _settle_local(self, lease: LimitLease, delta: int) -> None:
         now = time.monotonic() * 1000

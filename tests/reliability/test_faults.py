@@ -242,6 +242,10 @@ def _answered_within(answers: list[Answer], start: float, end: float = math.inf)
     return [a for a in answers if a.started_at > start and a.ended_at < end]
 
 
+# The gateway's default: its KV leases expire three of these after their last renewal.
+CLAIM_HEARTBEAT_S = 1.0
+
+
 def _limit_buckets(redis_server: RedisServer) -> set[str]:
     """The tenants whose limits the gateway keeps in this Redis (a bucket of theirs is there)."""
     with redis.Redis(port=redis_server.port, socket_timeout=2) as client:
@@ -252,9 +256,10 @@ def _limit_buckets(redis_server: RedisServer) -> set[str]:
 def test_redis_killed_and_restarted_under_load_fails_closed_then_serves_and_loses_no_audit_event(
     tmp_path: Path,
 ) -> None:
-    """With Redis configured, every process's KV claims are taken in it (gate 1 across
-    processes): while it is down, admission fails closed, at once and clearly, and never admits
-    what the shared claims cannot vouch for; once it is back, every tenant is served again."""
+    """With Redis configured, every process's KV claims are leased from it (gate 1 across
+    processes): while it is down, admission fails closed, clearly, once the lease the process
+    held could have expired there, and never admits what the shared claims cannot vouch for;
+    once it is back, every tenant is served again."""
     tenants = (VICTIM, *BYSTANDERS)
     with (
         RedisServer(range_port(), tmp_path / "redis") as redis_server,
@@ -268,17 +273,27 @@ def test_redis_killed_and_restarted_under_load_fails_closed_then_serves_and_lose
         )
         killed_at = time.monotonic()
         redis_server.stop()
-        # Answered while Redis is down: several requests of each tenant sent after the kill and
+        # The KV room the process leased before the kill may still be admitted into, never once
+        # its entry could have expired in Redis: three heartbeats after Redis last answered.
+        lease_over_at = killed_at + 3 * CLAIM_HEARTBEAT_S
+        # Answered while Redis is down: several requests of each tenant sent after that and
         # answered before the restart (every answer is judged below).
         assert wait_until(
             lambda: all(
-                len(by_tenant(_answered_within(load.answers, killed_at), t)) >= 3 for t in tenants
+                len(by_tenant(_answered_within(load.answers, lease_over_at), t)) >= 3
+                for t in tenants
             ),
             timeout_s=30,
         ), "no request was answered while Redis was down: the gateway stalled on it"
-        assert "limits: Redis unreachable" in stack.gateway.log_tail(1_000_000)
+        # The limits are spent from the process's shares, so the limiter learns of the outage
+        # at its next heartbeat (or a share's top-up), and falls back to memory.
+        assert wait_until(
+            lambda: "limits: Redis unreachable" in stack.gateway.log_tail(1_000_000),
+            timeout_s=10,
+        ), "the limiter never noticed Redis was gone"
         restarted_at = time.monotonic()
-        during = _answered_within(load.answers, killed_at, restarted_at)
+        within_lease = _answered_within(load.answers, killed_at, lease_over_at)
+        during = _answered_within(load.answers, lease_over_at, restarted_at)
         redis_server.start()  # empty: it keeps no data across a restart
         # After the restart the gateway goes back to Redis: the tenants' buckets are made anew.
         assert wait_until(lambda: _limit_buckets(redis_server) == set(tenants), timeout_s=30), (
@@ -292,10 +307,12 @@ def test_redis_killed_and_restarted_under_load_fails_closed_then_serves_and_lose
             timeout_s=30,
         )
         answers = load.stop()
-        # Limits fall back to memory, but a KV claim needs every process's claims: each request
-        # of the outage is refused with a 503 that says why, none admitted.
+        # Limits fall back to memory, but a KV claim needs every process's claims: past the
+        # lease, each request of the outage is refused with a 503 that says why, none admitted.
         refused = [(a.status, a.code) for a in during]
         assert during and set(refused) == {(503, "claims_unreachable")}, refused[:5]
+        early = {(a.status, a.code) for a in within_lease}
+        assert early <= {(200, None), (503, "claims_unreachable")}, early
         _assert_all_served(_answered_within(answers, 0.0, killed_at))
         _assert_all_served(_answered_within(answers, back_at))
         _assert_clear_and_timely(answers, UPSTREAM_TIMEOUT_S + SLACK_S)
