@@ -505,10 +505,12 @@ class TenantLimiter:
         if any(taking.lacks() for taking in takings):
             try:
                 await self._top_up(scopes, takings)
-            except Exception as exc:
+            except BaseException as exc:  # refused, Redis gone, or the request cancelled
                 for taking in takings:
                     taking.undo()
-                if isinstance(exc, APIError) or not redis_unreachable(exc):
+                if not isinstance(exc, Exception) or isinstance(exc, APIError):
+                    raise
+                if not redis_unreachable(exc):
                     raise
                 self._warn_fallback(exc)
                 return self._take_local(lease, reserved, mode)  # Redis unreachable: in memory
@@ -557,9 +559,14 @@ class TenantLimiter:
                 *least_and_most(taking.lack_slot, spare.slots),
             ]
             asked.append((scope, taking))
-        verdict, retry_ms, refusing, *figures = await self._with_timeout(
-            commands.run_script(self._acquire_script, keys, args)
-        )
+        reply = commands.submit_script(self._acquire_script, keys, args)
+        try:
+            verdict, retry_ms, refusing, *figures = await self._with_timeout(asyncio.shield(reply))
+        except BaseException:
+            # Cut short (a timeout, the client gone): what Redis grants even so goes to the
+            # shares, to be spent or given back, rather than lost (its slots held to their TTL).
+            reply.add_done_callback(lambda done: self._keep_granted(done, take_id, asked))
+            raise
         if int(verdict):
             _raise_if_refused(int(verdict), int(retry_ms) / 1000, asked[int(refusing) - 1][0])
         for index, (_, taking) in enumerate(asked):
@@ -617,6 +624,21 @@ class TenantLimiter:
                 bucket.inflight[lease] = now + self._lease_ttl_ms
             lefts.append((_floor(bucket.requests), _floor(bucket.tokens)))
         return lefts
+
+    def _keep_granted(
+        self, done: asyncio.Future[Any], take_id: str, asked: list[tuple[LimitScope, Taking]]
+    ) -> None:
+        """A top-up nobody waits for any more: whatever Redis granted joins the shares."""
+        if done.cancelled() or done.exception() is not None or int(done.result()[0]):
+            return
+        figures = done.result()[3:]
+        for index, (scope, _) in enumerate(asked):
+            _, _, took_r, took_t, took_s = (int(f) for f in figures[5 * index : 5 * index + 5])
+            share = self._share(scope)
+            share.requests += took_r
+            share.tokens += took_t
+            share.free_slots.extend(f"{take_id}:{index + 1}:{k}" for k in range(1, took_s + 1))
+        self._give_back([scope.key for scope, _ in asked], wait=False)
 
     def _settle_shared(self, lease: LimitLease, delta: int) -> None:
         """The correction goes to this process's shares; what they then hold past their spare

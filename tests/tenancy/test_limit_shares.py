@@ -117,6 +117,22 @@ async def test_slots_released_past_twice_the_spare_leave_redis_before_release_re
     assert await slots_in_redis(redis_client, redis_prefix, "acme") == 0
 
 
+async def test_a_take_cut_short_while_on_the_wire_keeps_what_redis_granted_for_the_share(
+    redis_client: Any, redis_prefix: str
+) -> None:
+    limiter, _ = process(redis_client, redis_prefix)
+    cut = asyncio.create_task(limiter.acquire("acme", LARGE, 100))
+    await asyncio.sleep(0)  # its top-up is on the wire
+    cut.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await cut
+    await asyncio.sleep(0.1)  # the reply arrives for nobody
+    await limiter.close()
+    # Given back with the share: no slot held in Redis until its TTL, no token lost.
+    assert await slots_in_redis(redis_client, redis_prefix, "acme") == 0
+    assert await bucket_tokens(redis_client, redis_prefix, "acme") >= LARGE.tokens_per_minute
+
+
 async def test_a_process_shutting_down_gives_its_shares_back(
     redis_client: Any, redis_prefix: str
 ) -> None:
