@@ -508,10 +508,8 @@ class TenantLimiter:
             except BaseException as exc:  # refused, Redis gone, or the request cancelled
                 for taking in takings:
                     taking.undo()
-                if not isinstance(exc, Exception) or isinstance(exc, APIError):
-                    raise
-                if not redis_unreachable(exc):
-                    raise
+                if not isinstance(exc, Exception) or not redis_unreachable(exc):
+                    raise  # a refusal (APIError), a cancellation, or a bug
                 self._warn_fallback(exc)
                 return self._take_local(lease, reserved, mode)  # Redis unreachable: in memory
             if self._warned_fallback:
@@ -573,9 +571,7 @@ class TenantLimiter:
             left_r, left_t, took_r, took_t, took_s = (
                 int(f) for f in figures[5 * index : 5 * index + 5]
             )
-            taking.got(left_r, left_t, took_r, took_t, [
-                f"{take_id}:{index + 1}:{k}" for k in range(1, took_s + 1)
-            ])  # fmt: skip
+            taking.got(left_r, left_t, took_r, took_t, _slot_names(take_id, index, took_s))
         # Two requests of this process may have topped up one share at once.
         self._give_back([scope.key for scope, _ in asked], wait=False)
 
@@ -637,7 +633,7 @@ class TenantLimiter:
             share = self._share(scope)
             share.requests += took_r
             share.tokens += took_t
-            share.free_slots.extend(f"{take_id}:{index + 1}:{k}" for k in range(1, took_s + 1))
+            share.free_slots.extend(_slot_names(take_id, index, took_s))
         self._give_back([scope.key for scope, _ in asked], wait=False)
 
     def _settle_shared(self, lease: LimitLease, delta: int) -> None:
@@ -808,6 +804,12 @@ class TenantLimiter:
         if not self._warned_fallback:
             self._warned_fallback = True
             log.error("limits: Redis unreachable (%r); enforcing limits per replica in memory", exc)
+
+
+def _slot_names(take_id: str, index: int, count: int) -> list[str]:
+    """The members the acquire script added for the ``index``-th scope it was asked about (as
+    it names them: the take's id, the scope's place from 1, the slot's from 1)."""
+    return [f"{take_id}:{index + 1}:{k}" for k in range(1, count + 1)]
 
 
 def _refuse_if_too_large(reserved: int, scope: LimitScope) -> None:
