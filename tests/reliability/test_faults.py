@@ -267,10 +267,12 @@ def test_redis_killed_and_restarted_under_load_fails_closed_then_serves_and_lose
     ):
         clients = {tenant: stack.client(tenant, timeout_s=30) for tenant in tenants}
         load = Load(send_chat(chat_body(max_tokens=1)), clients).start()
-        # Before the kill, the gateway keeps every tenant's limits in Redis.
+        # Before the kill, the gateway keeps every tenant's limits in Redis (a bucket appears at a
+        # tenant's first request) and has answered each tenant.
         assert wait_until(lambda: _limit_buckets(redis_server) == set(tenants), timeout_s=30), (
             f"limits kept in Redis before the kill for {_limit_buckets(redis_server)} only"
         )
+        assert wait_until(lambda: all(by_tenant(load.answers, t) for t in tenants), timeout_s=30)
         killed_at = time.monotonic()
         redis_server.stop()
         # The KV room the process leased before the kill may still be admitted into, never once
