@@ -165,15 +165,16 @@ return 0
 
 # KEYS: one scope's in-flight zset. ARGV: the slot TTL (ms), then the slot members this process
 # holds there: each is given a new expiry, and recorded again if it had expired meanwhile.
-_RENEW_SLOTS_LUA = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
+_RENEW_SLOTS_BODY_LUA = """
 for i = 2, #ARGV do
   redis.call('ZADD', KEYS[1], now + tonumber(ARGV[1]), ARGV[i])
 end
 redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[1]) + 60000)
 return 0
 """
+
+
+_RENEW_SLOTS_LUA = _REDIS_NOW_LUA + _RENEW_SLOTS_BODY_LUA
 
 
 def limiter_scripts(now: str = _REDIS_NOW_LUA) -> tuple[str, str]:
