@@ -158,3 +158,18 @@ async def test_a_limit_with_no_spare_is_taken_and_given_back_in_redis_request_by
     await other.acquire("acme", limits, 900)
     await lease.release()
     assert await slots_in_redis(redis_client, redis_prefix, "acme") == 1
+
+
+async def test_a_held_slot_is_renewed_at_the_heartbeat_before_its_ttl_runs_out(
+    redis_client: Any, redis_prefix: str
+) -> None:
+    limiter = TenantLimiter(redis_client, key_prefix=redis_prefix, lease_ttl_s=0.6)
+    lease = await limiter.acquire("acme", LARGE, 10)  # held past its TTL below
+    key = f"{redis_prefix}:{{acme}}:inflight"
+    await asyncio.sleep(0.25)  # past a third of the TTL: the heartbeat renews
+    await limiter.heartbeat()
+    await asyncio.sleep(0.5)  # past the first expiry, within the renewed one
+    expiries = [score for _, score in await redis_client.zrange(key, 0, -1, withscores=True)]
+    now_ms = time.time() * 1000
+    assert expiries and min(expiries) > now_ms, "a held slot expired while its request ran"
+    await lease.release()
