@@ -73,6 +73,10 @@ class Behaviour:
     rest_of_stream: threading.Event | None = None
     # The last chunk's (or the answer's) finish_reason; None: length, at the last chunk.
     finish: dict[str, Any] | None = None
+    # Report the whole pool in use at every capacity poll while a generation is answered and
+    # at this many polls after the last one ended (None: a small use that moves every poll):
+    # the report of a poll taken while earlier requests ran, made to lag their end on purpose.
+    full_pool_polls_after: int | None = None
 
 
 class _DroppedConnection(Response):
@@ -102,6 +106,7 @@ class StandInWorker:
     # The rids of the aborts it was sent (SGLang's ``/abort_request``).
     aborted: list[str] = field(default_factory=list)
     polls: int = 0
+    _full_polls_left: int = 0
     # Generations being answered now, and the most there ever were at once (a stream counts
     # until its response is handed over, not while its body is sent).
     in_flight: int = 0
@@ -135,12 +140,20 @@ class StandInWorker:
             await asyncio.sleep(self.behaviour.capacity_delay_s)
             # Every poll sees a different use, so two observations are equal only if they are one.
             self.polls += 1
+            b = self.behaviour
+            used = self.polls % 97
+            if b.full_pool_polls_after is not None:
+                if self.in_flight:
+                    self._full_polls_left = b.full_pool_polls_after
+                if self.in_flight or self._full_polls_left:
+                    self._full_polls_left -= not self.in_flight
+                    used = b.pool_tokens
             body = dict(loads)
             body["loads"] = [
                 dict(
                     loads["loads"][0],
-                    max_total_num_tokens=self.behaviour.pool_tokens,
-                    num_used_tokens=self.polls % 97,
+                    max_total_num_tokens=b.pool_tokens,
+                    num_used_tokens=used,
                 )
             ]
             return JSONResponse(body)

@@ -129,6 +129,15 @@ class ClaimLedger:
             >= need
         )
 
+    def refused_on_reported_use(self, pair: WorkerPair, need: int) -> bool:
+        """Whether only the workers' reported use, not this process's claims, leaves less than
+        ``need`` free in one of the pair's pools."""
+        claimed = self.claimed
+        return not self.has_room(pair, need) and all(
+            state.max_total_num_tokens - claimed.get(state.url, 0) >= need
+            for state in (pair.prefill_state, pair.decode_state)
+        )
+
     async def take(self, pair: WorkerPair, need: int) -> Claim | None:
         """``need`` tokens claimed on both of the pair's pools if they have room now, counting
         every process's claims when they are shared; None if they do not. Raises a 503 when

@@ -399,9 +399,7 @@ class GenerationCore:
             else:
                 lease = await self._limiter.acquire(ask.tenant_id, ask.limits, reserved, scopes)
                 held.push(lease.release)
-        claim = await self._ledger.take(pair, first_need)
-        if claim is None:
-            raise _capacity_busy()  # taken by others while this one waited
+        claim = await self._claim(pair, first_need)
         held.push(claim.release)
         if metered:
             assert slot is not None  # a tenant's request: granted by the queue
@@ -447,6 +445,28 @@ class GenerationCore:
             max_tokens,
             budget_lines,
         )
+
+    async def _claim(self, pair: WorkerPair, need: int) -> Claim:
+        """``need`` tokens of ``pair`` claimed for a request on its way to it; 503
+        ``capacity_busy`` when they are not free (taken by others while it waited).
+
+        The fair queue grants on its own count of what the gateway has sent; the claim also
+        counts what the workers last reported in use, which may be a poll taken while requests
+        since ended still ran. Where only that report stands in the way, the claim is tried
+        again on the next polls' observations (a bounded wait) instead of refused on it."""
+        ledger = self._ledger
+        claim = await ledger.take(pair, need)
+        for _ in range(_CLAIM_POLLS_AWAITED):
+            if claim is not None or not ledger.refused_on_reported_use(pair, need):
+                break
+            observed = await self._routes.observed_after_next_poll(pair)
+            if observed is None:
+                break
+            pair = observed
+            claim = await ledger.take(pair, need)
+        if claim is None:
+            raise _capacity_busy()
+        return claim
 
     def _encoding(
         self,
@@ -529,9 +549,7 @@ class GenerationCore:
             claim = None
         try:
             if claim is None:
-                claim = await self._ledger.take(pair, need)
-                if claim is None:
-                    raise _capacity_busy()
+                claim = await self._claim(pair, need)
             choice.request.priority = slot.priority
             output = await self._dispatcher.generate(pair, choice.request)
             completion = self._checked(admitted, choice, output)
@@ -909,6 +927,9 @@ async def _merged(
 
 
 _T = TypeVar("_T")
+
+# How many polls a claim refused on the workers' reported use alone waits for (``_claim``).
+_CLAIM_POLLS_AWAITED = 2
 
 
 async def _all_or_nothing(

@@ -8,6 +8,7 @@ the pair chosen is one where it fits *now* and whose workers have the fewest tok
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 import time
@@ -186,3 +187,14 @@ class RoutingCache:
         )
         entry = self._entries[key] = Candidates(pairs, model.max_context_tokens, usable_until)
         return entry
+
+    async def observed_after_next_poll(self, pair: WorkerPair) -> WorkerPair | None:
+        """``pair`` as the registry's next poll observes its workers; None if no poll ends
+        within two intervals or either worker can no longer be routed on."""
+        registry = self._registry
+        if not await registry.next_refresh(2 * registry.poll_interval_s):
+            return None
+        prefill, decode = registry.get(pair.prefill.url), registry.get(pair.decode.url)
+        if prefill is None or decode is None:
+            return None
+        return dataclasses.replace(pair, prefill_state=prefill, decode_state=decode)

@@ -231,6 +231,8 @@ class CapacityRegistry:
         )
         self._get_json = json_getter(self._client)
         self._refreshed = asyncio.Event()
+        # Set, and replaced, at the end of every refresh: what a waiter for the next poll awaits.
+        self._next_refresh = asyncio.Event()
         # Bumped whenever an observation is adopted or dropped: what was derived from the
         # observations (gateway.core.routing.RoutingCache) is valid while it is unchanged.
         self.version = 0
@@ -238,6 +240,10 @@ class CapacityRegistry:
     @property
     def stale_after_s(self) -> float:
         return self._stale_after_s
+
+    @property
+    def poll_interval_s(self) -> float:
+        return self._poll_interval_s
 
     def set_workers(self, workers: Iterable[tuple[str, Role]]) -> None:
         self._workers = dict(workers)
@@ -337,6 +343,15 @@ class CapacityRegistry:
     async def wait_refreshed(self) -> None:
         await self._refreshed.wait()
 
+    async def next_refresh(self, timeout_s: float) -> bool:
+        """Wait until the refresh after this moment has ended; False if none ended within
+        ``timeout_s``."""
+        try:
+            await asyncio.wait_for(self._next_refresh.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
     async def refresh(self) -> None:
         """Poll the workers this replica is responsible for, publish, then adopt the shared view.
 
@@ -350,6 +365,8 @@ class CapacityRegistry:
         if self._redis is not None:
             await self._adopt_shared(self._redis)
         self._refreshed.set()
+        ended, self._next_refresh = self._next_refresh, asyncio.Event()
+        ended.set()
 
     async def _observe(self, url: str, role: Role) -> None:
         try:
