@@ -56,7 +56,7 @@ from gateway.openai.protocol import PromptLogprobs, TokenLogprob, utf8_length
 from gateway.openai.tokenize import ChatTurn, ModelTokenizer
 from gateway.tenancy.audit import AuditEvent, AuditLog
 from gateway.tenancy.auth import Principal
-from gateway.tenancy.budgets import TokenBudgets
+from gateway.tenancy.budgets import BudgetHold, TokenBudgets
 from gateway.tenancy.limits import LimitLease, TenantLimiter, model_scopes
 from gateway.tool_parsers import InvalidToolOutput, OutputParser, OutputSpec, ParsedOutput, ToolCall
 from gateway.verification.verify import (
@@ -214,6 +214,8 @@ class Trace:
     pair: WorkerPair | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    # What the request reserved of the tenant's token budgets, settled when it is recorded.
+    budget_hold: BudgetHold | None = None
 
     def event(self, outcome: Outcome) -> AuditEvent:
         principal, pair = self.principal, self.pair
@@ -320,10 +322,10 @@ class GenerationCore:
         """Gate 1 for every prompt, then the claims for every choice (pushed onto ``held``),
         on one pair; raises ``APIError`` on refusal."""
         model, margin, max_tokens = ask.model, self._margin, ask.max_tokens
-        budget_lines = b""
-        if ask.limits is not None and self._budgets is not None:
-            # A spent token budget refuses before the request queues or reserves tokens.
-            budget_lines = await self._budgets.check(self._catalog.policies, ask.tenant_id, model)
+        budgets = self._budgets if ask.limits is not None else None
+        if budgets is not None:
+            # A spent token budget refuses before the prompt is counted.
+            await budgets.check(self._catalog.policies, ask.tenant_id, model)
         if ask.pair is None:
             candidates = self._routes.candidates(self._catalog.policies, model, ask.tenant_id)
         else:
@@ -356,6 +358,14 @@ class GenerationCore:
         trace.prompt_tokens = prompt_total = sum(prompt_lengths)
 
         generations = len(prompt_lengths)
+        budget_lines = b""
+        if budgets is not None:
+            # What it may use is reserved before it queues, so requests in flight together
+            # are counted together; settled to what it used by ``record``.
+            may_use = prompt_total + max_tokens * generations
+            hold = await budgets.reserve(self._catalog.policies, ask.tenant_id, model, may_use)
+            if hold is not None:
+                trace.budget_hold, budget_lines = hold, hold.header_lines
         # A tenant's whole answer of several generations runs them a bounded number at a
         # time, each waiting its own turn (``_Metered``): only one of them need fit now.
         metered = ask.limits is not None and not ask.stream and generations > 1
@@ -653,18 +663,17 @@ class GenerationCore:
         event = trace.event(outcome)
         self._audit.record(event)
         principal = trace.principal
-        if (
-            self._budgets is not None
-            and principal is not None
-            and trace.policy_model is not None
-            and trace.completion_tokens is not None
-        ):
-            # Settled after the response, as the audit log (the budgets' durable record) says.
+        # Budgets are settled after the response, as the audit log (their durable record)
+        # counts it: a request without completion tokens used none.
+        used = 0
+        if trace.completion_tokens is not None:
+            used = (trace.prompt_tokens or 0) + trace.completion_tokens
+        if trace.budget_hold is not None:
+            trace.budget_hold.settle(used)
+        elif self._budgets is not None and principal is not None and trace.policy_model:
+            # Nothing reserved: the budget was set while the request ran.
             self._budgets.charge_later(
-                self._catalog.policies,
-                principal.tenant_id,
-                trace.policy_model,
-                (trace.prompt_tokens or 0) + trace.completion_tokens,
+                self._catalog.policies, principal.tenant_id, trace.policy_model, used
             )
         if outcome.outcome == "verification_failed":
             log.error(

@@ -1,10 +1,16 @@
 """Token budgets: the prompt + completion tokens a tenant may use over a UTC day or calendar
 month, over all its models (tenants.yaml ``budget``) and over one (``model_budgets``).
 
-A request is refused (429 ``budget_exceeded``) once a budget it counts against is spent, and
-charged what it used after its response (``charge``, from the audit record), so the last
-request of a budget may overshoot it by its own size. Past a budget's soft threshold a request
-is still served; the crossing is logged and counted once (``isogate_budget_soft_crossings``).
+A request is refused (429 ``budget_exceeded``) once a budget it counts against is spent. A
+budget is a claim, not a look: a request admitted reserves what it may use (its prompts and
+``max_tokens`` for each generation) in every counter it counts against, in one atomic step that
+first checks that none is spent (``reserve``); its ``BudgetHold`` is settled once, after its
+response, to what it used (``BudgetHold.settle``, from the audit record; nothing for a request
+that failed). So requests in flight together are counted together: what a budget's tenant can
+use past it is the last admitted request's own size, however many it sends at once (checked
+one by one against the counter, each request would see the same count and all would be
+served). Past a budget's soft threshold a request is still served; the crossing is logged and
+counted once (``isogate_budget_soft_crossings``).
 
 Where the count lives: with Redis, one counter per (tenant, scope, period) that every replica
 adds to, so replicas share a budget; without, a counter in process. Neither is the durable
@@ -20,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -46,6 +52,32 @@ if redis.call('EXISTS', KEYS[1]) == 0 then
   return -1
 end
 return redis.call('INCRBY', KEYS[1], ARGV[1])
+"""
+
+# KEYS: a request's counters. ARGV[1]: the tokens to reserve; ARGV[1 + i]: KEYS[i]'s budget.
+# All or none: {0, count before, ...} with every counter raised by the tokens when none is
+# spent, else {i, its count} for the first spent. A counter that is not there (lost between
+# its rebuild and this step) is not enforced, as a rebuild that cannot read the log is not:
+# its count reads -1 and it is left alone.
+_RESERVE_LUA = """
+local counts = {}
+for i, key in ipairs(KEYS) do
+  local found = redis.call('GET', key)
+  if found then
+    counts[i] = tonumber(found)
+    if counts[i] >= tonumber(ARGV[i + 1]) then
+      return {i, counts[i]}
+    end
+  else
+    counts[i] = -1
+  end
+end
+for i, key in ipairs(KEYS) do
+  if counts[i] >= 0 then
+    redis.call('INCRBY', key, ARGV[1])
+  end
+end
+return {0, unpack(counts)}
 """
 
 
@@ -112,38 +144,68 @@ class TokenBudgets:
         self._clock = clock
         self._timeout_s = redis_timeout_s
         self._charge_script = redis.register_script(_CHARGE_LUA) if redis is not None else None
+        self._reserve_script = redis.register_script(_RESERVE_LUA) if redis is not None else None
         # Without Redis (or while it fails): the counters of this process, by key.
         self._local: dict[str, int] = {}
         self._pending: set[asyncio.Task[None]] = set()
 
-    async def check(self, policies: Policies, tenant_id: str, model: ModelPolicy) -> bytes:
-        """Refuse (429 ``budget_exceeded``) if a budget the request counts against is spent;
-        else the ``x-budget-*`` header lines of the one with the least left (none without a
-        budget)."""
+    async def check(self, policies: Policies, tenant_id: str, model: ModelPolicy) -> None:
+        """Refuse (429 ``budget_exceeded``) if a budget the request counts against is spent:
+        a look, before the request is read further (its prompt tokenized); what admits it is
+        ``reserve``."""
         scopes = budget_scopes(policies, tenant_id, model)
         if not scopes:
-            return b""
+            return
         now = self._clock()
-        standings = []
         for scope in scopes:
             start, ends = period_bounds(scope.budget.period, now)
-            used = await self._used(tenant_id, scope, start, ends, now)
-            standing = _Standing(scope, used, ends)
+            standing = _Standing(scope, await self._used(tenant_id, scope, start, ends, now), ends)
             if standing.remaining <= 0:
-                if self._metrics is not None:
-                    self._metrics.budget_refusals.labels(tenant_id, scope.name).inc()
-                raise _spent(standing, now)
-            standings.append(standing)
-        return _header_lines(min(standings, key=lambda s: s.remaining))
+                raise self._refusal(tenant_id, standing, now)
+
+    async def reserve(
+        self, policies: Policies, tenant_id: str, model: ModelPolicy, tokens: int
+    ) -> BudgetHold | None:
+        """Reserve ``tokens`` in every budget the request counts against, all or none; refuse
+        (429 ``budget_exceeded``) if one is spent. None without a budget. The hold carries the
+        ``x-budget-*`` header lines of the budget with the least left before it."""
+        scopes = budget_scopes(policies, tenant_id, model)
+        if not scopes:
+            return None
+        now = self._clock()
+        counters: list[tuple[BudgetScope, str, datetime]] = []
+        for scope in scopes:
+            start, ends = period_bounds(scope.budget.period, now)
+            await self._used(tenant_id, scope, start, ends, now)  # rebuilt here if missing
+            counters.append((scope, self._key(tenant_id, scope, start), ends))
+        keys = [key for _, key, _ in counters]
+        spent, counts = await self._reserve(keys, [s.budget.tokens for s, _, _ in counters], tokens)
+        if spent is not None:
+            scope, _, ends = counters[spent]
+            raise self._refusal(tenant_id, _Standing(scope, counts[spent], ends), now)
+        standings = [
+            _Standing(scope, max(0, count), ends)
+            for (scope, _, ends), count in zip(counters, counts, strict=True)
+        ]
+        held = [(scope, key) for (scope, key, _), n in zip(counters, counts, strict=True) if n >= 0]
+        lines = _header_lines(min(standings, key=lambda s: s.remaining))
+        return BudgetHold(self, tenant_id, held, tokens, lines)
+
+    def _refusal(self, tenant_id: str, standing: _Standing, now: datetime) -> APIError:
+        if self._metrics is not None:
+            self._metrics.budget_refusals.labels(tenant_id, standing.scope.name).inc()
+        return _spent(standing, now)
 
     def charge_later(self, policies: Policies, tenant_id: str, model: str, tokens: int) -> None:
-        """``charge``, from a caller that cannot wait (the audit record)."""
+        """``charge``, from a caller that cannot wait (the audit record of a request that
+        reserved nothing: its budget was set while it ran)."""
         found = policies.models.get(model)
         if found is None or tokens <= 0 or not budget_scopes(policies, tenant_id, found):
             return
-        task = asyncio.get_running_loop().create_task(
-            self.charge(policies, tenant_id, found, tokens)
-        )
+        self._later(self.charge(policies, tenant_id, found, tokens))
+
+    def _later(self, charging: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(charging)
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
 
@@ -153,18 +215,27 @@ class TokenBudgets:
         """Add a request's tokens, as settled after its response, to every budget it counts
         against; log and count a soft threshold crossed."""
         now = self._clock()
+        counters = []
         for scope in budget_scopes(policies, tenant_id, model):
             start, _ = period_bounds(scope.budget.period, now)
-            key = self._key(tenant_id, scope, start)
+            counters.append((scope, self._key(tenant_id, scope, start)))
+        await self._settle(tenant_id, counters, tokens, tokens)
+
+    async def _settle(
+        self, tenant_id: str, counters: list[tuple[BudgetScope, str]], used: int, delta: int
+    ) -> None:
+        """Add ``delta`` to each counter (a request's use less what it reserved there); log and
+        count a soft threshold that its ``used`` tokens crossed."""
+        for scope, key in counters:
             try:
-                after = await self._add(key, tokens)
+                after = await self._add(key, delta)
             except Exception:
                 log.exception("budgets: charging %s failed", key)
                 continue
             if after < 0:
                 continue  # no counter: rebuilt from the audit log, this request included
             soft = scope.budget.tokens * scope.budget.soft_percent / 100
-            if after - tokens < soft <= after:
+            if after - used < soft <= after:
                 log.warning(
                     "budget soft threshold crossed",
                     extra={
@@ -228,6 +299,34 @@ class TokenBudgets:
             log.error("budgets: the audit log cannot be read (%r); not enforced meanwhile", exc)
             return None
 
+    async def _reserve(
+        self, keys: list[str], budgets: list[int], tokens: int
+    ) -> tuple[int | None, list[int]]:
+        """``_RESERVE_LUA``'s step, in Redis or here: (None, each count before) when reserved,
+        else (index of the spent counter, the counts); a count of -1: not there, not held."""
+        script = self._reserve_script
+        if script is not None:
+            try:
+                result: Any = await asyncio.wait_for(
+                    script(keys=keys, args=[tokens, *budgets]), self._timeout_s
+                )
+                if int(result[0]):
+                    index = int(result[0]) - 1
+                    return index, [int(result[1]) if i == index else 0 for i in range(len(keys))]
+                return None, [int(count) for count in result[1:]]
+            except Exception as exc:
+                if not redis_unreachable(exc):
+                    raise
+                log.error("budgets: Redis unreachable (%r); counting in this process", exc)
+        counts = [self._local.get(key, -1) for key in keys]
+        for index, (count, budget) in enumerate(zip(counts, budgets, strict=True)):
+            if count >= budget:
+                return index, counts
+        for key, count in zip(keys, counts, strict=True):
+            if count >= 0:
+                self._local[key] = count + tokens
+        return None, counts
+
     async def _add(self, key: str, tokens: int) -> int:
         script = self._charge_script
         if script is not None:
@@ -244,6 +343,31 @@ class TokenBudgets:
             return -1
         self._local[key] += tokens
         return self._local[key]
+
+
+@dataclass(slots=True)
+class BudgetHold:
+    """What one admitted request reserved of its budgets: the counters that hold it and how
+    many tokens; settled once, after its response (the audit record)."""
+
+    budgets: TokenBudgets
+    tenant_id: str
+    counters: list[tuple[BudgetScope, str]]
+    reserved: int
+    header_lines: bytes
+    settled: bool = False
+
+    def settle(self, used: int) -> None:
+        """Replace the reservation by what the request used (0: it produced nothing); only
+        the first call counts."""
+        if self.settled:
+            return
+        self.settled = True
+        if self.counters and (used or self.reserved):
+            budgets = self.budgets
+            budgets._later(
+                budgets._settle(self.tenant_id, self.counters, used, used - self.reserved)
+            )
 
 
 def _header_lines(standing: _Standing) -> bytes:

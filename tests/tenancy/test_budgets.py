@@ -15,7 +15,7 @@ import redis.asyncio as redis_asyncio
 from gateway.common.errors import APIError
 from gateway.config.policies import Policies, PolicyError, load_policies
 from gateway.observability.metrics import Metrics
-from gateway.tenancy.budgets import TokenBudgets, period_bounds
+from gateway.tenancy.budgets import BudgetHold, TokenBudgets, period_bounds
 from tests.unit.config.test_model_access import write
 
 pytestmark = pytest.mark.anyio
@@ -61,7 +61,18 @@ def _policies(tmp_path: Path, budget: dict[str, object], **tenant: object) -> Po
 
 
 async def _served(budgets: TokenBudgets, policies: Policies, model: str = "small") -> bytes:
-    return await budgets.check(policies, "acme", policies.models[model])
+    """Admitted (both the early look and the reservation, of nothing): its header lines."""
+    await budgets.check(policies, "acme", policies.models[model])
+    hold = await budgets.reserve(policies, "acme", policies.models[model], 0)
+    return b"" if hold is None else hold.header_lines
+
+
+async def _held(
+    budgets: TokenBudgets, policies: Policies, tokens: int, model: str = "small"
+) -> BudgetHold:
+    hold = await budgets.reserve(policies, "acme", policies.models[model], tokens)
+    assert hold is not None
+    return hold
 
 
 async def _refused(budgets: TokenBudgets, policies: Policies, model: str = "small") -> APIError:
@@ -78,8 +89,12 @@ async def _use(
     tokens: int,
     model: str = "small",
 ) -> None:
-    """A served request: charged, and its event in the audit log."""
-    await budgets.charge(policies, "acme", policies.models[model], tokens)
+    """A served request: its tokens reserved, then settled as used, and its event in the
+    audit log."""
+    hold = await budgets.reserve(policies, "acme", policies.models[model], tokens)
+    if hold is not None:
+        hold.settle(tokens)
+        await budgets.drain()
     record.events.append(("acme", model, clock.now, tokens))
 
 
@@ -159,8 +174,81 @@ async def test_a_charge_without_a_counter_is_left_to_the_rebuild(
     record, clock = Record(), Clock()
     budgets = budgets_factory(record, clock, None)
     policies = _policies(tmp_path, {"tokens": 100, "period": "day"})
-    await _use(budgets, policies, record, clock, 40)  # no counter yet: not added twice
-    assert b"x-budget-remaining-tokens: 60\r\n" in await _served(budgets, policies)
+    # A request that reserved nothing (its budget set while it ran), before any counter.
+    await budgets.charge(policies, "acme", policies.models["small"], 40)
+    record.events.append(("acme", "small", clock.now, 40))
+    assert b"x-budget-remaining-tokens: 60\r\n" in await _served(budgets, policies)  # not twice
+
+
+async def test_requests_in_flight_together_are_counted_together(
+    tmp_path: Path, budgets_factory: Callable[[Record, Clock, Metrics | None], TokenBudgets]
+) -> None:
+    record, clock = Record(), Clock()
+    budgets = budgets_factory(record, clock, None)
+    policies = _policies(tmp_path, {"tokens": 100, "period": "day"})
+    first = await _held(budgets, policies, 60)
+    assert b"x-budget-remaining-tokens: 100\r\n" in first.header_lines
+    second = await _held(budgets, policies, 60)  # the last admitted may overshoot
+    assert b"x-budget-remaining-tokens: 40\r\n" in second.header_lines
+    # 120 of 100 reserved: spent while both run, though neither has been charged yet.
+    assert (await _refused(budgets, policies)).code == "budget_exceeded"
+    first.settle(10)  # used less than it reserved: the rest given back
+    second.settle(0)  # failed: nothing used
+    await budgets.drain()
+    assert b"x-budget-remaining-tokens: 90\r\n" in await _served(budgets, policies)
+
+
+async def test_a_hold_is_settled_once(
+    tmp_path: Path, budgets_factory: Callable[[Record, Clock, Metrics | None], TokenBudgets]
+) -> None:
+    record, clock = Record(), Clock()
+    budgets = budgets_factory(record, clock, None)
+    policies = _policies(tmp_path, {"tokens": 100, "period": "day"})
+    hold = await _held(budgets, policies, 50)
+    hold.settle(20)
+    hold.settle(20)
+    await budgets.drain()
+    assert b"x-budget-remaining-tokens: 80\r\n" in await _served(budgets, policies)
+
+
+async def test_a_reservation_is_all_or_none_over_the_tenant_and_model_budgets(
+    tmp_path: Path, budgets_factory: Callable[[Record, Clock, Metrics | None], TokenBudgets]
+) -> None:
+    record, clock = Record(), Clock()
+    budgets = budgets_factory(record, clock, None)
+    policies = load_policies(
+        write(
+            tmp_path,
+            tenants={
+                "acme": {
+                    "budget": {"tokens": 100, "period": "day"},
+                    "model_budgets": {"large": {"tokens": 30, "period": "day"}},
+                }
+            },
+        )
+    )
+    held = await _held(budgets, policies, 30, "large")  # both budgets: 30 each
+    error = await _refused(budgets, policies, "large")  # the model's is spent
+    assert error.headers["x-budget-scope"] == "model large"
+    # The refused one reserved nothing of the tenant's budget: 70 left there, not 40.
+    assert b"x-budget-remaining-tokens: 70\r\n" in await _served(budgets, policies, "small")
+    held.settle(30)
+    await budgets.drain()
+
+
+async def test_replicas_sharing_redis_count_each_others_requests_in_flight(
+    tmp_path: Path, redis_client: redis_asyncio.Redis, redis_prefix: str
+) -> None:
+    record, clock = Record(), Clock()
+    policies = _policies(tmp_path, {"tokens": 100, "period": "day"})
+    first, second = (
+        TokenBudgets(redis_client, redis_prefix, record.usage_since, clock=clock) for _ in "ab"
+    )
+    hold = await _held(first, policies, 100)
+    assert (await _refused(second, policies)).code == "budget_exceeded"
+    hold.settle(0)
+    await first.drain()
+    assert b"x-budget-remaining-tokens: 100\r\n" in await _served(second, policies)
 
 
 async def test_a_model_budget_counts_that_model_only(

@@ -3,6 +3,7 @@ tenant, aliases, limits per model and per (tenant, model), token budgets."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -308,3 +309,37 @@ def test_a_key_narrowed_to_one_model_is_refused_the_other_as_if_absent(tmp_path:
             assert client.post("/v1/chat/completions", json=chat(MODEL)).status_code == 200
         details = {e["model"]: e["detail"] for e in stack.audit(tenant="narrowed")}
         assert details[MODEL] == f"the key may not use model '{MODEL}' (its models)"
+
+
+def test_a_budget_counts_a_request_in_flight_before_its_response(tmp_path: Path) -> None:
+    """While one request that may use more than the budget runs, the next is refused; once
+    it has ended, what it did not use is the tenant's again."""
+    with policy_stack(tmp_path, _daily_budget) as stack:
+        key = stack.key("metered")
+        gate = threading.Event()
+        stack.decode.behaviour.gate = gate
+        first: list[Any] = []
+
+        def send_first() -> None:
+            with stack.client(key) as client:
+                first.append(client.post("/v1/chat/completions", json=chat(MODEL, BUDGET)))
+
+        runs = threading.Thread(target=send_first)
+        runs.start()
+        try:
+            wait_until(lambda: stack.decode.in_flight == 1, timeout_s=10)
+            with stack.client(key) as client:
+                refused = client.post("/v1/chat/completions", json=chat(MODEL))
+            assert refused.status_code == 429, refused.text
+            assert refused.json()["error"]["code"] == "budget_exceeded"
+        finally:
+            gate.set()
+            runs.join(timeout=30)
+        assert first[0].status_code == 200, first[0].text
+        used = first[0].json()["usage"]["total_tokens"]
+        assert used < BUDGET
+        with stack.client(key) as client:
+            wait_until(
+                lambda: client.post("/v1/chat/completions", json=chat(MODEL)).status_code == 200,
+                timeout_s=10,
+            )
