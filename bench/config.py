@@ -50,6 +50,7 @@ class BenchConfig:
     audit_rows: int
     router_cpus: set[int] | None
     helper_cpus: set[int] | None
+    all_cpus: set[int]  # what the runner may use before it pins itself to the helper CPUs
     priority: int  # autogroup nice of the bench's processes (0: none)
     gateway_root: Path | None  # run the gateway package of this checkout instead of ours
     scale: bool  # section 1 also unpinned: the Rust routers and ``serve --workers 2``
@@ -84,6 +85,7 @@ class BenchConfig:
             audit_rows=int(os.environ.get("BENCH_AUDIT_ROWS", 100_000 if quick else 1_000_000)),
             router_cpus={cpus[-1]} if pinned else None,
             helper_cpus=set(cpus[:-1]) if pinned else None,
+            all_cpus=set(cpus),
             priority=int(os.environ.get("BENCH_PRIORITY", "0")),
             gateway_root=Path(root) if root else None,
             scale=pinned and env_flag("BENCH_SCALE", True),

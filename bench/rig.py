@@ -93,17 +93,20 @@ def instant_rig(config: BenchConfig, work_dir: Path) -> Iterator[Rig]:
         routers: dict[str, Server] = {}
         scale, unpinned = config.scale and config.runs("routing"), []
         for kind, port in (("sglang-router", ports.router), ("smg", ports.smg)):
-            for cpus in (config.router_cpus, None) if scale else (config.router_cpus,):
+            for both in (False, True) if scale else (False,):
                 if kind == "smg" and not SMG_BINARY.exists():
                     continue  # section 1 runs without it
+                # Every CPU given explicitly: left unset, a router would inherit the runner's
+                # own pinning to the helper CPUs.
+                cpus = config.all_cpus if both else config.router_cpus
                 placed = {"cpus": cpus, "priority": config.priority, "models": [MODEL]}
-                server = pd_router(kind, pool, port + 4 * (not cpus), work_dir, **placed)
+                server = pd_router(kind, pool, port + 4 * both, work_dir, **placed)
                 up.callback(server.stop)
                 name = kind.replace("-", "_")
-                if cpus:
-                    routers[name] = server
-                else:  # both cores: section 1's scale-out cells
+                if both:  # both cores: section 1's scale-out cells
                     unpinned.append((name + "_unpinned", server.url, server.pid, ""))
+                else:
+                    routers[name] = server
         slow_pool = BenchPool(prefill.url, ports.bootstrap, slow_decode.url)
         deepseek = ensure_deepseek_model()
         models = [
@@ -123,7 +126,7 @@ def instant_rig(config: BenchConfig, work_dir: Path) -> Iterator[Rig]:
         # Redis; the HTTP layer: the same app under granian, where installed, pinned too.
         prefix = {"ISOGATE_REDIS_KEY_PREFIX": "isogate-bench-" + secrets.token_hex(4)}
         redis = INSTANT_GATEWAY_ENV | prefix | {"ISOGATE_REDIS_URL": REDIS_URL}
-        variants = [("gateway_workers2", None, {"workers": 2, "env": redis})]
+        variants = [("gateway_workers2", config.all_cpus, {"workers": 2, "env": redis})]
         variants.append(("gateway_redis", config.router_cpus, {"workers": 1, "env": redis}))
         if importlib.util.find_spec("granian"):
             variants.append(("gateway_granian", config.router_cpus, {"granian": True}))

@@ -103,6 +103,10 @@ def main() -> int:
         section("hostile", lambda: run_hostile_bench(config, work / "hostile", log))
     if config.peer_benches and config.runs("peers"):
         section("peers", lambda: run_peer_benches(config, log))
+    # The engine sections run as deployed: the PD pair, the routers, the gateways and their
+    # clients on every CPU. A child inherits the runner's pinning to the helper CPUs, so the
+    # runner lets it go first (before, every process of these sections shared one core).
+    os.sched_setaffinity(0, config.all_cpus)
     if config.runs("real"):
         section("real_engine", lambda: run_real_engine_bench(config, work, log))
     if config.runs("fair") and config.real_engine:
