@@ -60,6 +60,12 @@ def _policies(tmp_path: Path, budget: dict[str, object], **tenant: object) -> Po
     return load_policies(write(tmp_path, tenants={"acme": {"budget": budget, **tenant}}))
 
 
+def _with_model_budget(tmp_path: Path, tokens: int, **tenant: object) -> Policies:
+    """Policies where acme's model ``large`` has a daily budget of ``tokens``."""
+    budgets = {"large": {"tokens": tokens, "period": "day"}}
+    return load_policies(write(tmp_path, tenants={"acme": {"model_budgets": budgets, **tenant}}))
+
+
 async def _served(budgets: TokenBudgets, policies: Policies, model: str = "small") -> bytes:
     """Admitted (both the early look and the reservation, of nothing): its header lines."""
     await budgets.check(policies, "acme", policies.models[model])
@@ -216,17 +222,7 @@ async def test_a_reservation_is_all_or_none_over_the_tenant_and_model_budgets(
 ) -> None:
     record, clock = Record(), Clock()
     budgets = budgets_factory(record, clock, None)
-    policies = load_policies(
-        write(
-            tmp_path,
-            tenants={
-                "acme": {
-                    "budget": {"tokens": 100, "period": "day"},
-                    "model_budgets": {"large": {"tokens": 30, "period": "day"}},
-                }
-            },
-        )
-    )
+    policies = _with_model_budget(tmp_path, 30, budget={"tokens": 100, "period": "day"})
     held = await _held(budgets, policies, 30, "large")  # both budgets: 30 each
     error = await _refused(budgets, policies, "large")  # the model's is spent
     assert error.headers["x-budget-scope"] == "model large"
@@ -256,12 +252,7 @@ async def test_a_model_budget_counts_that_model_only(
 ) -> None:
     record, clock = Record(), Clock()
     budgets = budgets_factory(record, clock, None)
-    policies = load_policies(
-        write(
-            tmp_path,
-            tenants={"acme": {"model_budgets": {"large": {"tokens": 50, "period": "day"}}}},
-        )
-    )
+    policies = _with_model_budget(tmp_path, 50)
     assert await _served(budgets, policies, "small") == b""  # no budget on it: no headers
     await _served(budgets, policies, "large")
     await _use(budgets, policies, record, clock, 500, "small")
