@@ -87,7 +87,7 @@ class Settings(BaseSettings):
     # tenant's p50 within 2.5x of alone, the pair's throughput within 80 % of no queue), and a
     # linger longer than such a tenant's pause between requests (docs/operations.md,
     # section 9). Unset: no lower cap.
-    queue_in_flight_per_pair_contended: int | None = Field(default=4, gt=0)
+    queue_in_flight_per_pair_contended: int | None = Field(default=8, gt=0)
     queue_contention_linger_s: float = Field(default=10.0, ge=0)
     # The longest a request waits for its turn before 429 (its tenant is over its share) or
     # 503 (the pair is full), with Retry-After.

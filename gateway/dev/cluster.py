@@ -120,6 +120,21 @@ class ClusterSpec:
     fork_workers: bool = True
 
 
+def cpu_threads_env() -> dict[str, str]:
+    """Each of the pair's two workers one half of the CPUs this process may use, unless
+    ``OMP_NUM_THREADS`` is set already.
+
+    Why: torch on the CPU runs as many threads as there are CPUs, and SGLang binds them to
+    cores only on AMX and arm64 machines. Two workers of one pair, each with a thread on every
+    core, took turns at every core: on the 2-core dev host a quiet tenant's request waited
+    2.7-6.6x its time alone beside a flood, 1.6-2.0x with one thread each, and the pair made
+    twice the tokens (docs/operations.md section 9).
+    """
+    if "OMP_NUM_THREADS" in os.environ:
+        return {}
+    return {"OMP_NUM_THREADS": str(max(1, len(os.sched_getaffinity(0)) // 2))}
+
+
 def default_engine_python() -> Path:
     venv = os.environ.get("ENGINE_VENV") or str(REPO_ROOT / ".venv-engine")
     return Path(venv) / "bin" / "python"
@@ -345,6 +360,7 @@ class PDCluster:
             command=server_command(worker, self.spec.model_dir, self.spec.engine_python),
             env={
                 **CPU_ENGINE_ENV,
+                **cpu_threads_env(),
                 **(FORK_WORKERS_ENV if self.spec.fork_workers else {}),
                 **worker.env,
             },
