@@ -78,9 +78,9 @@ class Settings(BaseSettings):
 
     # Fair queueing per worker pair (gateway.core.pair_queues). Requests in flight per pair before
     # the rest queue, where neither the pool's policy nor the engine's own
-    # max_running_requests sets a lower cap: where a CPU pair's throughput stopped growing
-    # with concurrency (docs/operations.md).
-    queue_in_flight_per_pair: int = Field(default=12, gt=0)
+    # max_running_requests sets a lower cap: where the CPU dev pair's throughput stopped
+    # growing with concurrency (docs/operations.md, section 9).
+    queue_in_flight_per_pair: int = Field(default=24, gt=0)
     # The same while more than one tenant holds or wants slots of a pair, and for
     # queue_contention_linger_s after (a tenant within its share still starts at once): the
     # cap that met most of the noisy-neighbour targets measured on a CPU pair (a quiet
