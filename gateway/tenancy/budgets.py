@@ -54,23 +54,27 @@ end
 return redis.call('INCRBY', KEYS[1], ARGV[1])
 """
 
-# KEYS: a request's counters. ARGV[1]: the tokens to reserve; ARGV[1 + i]: KEYS[i]'s budget.
-# All or none: {0, count before, ...} with every counter raised by the tokens when none is
-# spent, else {i, its count} for the first spent. A counter that is not there (lost between
-# its rebuild and this step) is not enforced, as a rebuild that cannot read the log is not:
-# its count reads -1 and it is left alone.
+# KEYS: a request's counters. ARGV[1]: the tokens to reserve; ARGV[2]: '1' to reserve nothing
+# if a counter is not there (it is rebuilt from the audit log, then asked again), '0' to leave
+# such a counter alone (its rebuild could not read the log: not enforced); ARGV[2 + i]: KEYS[i]'s
+# budget. All or none: {0, count before, ...} (-1: not there), every counter there raised by
+# the tokens when none is spent; else {i, its count} for the first spent.
 _RESERVE_LUA = """
-local counts = {}
+local counts, missing = {}, false
 for i, key in ipairs(KEYS) do
   local found = redis.call('GET', key)
   if found then
     counts[i] = tonumber(found)
-    if counts[i] >= tonumber(ARGV[i + 1]) then
+    if counts[i] >= tonumber(ARGV[i + 2]) then
       return {i, counts[i]}
     end
   else
     counts[i] = -1
+    missing = true
   end
+end
+if missing and ARGV[2] == '1' then
+  return {0, unpack(counts)}
 end
 for i, key in ipairs(KEYS) do
   if counts[i] >= 0 then
@@ -173,21 +177,27 @@ class TokenBudgets:
         if not scopes:
             return None
         now = self._clock()
-        counters: list[tuple[BudgetScope, str, datetime]] = []
-        for scope in scopes:
-            start, ends = period_bounds(scope.budget.period, now)
-            await self._used(tenant_id, scope, start, ends, now)  # rebuilt here if missing
-            counters.append((scope, self._key(tenant_id, scope, start), ends))
-        keys = [key for _, key, _ in counters]
-        spent, counts = await self._reserve(keys, [s.budget.tokens for s, _, _ in counters], tokens)
+        periods = [period_bounds(scope.budget.period, now) for scope in scopes]
+        keys = [
+            self._key(tenant_id, scope, start)
+            for scope, (start, _) in zip(scopes, periods, strict=True)
+        ]
+        budgets = [scope.budget.tokens for scope in scopes]
+        spent, counts = await self._reserve(keys, budgets, tokens, strict=True)
+        if spent is None and min(counts) < 0:
+            # A counter not there: nothing was reserved. Rebuilt from the audit log, once more;
+            # one whose rebuild cannot read the log is left alone (not enforced meanwhile).
+            for scope, (start, ends) in zip(scopes, periods, strict=True):
+                await self._used(tenant_id, scope, start, ends, now)
+            spent, counts = await self._reserve(keys, budgets, tokens, strict=False)
         if spent is not None:
-            scope, _, ends = counters[spent]
-            raise self._refusal(tenant_id, _Standing(scope, counts[spent], ends), now)
+            spent_at = _Standing(scopes[spent], counts[spent], periods[spent][1])
+            raise self._refusal(tenant_id, spent_at, now)
         standings = [
             _Standing(scope, max(0, count), ends)
-            for (scope, _, ends), count in zip(counters, counts, strict=True)
+            for scope, count, (_, ends) in zip(scopes, counts, periods, strict=True)
         ]
-        held = [(scope, key) for (scope, key, _), n in zip(counters, counts, strict=True) if n >= 0]
+        held = [(scope, key) for scope, key, n in zip(scopes, keys, counts, strict=True) if n >= 0]
         lines = _header_lines(min(standings, key=lambda s: s.remaining))
         return BudgetHold(self, tenant_id, held, tokens, lines)
 
@@ -300,15 +310,16 @@ class TokenBudgets:
             return None
 
     async def _reserve(
-        self, keys: list[str], budgets: list[int], tokens: int
+        self, keys: list[str], budgets: list[int], tokens: int, *, strict: bool
     ) -> tuple[int | None, list[int]]:
-        """``_RESERVE_LUA``'s step, in Redis or here: (None, each count before) when reserved,
-        else (index of the spent counter, the counts); a count of -1: not there, not held."""
+        """``_RESERVE_LUA``'s step, in Redis or here: (None, each count before) when none is
+        spent, else (index of the spent counter, the counts); a count of -1: not there, not
+        held, and with ``strict`` nothing reserved anywhere."""
         script = self._reserve_script
         if script is not None:
             try:
                 result: Any = await asyncio.wait_for(
-                    script(keys=keys, args=[tokens, *budgets]), self._timeout_s
+                    script(keys=keys, args=[tokens, int(strict), *budgets]), self._timeout_s
                 )
                 if int(result[0]):
                     index = int(result[0]) - 1
@@ -322,6 +333,8 @@ class TokenBudgets:
         for index, (count, budget) in enumerate(zip(counts, budgets, strict=True)):
             if count >= budget:
                 return index, counts
+        if strict and min(counts) < 0:
+            return None, counts
         for key, count in zip(keys, counts, strict=True):
             if count >= 0:
                 self._local[key] = count + tokens
