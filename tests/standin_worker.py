@@ -106,6 +106,7 @@ class StandInWorker:
     # The rids of the aborts it was sent (SGLang's ``/abort_request``).
     aborted: list[str] = field(default_factory=list)
     polls: int = 0
+    health_probes: int = 0
     _full_polls_left: int = 0
     # Generations being answered now, and the most there ever were at once (a stream counts
     # until its response is handed over, not while its body is sent).
@@ -207,6 +208,7 @@ class StandInWorker:
             )
 
         async def health(request: Request) -> Response:
+            self.health_probes += 1
             return Response(status_code=self.behaviour.health_status)
 
         async def abort_request(request: Request) -> Response:

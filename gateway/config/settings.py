@@ -65,6 +65,8 @@ class Settings(BaseSettings):
     upstream_timeout_s: float = 120.0
     # A worker that has not answered a capacity poll for this long is not routed to.
     capacity_poll_interval_s: float = 1.0
+    # Keep it above twice the poll interval plus a second: a slow worker's failed poll (which
+    # times out at half of it) must be seen, and its /health asked, before it runs out.
     capacity_stale_after_s: float = 5.0
     # Slow is not dead: while a worker passes its liveness probe (SGLang's /health), its last
     # capacity record is routed on up to this old (claims still bound what is sent to it).

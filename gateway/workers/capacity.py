@@ -26,6 +26,7 @@ while it does not answer), each replica decides on its own observations.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
@@ -231,6 +232,9 @@ class CapacityRegistry:
         )
         self._get_json = json_getter(self._client)
         self._refreshed = asyncio.Event()
+        # Set when a poll fails: the liveness prober asks that worker's /health now, not at its
+        # next tick, so a slow worker's liveness is renewed before its record goes stale.
+        self._poll_failed = asyncio.Event()
         # Set, and replaced, at the end of every refresh: what a waiter for the next poll awaits.
         self._next_refresh = asyncio.Event()
         # Bumped whenever an observation is adopted or dropped: what was derived from the
@@ -334,11 +338,16 @@ class CapacityRegistry:
     async def run_liveness(self) -> None:
         while True:
             started = time.monotonic()
+            self._poll_failed.clear()
             try:
                 await self.probe_liveness()
             except Exception:  # never let the prober die
                 log.exception("capacity: liveness probe failed")
-            await asyncio.sleep(max(0.0, self._poll_interval_s - (time.monotonic() - started)))
+            remaining = max(0.0, self._poll_interval_s - (time.monotonic() - started))
+            # Woken early by a failed poll: waiting for the tick could let the worker's last
+            # sign of life pass the staleness window while it is only slow.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._poll_failed.wait(), remaining)
 
     async def wait_refreshed(self) -> None:
         await self._refreshed.wait()
@@ -375,6 +384,7 @@ class CapacityRegistry:
             if url not in self._errors:
                 log.warning("capacity: %s worker %s stopped answering polls: %s", role, url, exc)
             self._errors[url] = f"{type(exc).__name__}: {exc}"
+            self._poll_failed.set()
             kept = self._configs.get(url)
             if kept is not None and self.alive(url):
                 # Slow, not gone: keep its configuration (a restart fails liveness) and try
