@@ -16,12 +16,16 @@ from tests.standin_worker import Behaviour, StandInWorker
 
 pytestmark = pytest.mark.anyio
 
+STALE_AFTER_S = 1.0  # a poll times out after half of it
+
 
 @pytest.fixture
 async def polled() -> AsyncIterator[tuple[CapacityRegistry, StandInWorker]]:
     worker = StandInWorker("decode").start()
     # A tick far longer than the test: any probe it sees was woken by a failed poll.
-    registry = CapacityRegistry(poll_interval_s=600, stale_after_s=1.0)
+    registry = CapacityRegistry(
+        poll_interval_s=600, stale_after_s=STALE_AFTER_S, max_age_if_alive_s=600
+    )
     registry.set_workers([(worker.url, "decode")])
     prober = asyncio.create_task(registry.run_liveness())
     try:
@@ -45,12 +49,16 @@ async def _until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> bool:
 async def test_a_failed_poll_has_the_worker_probed_at_once_not_at_the_next_tick(polled) -> None:
     registry, worker = polled
     await registry.refresh()
-    assert registry.fresh(worker.url) and registry.alive(worker.url)
+    state = registry.get(worker.url)
+    assert state is not None and registry.alive(worker.url)
     worker.behaviour = Behaviour(capacity_delay_s=60)  # busy: its polls time out, it serves
     await registry.refresh()
     assert registry.error(worker.url)
-    assert await _until(lambda: worker.health_probes == 1), worker.health_probes
-    assert registry.alive(worker.url)
+    # Its record stays usable while it is alive: renewed past the good poll's own window (the
+    # failed poll alone took half of it) only by a /health answered since.
+    renewed_past = state.observed_at + STALE_AFTER_S + STALE_AFTER_S / 4
+    assert await _until(lambda: registry.usable_until(state) > renewed_past)
+    assert worker.health_probes == 1
     assert registry.liveness_error(worker.url) is None
 
 
