@@ -1,4 +1,5 @@
-"""Test harness: the policy files a test's gateway runs with.
+"""Test harness: the policy files a test's gateway runs with, and waiting on state no event
+announces.
 
 The gateway itself, as a real process over real HTTP with tenants made through its admin API
 (``GatewayProcess``), and the port helpers live in ``gateway.dev.harness``, shared with the
@@ -8,7 +9,9 @@ nothing is imported into the test process that a deployment would not run in a s
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import asyncio
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -87,3 +90,13 @@ def write_policies(
     }
     (directory / "tenants.yaml").write_text(yaml.safe_dump(tenants_file))
     return directory
+
+
+async def wait_until(condition: Callable[[], object], timeout_s: float = 30.0) -> None:
+    """Until ``condition()`` holds, polled on the event loop (for state kept where no event
+    can be awaited, such as a stand-in's thread); AssertionError once ``timeout_s`` passed."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.05)

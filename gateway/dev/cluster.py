@@ -126,9 +126,8 @@ def cpu_threads_env() -> dict[str, str]:
 
     Why: torch on the CPU runs as many threads as there are CPUs, and SGLang binds them to
     cores only on AMX and arm64 machines. Two workers of one pair, each with a thread on every
-    core, took turns at every core: on the 2-core dev host a quiet tenant's request waited
-    2.7-6.6x its time alone beside a flood, 1.6-2.0x with one thread each, and the pair made
-    twice the tokens (docs/operations.md section 9).
+    core, took turns at every core: a quiet tenant waited far longer beside a flood, and the
+    pair made fewer tokens (measured in docs/operations.md section 9).
     """
     if "OMP_NUM_THREADS" in os.environ:
         return {}

@@ -22,6 +22,7 @@ from sqlalchemy.engine import make_url
 from gateway.config.settings import Settings
 from gateway.tenancy.audit import AuditEvent, AuditLog, AuditSpool
 from gateway.tenancy.store import AUDIT_COLUMNS, Store, audit_events, create_store
+from tests.harness import wait_until
 
 from .severable_proxy import SeverableProxy
 
@@ -122,14 +123,6 @@ def outage(store: Store, database_url: str) -> Iterator[Outage]:
 def gateway_store(outage: Outage) -> Store:
     # Short timeouts so that a failed write is noticed quickly.
     return create_store(outage.store_url, busy_timeout_s=0.2)
-
-
-async def wait_until(condition, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.05)
 
 
 async def test_every_recorded_event_is_stored_once_in_record_order(

@@ -7,11 +7,12 @@ A slow worker's record is routed on while it is alive; its liveness must be rene
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import pytest
 
 from gateway.workers.capacity import CapacityRegistry
+from tests.harness import wait_until
 from tests.standin_worker import Behaviour, StandInWorker
 
 pytestmark = pytest.mark.anyio
@@ -36,16 +37,6 @@ async def polled() -> AsyncIterator[tuple[CapacityRegistry, StandInWorker]]:
         worker.stop()
 
 
-async def _until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> bool:
-    """Whether ``predicate`` holds within ``timeout_s`` (the stand-in counts in its own thread:
-    there is no event to await)."""
-    for _ in range(int(timeout_s / 0.02)):
-        if predicate():
-            return True
-        await asyncio.sleep(0.02)
-    return predicate()
-
-
 async def test_a_failed_poll_has_the_worker_probed_at_once_not_at_the_next_tick(polled) -> None:
     registry, worker = polled
     await registry.refresh()
@@ -57,7 +48,7 @@ async def test_a_failed_poll_has_the_worker_probed_at_once_not_at_the_next_tick(
     # Its record stays usable while it is alive: renewed past the good poll's own window (the
     # failed poll alone took half of it) only by a /health answered since.
     renewed_past = state.observed_at + STALE_AFTER_S + STALE_AFTER_S / 4
-    assert await _until(lambda: registry.usable_until(state) > renewed_past)
+    await wait_until(lambda: registry.usable_until(state) > renewed_past, timeout_s=5)
     assert worker.health_probes == 1
     assert registry.liveness_error(worker.url) is None
 
