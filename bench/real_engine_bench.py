@@ -1,7 +1,8 @@
 """Section 1's comparison on a real SGLang 0.5.23 CPU PD pair of the tiny model: model time
-dwarfs any router, so this shows the three paths agree, not their cost. sglang_router 0.3.2
-gives the two halves no common rid, which engine_patch refuses without the gateway's tags, so
-each request to it carries its own ``rid``. Nothing pinned; started only with 7 GiB free."""
+dwarfs any router, so this shows the paths agree, not their cost; streamed, it shows how each
+delivers the tokens, gap by gap. sglang_router 0.3.2 gives the two halves no common rid, which
+engine_patch refuses without the gateway's tags, so each request to a peer carries its own
+``rid``. Nothing pinned; started only with 7 GiB free."""
 
 from __future__ import annotations
 
@@ -26,6 +27,9 @@ from gateway.workers.capacity import ENGINE_PATCH_MARKER
 MIN_AVAILABLE_GIB = 7.0
 MODEL = "tiny-llama"
 MAX_TOKENS = 8
+# Streamed cells: enough tokens (never cut short by an end of sequence) that a request's gaps
+# between tokens show the decode step, and a router that holds a stream's start back.
+STREAM_TOKENS = 48
 
 
 def too_little_memory() -> str | None:
@@ -91,8 +95,8 @@ def run_real_engine_bench(config: BenchConfig, work_dir: Path, log=print) -> dic
             gateway_dir = work_dir / "real-gateway"
             gateway, key = start_gateway(policies, gateway_dir, ports.real_gateway, cpus=None)
             up.callback(gateway.stop)
-            cells = _cells(config, cluster, router.url, gateway.url, key, log)
             targets.append(ServingTarget("gateway", gateway.url, key))
+            cells = _cells(config, cluster, targets, log)
             serving = run_serving_bench(
                 targets, worker_urls=(cluster.prefill_url, cluster.decode_url),
                 model_dir=cluster.spec.model_dir, work_dir=work_dir / "bench-serving",
@@ -106,28 +110,34 @@ def run_real_engine_bench(config: BenchConfig, work_dir: Path, log=print) -> dic
 
 
 def _cells(
-    config: BenchConfig, cluster: PDCluster, router_url: str, gateway_url: str, key: str, log
+    config: BenchConfig, cluster: PDCluster, routers: list[ServingTarget], log
 ) -> list[dict]:
-    """Direct, sglang_router and the gateway, plain and streamed, at 1 and 4 in flight."""
+    """Direct and each router, plain and streamed, at 1 and 4 in flight; streamed cells also
+    time the gaps between tokens as the client receives them."""
     cells = []
     for stream in (False, True):
         body = {"model": MODEL, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "stream": stream}
-        raw, auth = orjson.dumps(body), (("Authorization", f"Bearer {key}"),)
-        router = Target(router_url + "/v1/completions", raw, fresh_rid=True)
-        gateway = Target(gateway_url + "/v1/completions", raw, auth)
+        if stream:
+            body |= {"max_tokens": STREAM_TOKENS, "ignore_eos": True}
+        raw = orjson.dumps(body)
         for n, total in ((1, config.real_requests), (4, config.real_requests * 2)):
             pair = (cluster.prefill_url, cluster.decode_url, cluster.bootstrap_port, body)
             load = {"concurrency": n, "total_requests": total}
-            runs = {
-                "direct": run_pd_direct(*pair, **load),
-                "sglang_router": run_load(router, **load, warmup_requests=1),
-                "gateway": run_load(gateway, **load, warmup_requests=1),
-            }
+            runs = {"direct": run_pd_direct(*pair, **load, token_gaps=stream)}
+            for router in routers:
+                auth = (("Authorization", f"Bearer {router.api_key}"),) if router.api_key else ()
+                # Without the gateway's tags, engine_patch binds the two halves by one rid.
+                url, fresh_rid = router.base_url + "/v1/completions", router.api_key is None
+                target = Target(url, raw, auth, fresh_rid=fresh_rid, token_gaps=stream)
+                runs[router.name] = run_load(target, **load, warmup_requests=1)
             for name, run in runs.items():
                 s = asyncio.run(run).summary()
                 cell = {"target": name, "mode": "stream" if stream else "plain", "concurrency": n}
                 cell |= {"requests": s["requests"], "errors": s["non_200"], "rps": s["rps"]}
                 cell |= {"p50_ms": s["total_p50_ms"], "p99_ms": s["total_p99_ms"]}
-                cells.append(cell | {"ttft_p50_ms": s["ttft_p50_ms"] if stream else None})
+                cell["ttft_p50_ms"] = s["ttft_p50_ms"] if stream else None
+                for figure in ("gap_p50_ms", "gap_mean_ms", "gaps_together_pct"):
+                    cell[figure] = s.get(figure)
+                cells.append(cell)
                 log("  " + described(cells[-1]))
     return cells

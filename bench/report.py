@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from bench.fair_share_bench import B_RATIO_TARGET, KNEE_FRACTION, MAX_TOKENS, THROUGHPUT_TARGET
+from bench.real_engine_bench import STREAM_TOKENS
 
 TARGET_ADDED_P50_MS = 0.5
 TARGET_ADDED_P99_MS = 1.0
@@ -287,11 +288,16 @@ def _real_section(real: dict) -> list[str]:
         return [*out, f"Not run: {real.get('skipped') or real.get('failed')}", ""]
     out += [
         f"engine_patch tags verified: {real.get('engine_tags')}. Latency is dominated by the "
-        "model on the CPU; compare the three paths, not the absolute numbers.",
+        "model on the CPU; compare the paths, not the absolute numbers. Streamed: "
+        f"{STREAM_TOKENS} tokens each (ignore_eos); a gap is the time between two events with "
+        "text as the client reads them, and gaps under 0.1 ms are text that arrived in one read "
+        "with the text before it (held back, then written together).",
         "",
     ]
-    header = "mode | in flight | target | n | p50 ms | p99 ms | TTFT p50 ms | errors"
-    fields = "mode concurrency target requests p50_ms p99_ms ttft_p50_ms errors"
+    header = "mode | in flight | target | n | p50 ms | p99 ms | TTFT p50 ms | gap p50 ms "
+    header += "| gap mean ms | gaps < 0.1 ms % | errors"
+    fields = "mode concurrency target requests p50_ms p99_ms ttft_p50_ms gap_p50_ms gap_mean_ms "
+    fields += "gaps_together_pct errors"
     out += _table(header, _rows(real["cells"], fields))
     if real.get("serving"):
         out += ["### `sglang.bench_serving` through each router", ""]

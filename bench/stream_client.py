@@ -1,6 +1,8 @@
 """A tight asyncio HTTP/1.1 load client (raw sockets, ``httptools``) that times the first body
 byte (TTFT) and the whole answer over keep-alive connections in closed loop, which ``wrk``
-cannot; section 1's ``direct`` row bounds what it can measure."""
+cannot; section 1's ``direct`` row bounds what it can measure. Asked to (``token_gaps``), it
+also times the gaps between a stream's events that carry text, as a client reading them sees
+them: tokens a router held back and wrote together arrive in one read, a gap of about 0."""
 
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ class Target:
     # Give every request its own ``rid`` (the JSON body is re-encoded per request): real SGLang
     # with engine_patch binds prefill and decode by rid when the gateway's tags are absent.
     fresh_rid: bool = False
+    token_gaps: bool = False  # time the gaps between streamed events that carry text
 
     def request_bytes(self) -> bytes:
         body = self.body
@@ -44,6 +47,7 @@ class Sample:
     total_s: float
     status: int
     ok: bool = True  # 200 and no error object: an engine failing after the head answers 200 too
+    token_gaps_s: tuple[float, ...] = ()  # between the stream's events that carry text
 
 
 def described(values: dict) -> str:
@@ -77,23 +81,52 @@ class RunResult:
         for name, values in (("ttft", ttft), ("total", total)):
             for q in (50, 99):
                 figures[f"{name}_p{q}_ms"] = percentile(values, q / 100) * 1000
+        gaps = sorted(gap for s in ok for gap in s.token_gaps_s)
+        if gaps:
+            figures["gap_p50_ms"] = percentile(gaps, 0.5) * 1000
+            figures["gap_mean_ms"] = sum(gaps) / len(gaps) * 1000
+            # Text that arrived in one read with the text before it: held back, then written
+            # together (by the engine, when it made both in one step, or by a router).
+            together = sum(1 for gap in gaps if gap < TOGETHER_S)
+            figures["gaps_together_pct"] = 100 * together / len(gaps)
         return figures
 
 
-class _Response:
-    """httptools callbacks for one response: when its body began, whether it is complete, and
-    whether it carries an error object."""
+TOGETHER_S = 0.0001  # a gap this short is the same read, not a decode step
 
-    def __init__(self) -> None:
+
+def carries_text(event: bytes) -> bool:
+    """Whether one SSE event is a completions or chat chunk with text in it."""
+    if not event.startswith(b"data: {"):
+        return False
+    choice = (orjson.loads(event[6:]).get("choices") or [{}])[0]
+    return bool(choice.get("text") or (choice.get("delta") or {}).get("content"))
+
+
+class _Response:
+    """httptools callbacks for one response: when its body began, whether it is complete,
+    whether it carries an error object and, with ``token_gaps``, when each event with text
+    arrived."""
+
+    def __init__(self, token_gaps: bool = False) -> None:
         self.parser = httptools.HttpResponseParser(self)
         self.first_body_at: float | None = None
         self.complete = self.error = False
         self._tail = b""
+        self._events: bytes | None = b"" if token_gaps else None  # the incomplete last event
+        self.text_at: list[float] = []
 
     def on_body(self, body: bytes) -> None:
         self.first_body_at = self.first_body_at or time.perf_counter()
         self.error |= b'"error"' in self._tail + body[:16] or b'"error"' in body  # also split
         self._tail = body[-16:]
+        if self._events is not None:
+            now = time.perf_counter()
+            *events, self._events = (self._events + body).split(b"\n\n")
+            self.text_at += [now for event in events if carries_text(event.strip())]
+
+    def token_gaps(self) -> tuple[float, ...]:
+        return tuple(b - a for a, b in zip(self.text_at, self.text_at[1:], strict=False))
 
     def on_message_complete(self) -> None:
         self.complete = True
@@ -106,13 +139,13 @@ class Connection:
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
 
-    async def exchange(self, raw: bytes) -> Sample:
+    async def exchange(self, raw: bytes, token_gaps: bool = False) -> Sample:
         """Send one request; return when the whole response has arrived."""
         if self.reader is None or self.writer is None:
             self.reader, self.writer = await asyncio.open_connection(
                 self.host, self.port, limit=1 << 20
             )
-        response = _Response()
+        response = _Response(token_gaps)
         started = time.perf_counter()
         self.writer.write(raw)
         while not response.complete:
@@ -125,7 +158,8 @@ class Connection:
             await self.close()
         status = response.parser.get_status_code()
         ok = status == 200 and not response.error
-        return Sample((response.first_body_at or ended) - started, ended - started, status, ok)
+        ttft = (response.first_body_at or ended) - started
+        return Sample(ttft, ended - started, status, ok, response.token_gaps())
 
     async def close(self) -> None:
         if self.writer is not None:
@@ -148,7 +182,7 @@ async def run_load(
     connections = [Connection(target.url) for _ in range(concurrency)]
     for connection in connections:
         for _ in range(warmup_requests):
-            await connection.exchange(target.request_bytes())
+            await connection.exchange(target.request_bytes(), target.token_gaps)
     remaining = [total_requests if total_requests is not None else 1 << 62]
     deadline = time.perf_counter() + duration_s if duration_s is not None else float("inf")
 
@@ -156,7 +190,8 @@ async def run_load(
         while remaining[0] > 0 and time.perf_counter() < deadline:
             remaining[0] -= 1
             try:
-                result.samples.append(await connection.exchange(target.request_bytes()))
+                sample = await connection.exchange(target.request_bytes(), target.token_gaps)
+                result.samples.append(sample)
             except CLIENT_ERRORS:
                 result.errors += 1
                 await connection.close()
@@ -178,8 +213,10 @@ async def run_pd_direct(
     concurrency: int,
     total_requests: int,
     path: str = "/v1/completions",
+    token_gaps: bool = False,
 ) -> RunResult:
-    """No router: each request to a prefill and a decode worker at once, as a PD router sends it."""
+    """No router: each request to a prefill and a decode worker at once, as a PD router sends it
+    (``token_gaps``: decode's stream timed as ``Target.token_gaps`` times a router's)."""
     result = RunResult()
     remaining = [total_requests]
 
@@ -195,7 +232,9 @@ async def run_pd_direct(
             dec_raw = Target(decode_url + path, raw_body).request_bytes()
             started = time.perf_counter()
             try:
-                pre, dec = await asyncio.gather(prefill.exchange(pre_raw), decode.exchange(dec_raw))
+                pre, dec = await asyncio.gather(
+                    prefill.exchange(pre_raw), decode.exchange(dec_raw, token_gaps)
+                )
             except CLIENT_ERRORS:
                 result.errors += 1
                 await asyncio.gather(prefill.close(), decode.close())
@@ -204,7 +243,8 @@ async def run_pd_direct(
             # the two answers ends the request.
             total = time.perf_counter() - started
             status = dec.status if pre.status == 200 else pre.status
-            result.samples.append(Sample(dec.ttft_s, total, status, pre.ok and dec.ok))
+            ok = pre.ok and dec.ok
+            result.samples.append(Sample(dec.ttft_s, total, status, ok, dec.token_gaps_s))
         await asyncio.gather(prefill.close(), decode.close())
 
     started = time.perf_counter()
