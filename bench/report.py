@@ -397,13 +397,14 @@ def _serving_section(section: dict) -> list[str]:
     low = {k: max(int(section[k] * section["range_ratio"]), 1) for k in ("input_len", "output_len")}
     rows = _rows(section["cells"], "backend target completed prompts request_throughput")
     rows = [[b, t, f"{done}/{sent}", rate] for b, t, done, sent, rate in rows]
-    fields = "median_ttft_ms median_itl_ms median_e2e_latency_ms p99_e2e_latency_ms"
+    fields = "median_ttft_ms median_itl_ms mean_itl_ms itl_together_pct median_e2e_latency_ms "
+    fields += "p99_e2e_latency_ms"
     figures = _rows(section["cells"], fields)
     errors = [
         (c["error"] or "-").replace("|", "/").replace("\n", " ")[:160] for c in section["cells"]
     ]
-    header = "backend | target | succeeded | req/s | TTFT p50 ms | ITL p50 ms | E2E p50 ms | "
-    header += "E2E p99 ms | first error"
+    header = "backend | target | succeeded | req/s | TTFT p50 ms | ITL p50 ms | ITL mean ms | "
+    header += "ITL < 0.1 ms % | E2E p50 ms | E2E p99 ms | first error"
     return [
         f"`sglang.bench_serving` (SGLang 0.5.23's own client), {section['prompts']} prompts "
         f"per run at {section['request_rate']:g} req/s (Poisson, at most "

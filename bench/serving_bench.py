@@ -21,7 +21,7 @@ import httpx
 
 from bench.config import env_flag
 from bench.processes import ENGINE_PYTHON, boost
-from bench.stream_client import described
+from bench.stream_client import TOGETHER_S, described
 
 BACKENDS = ("sglang-oai", "sglang-oai-chat")
 MODEL = "tiny-llama"  # as the bench policies name it; the router forwards any name
@@ -156,7 +156,21 @@ def run_bench_serving(
         "prompts": prompts,
         "completed": int(result.get("completed", 0)),
         **{key: result.get(key) for key in FIGURES.split()},
+        **itl_spread(result.get("itls") or []),
         "error": error,  # the first failed request's error, or why the run gave no result
+    }
+
+
+def itl_spread(itls: list[list[float]]) -> dict[str, float | None]:
+    """From bench_serving's gaps of each request (seconds): their mean, and the share of them
+    under ``TOGETHER_S``, text that came in one read with the text before it."""
+    gaps = [gap for request in itls for gap in request]
+    if not gaps:
+        return {"mean_itl_ms": None, "itl_together_pct": None}
+    together = sum(1 for gap in gaps if gap < TOGETHER_S)
+    return {
+        "mean_itl_ms": sum(gaps) / len(gaps) * 1000,
+        "itl_together_pct": 100 * together / len(gaps),
     }
 
 

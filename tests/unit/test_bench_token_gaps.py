@@ -1,12 +1,16 @@
 """The bench's stream client times the gaps between streamed text as a client reads it: text
 written together is one read (a gap of about 0), an event split across writes is timed when
-it is whole, and events without text (the finish chunk, usage, ``[DONE]``) are not tokens."""
+it is whole, and events without text (the finish chunk, usage, ``[DONE]``) are not tokens.
+``bench_serving``'s own gaps are read the same way."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 
+import pytest
+
+from bench.serving_bench import itl_spread
 from bench.stream_client import Connection, RunResult, Sample, carries_text
 
 PAUSE_S = 0.05
@@ -82,3 +86,10 @@ def test_only_chunks_with_text_are_tokens() -> None:
     assert carries_text(b'data: {"choices": [{"delta": {"content": "x"}}]}')
     assert not carries_text(b'data: {"choices": [{"delta": {"role": "assistant"}}]}')
     assert not carries_text(b"data: [DONE]")
+
+
+def test_bench_serving_gaps_give_their_mean_and_the_share_written_together() -> None:
+    spread = itl_spread([[0.003, 0.00002], [0.002, 0.001]])
+    assert spread["itl_together_pct"] == 25.0
+    assert spread["mean_itl_ms"] == pytest.approx(1.505)
+    assert itl_spread([]) == {"mean_itl_ms": None, "itl_together_pct": None}
