@@ -126,9 +126,9 @@ def _cells(
             runs = {"direct": run_pd_direct(*pair, **load, token_gaps=stream)}
             for router in routers:
                 auth = (("Authorization", f"Bearer {router.api_key}"),) if router.api_key else ()
-                # Without the gateway's tags, engine_patch binds the two halves by one rid.
-                url, fresh_rid = router.base_url + "/v1/completions", router.api_key is None
-                target = Target(url, raw, auth, fresh_rid=fresh_rid, token_gaps=stream)
+                # A peer sends no tags: engine_patch binds the two halves by one rid instead.
+                url, peer = router.base_url + "/v1/completions", router.name != "gateway"
+                target = Target(url, raw, auth, fresh_rid=peer, token_gaps=stream)
                 runs[router.name] = run_load(target, **load, warmup_requests=1)
             for name, run in runs.items():
                 s = asyncio.run(run).summary()
