@@ -111,7 +111,7 @@ class _Response:
     def __init__(self, token_gaps: bool = False) -> None:
         self.parser = httptools.HttpResponseParser(self)
         self.first_body_at: float | None = None
-        self.complete = self.error = False
+        self.complete = self.error = self.keep_alive = False
         self._tail = b""
         self._events: bytes | None = b"" if token_gaps else None  # the incomplete last event
         self.text_at: list[float] = []
@@ -130,6 +130,9 @@ class _Response:
 
     def on_message_complete(self) -> None:
         self.complete = True
+        # Read now: once the message is complete the parser forgets its framing, and asked
+        # later it answers False for every response (a new connection per request).
+        self.keep_alive = self.parser.should_keep_alive()
 
 
 class Connection:
@@ -154,7 +157,7 @@ class Connection:
                 raise ConnectionError("server closed the connection")
             response.parser.feed_data(data)
         ended = time.perf_counter()
-        if not response.parser.should_keep_alive():
+        if not response.keep_alive:
             await self.close()
         status = response.parser.get_status_code()
         ok = status == 200 and not response.error

@@ -1,6 +1,7 @@
-"""The bench's stream client times the gaps between streamed text as a client reads it: text
-written together is one read (a gap of about 0), an event split across writes is timed when
-it is whole, and events without text (the finish chunk, usage, ``[DONE]``) are not tokens.
+"""The bench's stream client keeps its connection while the server keeps it, as the clients it
+stands for do, and times the gaps between streamed text as a client reads it: text written
+together is one read (a gap of about 0), an event split across writes is timed when it is
+whole, and events without text (the finish chunk, usage, ``[DONE]``) are not tokens.
 ``bench_serving``'s own gaps are read the same way."""
 
 from __future__ import annotations
@@ -93,3 +94,47 @@ def test_bench_serving_gaps_give_their_mean_and_the_share_written_together() -> 
     assert spread["itl_together_pct"] == 25.0
     assert spread["mean_itl_ms"] == pytest.approx(1.505)
     assert itl_spread([]) == {"mean_itl_ms": None, "itl_together_pct": None}
+
+
+async def _exchanges(close_after: bool) -> tuple[int, int]:
+    """Three exchanges on one client connection: (connections the server saw, requests)."""
+    connections = requests = 0
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections, requests
+        connections += 1
+        while True:
+            try:
+                await reader.readuntil(b"\r\n\r\n")
+                await reader.readexactly(2)
+            except asyncio.IncompleteReadError:
+                break
+            requests += 1
+            close = b"connection: close\r\n" if close_after else b""
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n" + close + b"\r\n{}")
+            await writer.drain()
+            if close_after:
+                break
+        writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    connection = Connection(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+    try:
+        for _ in range(3):
+            sample = await connection.exchange(
+                b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}"
+            )
+            assert sample.ok
+    finally:
+        await connection.close()
+        server.close()
+        await server.wait_closed()
+    return connections, requests
+
+
+def test_the_client_keeps_its_connection_while_the_server_keeps_it() -> None:
+    assert asyncio.run(_exchanges(close_after=False)) == (1, 3)
+
+
+def test_the_client_opens_a_new_connection_after_the_server_says_close() -> None:
+    assert asyncio.run(_exchanges(close_after=True)) == (3, 3)
