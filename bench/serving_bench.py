@@ -21,7 +21,7 @@ import httpx
 
 from bench.config import env_flag
 from bench.processes import ENGINE_PYTHON, boost
-from bench.stream_client import TOGETHER_S, described
+from bench.stream_client import described, gap_spread
 
 BACKENDS = ("sglang-oai", "sglang-oai-chat")
 MODEL = "tiny-llama"  # as the bench policies name it; the router forwards any name
@@ -162,16 +162,12 @@ def run_bench_serving(
 
 
 def itl_spread(itls: list[list[float]]) -> dict[str, float | None]:
-    """From bench_serving's gaps of each request (seconds): their mean, and the share of them
-    under ``TOGETHER_S``, text that came in one read with the text before it."""
+    """``gap_spread`` of bench_serving's gaps of every request (seconds)."""
     gaps = [gap for request in itls for gap in request]
     if not gaps:
         return {"mean_itl_ms": None, "itl_together_pct": None}
-    together = sum(1 for gap in gaps if gap < TOGETHER_S)
-    return {
-        "mean_itl_ms": sum(gaps) / len(gaps) * 1000,
-        "itl_together_pct": 100 * together / len(gaps),
-    }
+    mean_ms, together_pct = gap_spread(gaps)
+    return {"mean_itl_ms": mean_ms, "itl_together_pct": together_pct}
 
 
 def flush_caches(worker_urls: tuple[str, ...]) -> bool:

@@ -11,6 +11,7 @@ import contextlib
 import random
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -84,15 +85,19 @@ class RunResult:
         gaps = sorted(gap for s in ok for gap in s.token_gaps_s)
         if gaps:
             figures["gap_p50_ms"] = percentile(gaps, 0.5) * 1000
-            figures["gap_mean_ms"] = sum(gaps) / len(gaps) * 1000
-            # Text that arrived in one read with the text before it: held back, then written
-            # together (by the engine, when it made both in one step, or by a router).
-            together = sum(1 for gap in gaps if gap < TOGETHER_S)
-            figures["gaps_together_pct"] = 100 * together / len(gaps)
+            figures["gap_mean_ms"], figures["gaps_together_pct"] = gap_spread(gaps)
         return figures
 
 
 TOGETHER_S = 0.0001  # a gap this short is the same read, not a decode step
+
+
+def gap_spread(gaps: Sequence[float]) -> tuple[float, float]:
+    """The mean of some gaps between tokens (seconds) in ms, and the share of them in % that
+    were text read together with the text before it: held back, then written together (by the
+    engine, when it made both in one step, or by a router). ``gaps`` must not be empty."""
+    together = sum(1 for gap in gaps if gap < TOGETHER_S)
+    return sum(gaps) / len(gaps) * 1000, 100 * together / len(gaps)
 
 
 def carries_text(event: bytes) -> bool:
