@@ -475,7 +475,18 @@ class _Request(_Strict):
             params["logit_bias"] = self.logit_bias
         if self.GRAMMAR_FIELDS.isdisjoint(sent):
             return params
-        params.update(self.grammar())
+        grammar = self.grammar()
+        if grammar and self.min_tokens is not None and self.min_tokens > 1:
+            # A constraint decides where the output ends. Where it ends at the first token
+            # (a one-token choice, "{}"), SGLang's PD decode still steps once with the end
+            # masked by min_tokens: every token is then barred and it fails the request (500).
+            raise bad_request(
+                "min_tokens above 1 cannot be combined with an output constraint: the "
+                "constraint decides where the output ends.",
+                code="invalid_value",
+                param="min_tokens",
+            )
+        params.update(grammar)
         return params
 
     def check_against(self, vocab_size: int, max_tokens: int) -> None:

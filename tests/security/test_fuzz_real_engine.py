@@ -233,6 +233,16 @@ FOUND_CASES: list[FoundCase] = [
             ),
         ),
     ),
+    FoundCase(
+        "chat-min-tokens-beside-a-one-token-choice",
+        "/v1/chat/completions",
+        _chat(min_tokens=2, guided_choice=["0"]),
+        "scripts/soak fuzz, seed 2933923247: the choice ends the output at prefill's token, "
+        "SGLang's PD decode steps once more with the end barred by min_tokens, and the token "
+        "it takes is outside the choice: it fails the request (502 upstream_error from the "
+        "gateway) or, at max_tokens 2, returns it (200, finish_reason length)",
+        refused=True,
+    ),
     # Last: before its fix it kills the prefill worker, and every case after it fails too.
     FoundCase(
         "top-k-past-int32",

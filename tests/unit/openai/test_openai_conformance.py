@@ -166,7 +166,7 @@ def test_the_honoured_fields_reach_the_engine_as_sglang_takes_them() -> None:
                 "response_format": {"type": "json_object"},
                 "top_k": 5,
                 "min_p": 0.1,
-                "min_tokens": 2,
+                "min_tokens": 1,  # above 1, not with a constraint (response_format)
                 "repetition_penalty": 1.1,
                 "ignore_eos": True,
                 "stop_token_ids": [3],
@@ -183,7 +183,7 @@ def test_the_honoured_fields_reach_the_engine_as_sglang_takes_them() -> None:
         "top_k": 5,
         "min_p": 0.1,
         "repetition_penalty": 1.1,
-        "min_new_tokens": 2,
+        "min_new_tokens": 1,
         "stop": ["\n"],
         "stop_token_ids": [3],
         "ignore_eos": True,

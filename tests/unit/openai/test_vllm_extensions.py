@@ -158,6 +158,34 @@ def test_two_constraints_through_either_name_are_refused(
     assert refused.value.status == 400 and refused.value.param == param
 
 
+_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize(
+    "constraint",
+    [
+        {"guided_choice": ["0"]},
+        {"regex": "0"},
+        {"response_format": {"type": "json_object"}},
+        {"tools": [_TOOL], "tool_choice": "required"},
+    ],
+    ids=["guided_choice", "regex", "response_format", "forced tool call"],
+)
+def test_min_tokens_above_one_is_refused_beside_an_output_constraint(
+    constraint: dict[str, Any],
+) -> None:
+    # A one-token choice with min_tokens 2 made the real PD pair's decode fail the request
+    # (a 500 from SGLang, 502 from the gateway): found by scripts/soak fuzz, seed 2933923247.
+    with pytest.raises(APIError) as refused:
+        sampling(CHAT, {**constraint, "min_tokens": 2})
+    assert refused.value.status == 400 and refused.value.param == "min_tokens"
+
+
+def test_min_tokens_reaches_the_engine_at_one_beside_a_constraint_and_above_one_without() -> None:
+    assert sampling(CHAT, {"guided_choice": ["0"], "min_tokens": 1})["min_new_tokens"] == 1
+    assert sampling(COMPLETION, {"min_tokens": 5})["min_new_tokens"] == 5
+
+
 def test_a_guided_json_schema_is_checked_and_bounded_as_response_formats_are() -> None:
     bad = parse(CHAT, {**CHAT_REQUIRED, "guided_json": {"type": "nope"}})
     assert bad is not None and bad.param == "guided_json" and bad.code == "invalid_value"
