@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import httpx
 import schemathesis
-from hypothesis import HealthCheck, Phase, given, seed, settings
+from hypothesis import HealthCheck, Phase, given, note, seed, settings
 from schemathesis import GenerationMode
 from schemathesis.checks import (
     content_type_conformance,
@@ -102,6 +102,10 @@ def fuzz_operation(
             # malformed Authorization is then the input under test, and a valid key in its
             # place would make the case a valid request.
             headers = {} if _headers_are_negative(case) else {"Authorization": f"Bearer {key}"}
+            # Printed with a failure: the request itself, to replay (the case's repr is empty,
+            # and its curl command masks every field named like a secret: min_tokens too).
+            note(f"request: {case.method} {case.path} query={case.query!r}")
+            note(f"headers={case.headers!r} body={case.body!r}")
             response = case.call(headers=headers, timeout=30)
             sent += 1
             assert_no_server_error(response.status_code, response.content)
