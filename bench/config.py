@@ -22,6 +22,7 @@ class Ports:
     decode: int = 34011
     bootstrap: int = 34012
     slow_decode: int = 34013  # streams slowly: holds streams open for the memory bench
+    python_relay: int = 34015  # section 1's floor: the gateway's HTTP stack, none of its checks
     router: int = 34020  # and router + 1 for its Prometheus endpoint; unpinned: + 4
     smg: int = 34022  # and smg + 1 for its Prometheus endpoint; unpinned: + 4
     gateway: int = 34030  # and the scale-out and granian gateways' from + 2

@@ -142,6 +142,18 @@ def instant_backend(
     return serve(f"instant-{role}", command, log_dir, port, "/health", cpus=cpus, priority=priority)
 
 
+def python_relay(
+    pool: BenchPool, port: int, log_dir: Path, *, cpus: set[int] | None, priority: int = 0
+) -> Server:
+    """``bench.python_relay`` in front of ``pool``: section 1's floor, the gateway's HTTP stack
+    relaying to the pair with none of its checks."""
+    port = free_ports(port)
+    arguments = f"--port {port} --prefill {pool.prefill_url} --decode {pool.decode_url}"
+    arguments += f" --bootstrap-port {pool.bootstrap_port}"
+    command = [sys.executable, "-m", "bench.python_relay", *arguments.split()]
+    return serve("python-relay", command, log_dir, port, "/health", cpus=cpus, priority=priority)
+
+
 def pd_router(
     kind: str, pool: BenchPool, port: int, log_dir: Path, *, cpus: set[int] | None,
     priority: int = 0, models: Sequence[str] = (),

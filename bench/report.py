@@ -65,10 +65,12 @@ def routing_tables(routing: list[dict]) -> list[str]:
 
 
 def _scale_out(routing: list[dict]) -> list[str]:
-    """Issue 44's targets: ``serve --workers 2`` against SMG, both unpinned; and, for the
-    choice of HTTP layer, the same app under granian against uvicorn, both pinned."""
+    """Issue 44's targets: ``serve --workers 2`` against SMG, both unpinned; and, pinned like
+    the gateway: the same app under granian (the choice of HTTP layer), with Redis (what
+    sharing costs), and the bare relay (what of its cost is the HTTP stack)."""
     plain, fig = _cells(routing, "plain"), {}
-    for t in ("gateway_workers2", "smg_unpinned", "gateway", "gateway_granian", "gateway_redis"):
+    extras = ("gateway_workers2", "smg_unpinned", "gateway_granian", "gateway_redis")
+    for t in ("gateway", *extras, "python_relay"):
         at = {n: plain.get((n, t)) for n in (1, 16, 64)}
         if all(at.values()) and (d := plain.get((1, "direct"))):
             cpu = min(at[n]["cpu_us_per_request"] or 0.0 for n in (16, 64))
@@ -86,18 +88,25 @@ def _scale_out(routing: list[dict]) -> list[str]:
             got = f"gateway {w[key]:,.{places}f}, SMG {s[key]:,.{places}f} {unit}"
             got += f" (×{ratio:.2f})" if ratio else ""
             rows.append([f"`--workers 2` vs SMG, both cores: {what}", got, _verdict(ok)])
-    others = {"gateway_granian": "(HTTP layer) granian ÷ uvicorn, same app"}
-    for other, what in (others | {"gateway_redis": "(sharing) with Redis ÷ without"}).items():
+    others = {
+        "gateway_granian": "(HTTP layer) granian ÷ uvicorn, same app",
+        "gateway_redis": "(sharing) with Redis ÷ without",
+        "python_relay": "(floor) the HTTP stack and the relay alone, no checks ÷ the gateway",
+    }
+    for other, what in others.items():
         if (g := fig.get(other)) and (u := fig.get("gateway")):
             rps = ", ".join(f"×{g['at'][n]['rps'] / u['at'][n]['rps']:.2f}" for n in (1, 16, 64))
-            got = f"req/s at 1/16/64 {rps}; CPU ×{g['cpu'] / u['cpu']:.2f}; added p99 at 1 "
+            cpu = f"CPU ×{g['cpu'] / u['cpu']:.2f} ({g['cpu']:,.0f} / {u['cpu']:,.0f} µs)"
+            got = f"req/s at 1/16/64 {rps}; {cpu}; added p99 at 1 "
             p99 = f"×{g['p99'] / u['p99']:.2f}" if u["p99"] > 0 else "-"
             rows.append([what + ", one core", got + p99, "-"])
     note = (
         "Targets (issue 44). `*_unpinned` and `gateway_workers2` (`serve --workers 2`, claims "
         "in Redis, whose own CPU is not counted) run on both cores, shared with wrk and the "
         "instant backends (on CPU 0); `gateway_granian`: the same app under granian, pinned "
-        "like `gateway`. CPU µs/req: the whole process group, every worker."
+        "like `gateway`; `python_relay` (`bench/python_relay.py`): the gateway's HTTP stack "
+        "and upstream client relaying to the pair with none of its checks, pinned like it. "
+        "CPU µs/req: the whole process group, every worker."
     )
     return [note, "", *_table("target | measured | verdict", rows)] if rows else []
 

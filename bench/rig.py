@@ -20,6 +20,7 @@ from bench.processes import (
     Server,
     instant_backend,
     pd_router,
+    python_relay,
     start_gateway,
     write_bench_policies,
 )
@@ -56,7 +57,8 @@ class Rig:
     gateway_key: str
     slow_decode: Server
     pool: BenchPool  # the instant prefill and decode every model but the slow one routes to
-    # Section 1's plain-mode extras (``BENCH_SCALE``): name, url, process group, tenant key.
+    # Section 1's plain-mode extras (``BENCH_SCALE``): name, url, process group, tenant key
+    # (scale-out, the HTTP layer, the floor).
     scale_out: list[tuple[str, str, int, str]] = field(default_factory=list)
 
     @property
@@ -139,6 +141,13 @@ def instant_rig(config: BenchConfig, work_dir: Path) -> Iterator[Rig]:
             up.callback(extra.stop)
             assert extra.process is not None
             rig.scale_out.append((name, extra.url, extra.process.pid, extra_key))
+        if scale:  # the floor: what of the gateway's cost is its HTTP stack, pinned like it
+            relay = python_relay(
+                pool, ports.python_relay, work_dir, cpus=config.router_cpus,
+                priority=config.priority,
+            )  # fmt: skip
+            up.callback(relay.stop)
+            rig.scale_out.append(("python_relay", relay.url, relay.pid, key))
         yield rig
 
 
