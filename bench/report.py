@@ -69,8 +69,11 @@ def _scale_out(routing: list[dict]) -> list[str]:
     the gateway: the same app under granian (the choice of HTTP layer), with Redis (what
     sharing costs), and the bare relay (what of its cost is the HTTP stack)."""
     plain, fig = _cells(routing, "plain"), {}
-    extras = ("gateway_workers2", "smg_unpinned", "gateway_granian", "gateway_redis")
-    for t in ("gateway", *extras, "python_relay"):
+    targets = (
+        "gateway", "gateway_workers2", "smg_unpinned", "gateway_granian", "gateway_redis",
+        "python_relay",
+    )  # fmt: skip
+    for t in targets:
         at = {n: plain.get((n, t)) for n in (1, 16, 64)}
         if all(at.values()) and (d := plain.get((1, "direct"))):
             cpu = min(at[n]["cpu_us_per_request"] or 0.0 for n in (16, 64))
