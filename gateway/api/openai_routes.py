@@ -16,7 +16,7 @@ from starlette.routing import BaseRoute, Route
 
 from gateway.api import responses_api, tokenize_routes
 from gateway.api.answers import Kind
-from gateway.api.openapi import openapi_json
+from gateway.api.openapi import openapi_endpoint
 from gateway.api.pipeline import handle_generation
 from gateway.api.unsupported import unsupported_routes
 from gateway.common.errors import APIError
@@ -209,7 +209,7 @@ def openai_routes() -> list[BaseRoute]:
         Route("/readyz", readyz, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
-        Route("/openapi.json", openapi_json, methods=["GET"]),
+        Route("/openapi.json", openapi_endpoint(), methods=["GET"]),
         # OpenAI's endpoints not served here: a 404 that names each (``unsupported``).
         *unsupported_routes(),
     ]

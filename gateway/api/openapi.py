@@ -18,6 +18,7 @@ route nobody fuzzes: keep it complete.
 from __future__ import annotations
 
 import functools
+from collections.abc import Awaitable, Callable
 from importlib import metadata
 from typing import Annotated, Any, Literal
 
@@ -702,10 +703,13 @@ def openapi_document() -> dict[str, Any]:
     }
 
 
-async def openapi_json(request: Request) -> Response:
-    return Response(_document_bytes(), media_type="application/json")
+def openapi_endpoint() -> Callable[[Request], Awaitable[Response]]:
+    """The handler of ``GET /openapi.json``, with the document built now, as the app is built:
+    building it takes tens of milliseconds, which at the first request would hold the event
+    loop, and every request on it, that long."""
+    document = orjson.dumps(openapi_document())
 
+    async def openapi_json(request: Request) -> Response:
+        return Response(document, media_type="application/json")
 
-@functools.cache
-def _document_bytes() -> bytes:
-    return orjson.dumps(openapi_document())
+    return openapi_json

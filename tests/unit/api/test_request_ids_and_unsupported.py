@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 from starlette.testclient import TestClient
 
+from gateway.api import openapi
 from gateway.api.app import REQUEST_ID_PREFIX, create_app
 from gateway.api.openapi import openapi_document
 from gateway.api.unsupported import UNSUPPORTED_ENDPOINTS
@@ -65,6 +66,21 @@ def test_the_openapi_document_lists_every_unsupported_endpoint_with_its_404() ->
     paths = openapi_document()["paths"]
     for path in UNSUPPORTED_ENDPOINTS:
         assert set(paths[path]["post"]["responses"]) == {"404"}, path
+
+
+def test_the_openapi_document_is_built_with_the_app_not_at_the_first_request(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Building it takes tens of milliseconds, which at a request would hold the event loop.
+    app = create_app(Settings())
+
+    def built_while_serving() -> None:
+        raise AssertionError("the OpenAPI document was built at a request")
+
+    monkeypatch.setattr(openapi, "openapi_document", built_while_serving)
+    response = TestClient(app).get("/openapi.json")
+    assert response.status_code == 200
+    assert response.json()["paths"].keys() == openapi_document()["paths"].keys()
 
 
 @pytest.mark.parametrize(
