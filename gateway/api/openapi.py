@@ -208,6 +208,8 @@ class WorkerCapacity(_Body):
     engine_patch: str | None
     max_running_requests: int | None
     waiting_requests: int
+    # Each stream chunk carries only what it adds (``--incremental-streaming-output``).
+    incremental_streams: bool
 
 
 class Worker(_Body):

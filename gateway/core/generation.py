@@ -62,6 +62,7 @@ from gateway.tool_parsers import InvalidToolOutput, OutputParser, OutputSpec, Pa
 from gateway.verification.verify import (
     ContentScanner,
     Expectation,
+    IncrementalChunks,
     IsolationFailure,
     StreamGuard,
     check_meta,
@@ -636,7 +637,14 @@ class GenerationCore:
                 choice.expected.tenant_id,
                 admitted.output.stream_reasoning,
             )
-        stream = CheckedStream(choice, batches, guard, admitted.tokenizer, shaper)
+        stream = CheckedStream(
+            choice,
+            batches,
+            guard,
+            admitted.tokenizer,
+            shaper,
+            engine_repeats_output=not admitted.pair.decode_state.incremental_streams,
+        )
         try:
             stream.take_first(await batches.__anext__())
         except StopAsyncIteration:
@@ -749,8 +757,10 @@ class CheckedStream:
     ``steps`` yields the first step and then one per batch of chunks; ``finish`` (after the
     last step) gives what was held back and the finish reason; ``aclose`` closes decode's
     stream. A failed check raises ``IsolationFailure`` before any of its batch is handed out.
-    Log-probability entries are held back with the text their tokens spell (the scanner's
-    hold-back), so no token reaches the client before the text it is part of was scanned.
+    Each chunk is read as what it adds (``IncrementalChunks``), so a step costs what its chunks
+    add, wherever the stream is. Log-probability entries are held back with the text their
+    tokens spell (the scanner's hold-back), so no token reaches the client before the text it
+    is part of was scanned.
     """
 
     def __init__(
@@ -760,12 +770,15 @@ class CheckedStream:
         guard: StreamGuard,
         tokenizer: ModelTokenizer | None,
         shaper: OutputShaper | None = None,
+        *,
+        engine_repeats_output: bool,
     ) -> None:
         self.choice = choice
         self._batches = batches
         self._guard = guard
         self._tokenizer = tokenizer
         self._shaper = shaper
+        self._chunks = IncrementalChunks(engine_repeats_output)
         self._first: StreamStep | None = None
         self._last_meta: dict[str, Any] = {}
         self._logprobs: list[TokenLogprob] = []
@@ -787,21 +800,21 @@ class CheckedStream:
 
     def _step(self, batch: list[dict[str, Any]]) -> StreamStep:
         expected = self.choice.expected
-        for chunk in batch:
-            check_meta(chunk.get("meta_info"), expected)
-        texts = [chunk.get("text", "") for chunk in batch]
-        sent = self._guard.sent_chars
-        delta = self._guard.feed_all(texts)
-        self._last_meta = meta = batch[-1]["meta_info"]
+        parts = [self._chunks.checked(chunk, expected) for chunk in batch]
+        texts = [part.get("text") or "" for part in parts]
+        fed, sent = self._guard.length, self._guard.sent_chars
+        delta = self._guard.feed("".join(texts))
+        self._last_meta = meta = parts[-1]["meta_info"]
         step = StreamStep(delta, meta) if self._shaper is None else self._shaper.step(delta, meta)
         if expected.top_logprobs is None or self._tokenizer is None:
             if len(texts) > 1 and self._shaper is None:
-                step.pieces = pieces_of(texts, sent, sent + len(delta))
+                step.pieces = pieces_of(texts, fed, sent, delta)
             return step
-        # Cumulative in every chunk: the new entries are those past the ones already taken.
-        fresh = token_logprobs(meta, self._tokenizer, start=len(self._logprobs))
+        fresh = [
+            entry for part in parts for entry in token_logprobs(part["meta_info"], self._tokenizer)
+        ]
         self._logprobs.extend(fresh)
-        self._guard.scan_extra("".join(t.token for t in self._logprobs))
+        self._guard.scan_extra("".join(t.token for t in fresh))
         step.logprobs = self._release_logprobs(self._guard.sent_chars)
         return step
 
@@ -841,14 +854,16 @@ class CheckedStream:
         await self._batches.aclose()
 
 
-def pieces_of(texts: list[str], start: int, end: int) -> list[str]:
-    """The text released from cumulative chunk texts, ``[start, end)`` of the last, cut where
-    each chunk's text ended (chunks that add nothing released give no piece)."""
-    whole, pieces = texts[-1], []
+def pieces_of(texts: list[str], fed: int, sent: int, released: str) -> list[str]:
+    """``released`` (the stream's text from ``sent`` on) cut where each chunk's new text (of
+    ``texts``, the first after ``fed`` characters) ended; chunks that add nothing released
+    give no piece."""
+    pieces, start, end = [], sent, sent + len(released)
     for text in texts:
-        cut = min(len(text), end)
+        fed += len(text)
+        cut = min(fed, end)
         if cut > start:
-            pieces.append(whole[start:cut])
+            pieces.append(released[start - sent : cut - sent])
             start = cut
     return pieces
 
@@ -1063,16 +1078,15 @@ def _capacity_busy() -> APIError:
     )
 
 
-def token_logprobs(
-    meta: dict[str, Any], tokenizer: ModelTokenizer, start: int = 0
-) -> list[TokenLogprob]:
-    """The completion tokens' log probabilities from ``start`` on, checked by ``check_meta``
-    already; token texts come from the gateway's own tokenizer, never from the engine."""
+def token_logprobs(meta: dict[str, Any], tokenizer: ModelTokenizer) -> list[TokenLogprob]:
+    """The log probabilities of ``meta``'s tokens (a whole answer's, or a stream chunk's new
+    ones), checked by ``check_meta`` already; token texts come from the gateway's own
+    tokenizer, never from the engine."""
     entries = meta.get("output_token_logprobs") or []
     alternatives = meta.get("output_top_logprobs") or []
     text = tokenizer.token_text
     result = []
-    for position in range(start, len(entries)):
+    for position in range(len(entries)):
         logprob, token = entries[position][0], entries[position][1]
         top = alternatives[position] if position < len(alternatives) else []
         result.append(
@@ -1252,6 +1266,6 @@ class OutputShaper:
             check_text(self._scanner, call.name, self._tenant_id)
             check_text(self._scanner, call.arguments, self._tenant_id)
         self.calls_made += len(parsed.calls)
-        text = self._text.feed(self._text.text + parsed.text)
-        reasoning = self._reasoning.feed(self._reasoning.text + parsed.reasoning)
+        text = self._text.feed(parsed.text)
+        reasoning = self._reasoning.feed(parsed.reasoning)
         return text, reasoning

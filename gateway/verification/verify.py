@@ -48,8 +48,10 @@ class Expectation:
     vocab_size: int = 0
 
 
-def check_meta(meta: Any, expected: Expectation) -> None:
-    """Check one engine response (or stream chunk) ``meta_info`` against the request."""
+def check_meta(meta: Any, expected: Expectation, tokens_before: int = 0) -> None:
+    """Check one engine response (or stream chunk) ``meta_info`` against the request; a stream
+    chunk's log probabilities are those of the tokens after the ``tokens_before`` earlier ones
+    (``IncrementalChunks``)."""
     if not isinstance(meta, dict):
         raise IsolationFailure("response carries no meta_info")
     if meta.get("id") != expected.generation_id:
@@ -87,19 +89,17 @@ def check_meta(meta: Any, expected: Expectation) -> None:
     if not isinstance(cached_tokens, int) or not 0 <= cached_tokens <= expected.prompt_tokens:
         raise IsolationFailure(f"cached_tokens {cached_tokens} outside 0..{expected.prompt_tokens}")
     if expected.top_logprobs is not None:
-        check_logprobs(meta, completion_tokens, expected)
+        check_logprobs(meta, completion_tokens - tokens_before, expected)
 
 
-def check_logprobs(meta: dict[str, Any], completion_tokens: int, expected: Expectation) -> None:
-    """One log-probability entry per completion token (SGLang sends them cumulatively, so in
-    every chunk too), each a token id inside the vocabulary, with exactly the alternatives
-    asked for; none for the prompt, which was not asked for."""
+def check_logprobs(meta: dict[str, Any], new_tokens: int, expected: Expectation) -> None:
+    """One log-probability entry per new completion token (all of them in a whole answer, a
+    chunk's own in a stream), each a token id inside the vocabulary, with exactly the
+    alternatives asked for; none for the prompt, which was not asked for."""
     entries = meta.get("output_token_logprobs")
-    if not isinstance(entries, list) or len(entries) != completion_tokens:
+    if not isinstance(entries, list) or len(entries) != new_tokens:
         count = len(entries) if isinstance(entries, list) else "no"
-        raise IsolationFailure(
-            f"{count} log-probability entries for {completion_tokens} completion tokens"
-        )
+        raise IsolationFailure(f"{count} log-probability entries for {new_tokens} new tokens")
     for entry in entries:
         _check_logprob_entry(entry, expected.vocab_size)
     if meta.get("input_token_logprobs"):
@@ -107,7 +107,7 @@ def check_logprobs(meta: dict[str, Any], completion_tokens: int, expected: Expec
     top = expected.top_logprobs or 0
     if top:
         alternatives = meta.get("output_top_logprobs")
-        if not isinstance(alternatives, list) or len(alternatives) != completion_tokens:
+        if not isinstance(alternatives, list) or len(alternatives) != new_tokens:
             raise IsolationFailure("top log probabilities do not match the completion tokens")
         for position in alternatives:
             if not isinstance(position, list) or len(position) != min(top, expected.vocab_size):
@@ -179,78 +179,128 @@ class NoScanner:
 
 
 class StreamGuard:
-    """Turns the engine's cumulative stream text into checked deltas for the client.
+    """Turns the engine's stream text, fed a chunk's new text at a time, into checked deltas for
+    the client.
 
-    SGLang streams the whole text so far in every chunk. ``feed`` returns the part that is
-    safe to send now: new text minus a tail that could still be the start of a marker;
-    ``finish`` releases the tail once the full text has been scanned.
+    ``feed`` returns the part that is safe to send now: the new text minus a tail that could
+    still be the start of a marker; ``finish`` releases the tail once all the text has been
+    scanned. Only the unsent text and a marker's length before it are kept, so a step costs
+    what it adds, not what the stream holds so far.
     """
 
     def __init__(self, scanner: ContentScanner, tenant_id: str) -> None:
         self._scanner = scanner
         self._tenant_id = tenant_id
-        self._text = ""
+        self._tail = ""  # the text from ``_tail_start`` on: a marker's length before the unsent
+        self._tail_start = 0
+        self._length = 0
         self._sent = 0
-        self._extra_scanned = 0
-
-    @property
-    def text(self) -> str:
-        return self._text
+        self._extra_tail = ""
 
     @property
     def sent_chars(self) -> int:
         """How much of the text has been handed out."""
         return self._sent
 
-    def scan_extra(self, text: str) -> None:
-        """Scan other text that grows with the stream (the log probabilities' tokens), from
-        where the last call left off less a marker's length."""
-        start = max(0, self._extra_scanned - self._scanner.holdback_chars)
-        self._extra_scanned = len(text)
-        if self._scanner.foreign_marker(text[start:], self._tenant_id) is not None:
-            raise IsolationFailure(FOREIGN_MARKER_REASON)
+    @property
+    def length(self) -> int:
+        """How much text has been fed."""
+        return self._length
 
-    def feed(self, cumulative_text: str) -> str:
-        if not cumulative_text.startswith(self._text):
-            raise IsolationFailure("stream text was rewritten by the engine")
-        self._text = cumulative_text
+    def scan_extra(self, new_text: str) -> None:
+        """Scan other text that grows with the stream (the log probabilities' tokens), what it
+        adds with a marker's length of what came before."""
+        text = self._extra_tail + new_text
+        if self._scanner.foreign_marker(text, self._tenant_id) is not None:
+            raise IsolationFailure(FOREIGN_MARKER_REASON)
+        keep = self._scanner.holdback_chars
+        self._extra_tail = text[len(text) - keep :] if keep else ""
+
+    def feed(self, new_text: str) -> str:
+        self._tail += new_text
+        self._length += len(new_text)
         self._scan()
-        safe_until = len(self._text)
+        safe_until = self._length
         if self._scanner.holdback_chars:
             # Only a marker still incomplete at the end can hide in the text: it begins within the
             # last holdback_chars, with the marker's first character. Hold back from there only,
             # so ordinary text streams without delay.
-            window = max(self._sent, len(self._text) - self._scanner.holdback_chars)
-            start = self._text.find(self._scanner.marker_start, window)
+            window = max(self._sent, self._length - self._scanner.holdback_chars)
+            start = self._tail.find(self._scanner.marker_start, window - self._tail_start)
             if start != -1:
-                safe_until = start
-        safe_until = max(self._sent, safe_until)
-        delta = self._text[self._sent : safe_until]
-        self._sent = safe_until
-        return delta
-
-    def feed_all(self, cumulative_texts: list[str]) -> str:
-        """``feed`` for chunks that arrived together: each must extend the one before it, and
-        what they add is scanned once."""
-        previous = self._text
-        for text in cumulative_texts:
-            if not text.startswith(previous):
-                raise IsolationFailure("stream text was rewritten by the engine")
-            previous = text
-        return self.feed(previous)
+                safe_until = self._tail_start + start
+        return self._release(max(self._sent, safe_until))
 
     def finish(self) -> str:
         self._scan()
-        delta = self._text[self._sent :]
-        self._sent = len(self._text)
+        return self._release(self._length)
+
+    def _release(self, until: int) -> str:
+        delta = self._tail[self._sent - self._tail_start : until - self._tail_start]
+        self._sent = until
+        keep_from = max(0, until - self._scanner.holdback_chars)
+        if keep_from > self._tail_start:
+            self._tail = self._tail[keep_from - self._tail_start :]
+            self._tail_start = keep_from
         return delta
 
     def _scan(self) -> None:
         # Only the unsent region plus a marker-length overlap can hold a new marker.
         start = max(0, self._sent - self._scanner.holdback_chars)
-        marker = self._scanner.foreign_marker(self._text[start:], self._tenant_id)
+        marker = self._scanner.foreign_marker(
+            self._tail[start - self._tail_start :], self._tenant_id
+        )
         if marker is not None:
             raise IsolationFailure(FOREIGN_MARKER_REASON)
+
+
+# The ``meta_info`` lists that SGLang without ``--incremental-streaming-output`` repeats whole.
+_REPEATED_META_LISTS = ("output_token_logprobs", "output_top_logprobs")
+
+
+class IncrementalChunks:
+    """Decode's stream chunks as what each adds, whichever way the engine sends them.
+
+    SGLang started with ``--incremental-streaming-output`` sends each chunk's new text, token
+    ids and log probabilities only. Without it, every chunk repeats the whole output so far:
+    a stream of n tokens carries n²/2 tokens' worth of text and log probabilities, and checking
+    each chunk whole cost the gateway's loop tens of milliseconds per token late in a long
+    stream with ``top_logprobs``. The checks downstream read only what a chunk adds; for an
+    engine that repeats, ``new_part`` cuts the repetition off, first checking that it is one
+    (the engine never rewrites text it already sent).
+    """
+
+    def __init__(self, repeats_output: bool) -> None:
+        self._repeats_output = repeats_output
+        self._tokens = 0  # completion tokens before the next chunk
+        self._text = ""
+
+    def checked(self, chunk: dict[str, Any], expected: Expectation) -> dict[str, Any]:
+        """``chunk`` as what it adds, once it passed ``check_meta``."""
+        part = self.new_part(chunk)
+        meta = part.get("meta_info")
+        check_meta(meta, expected, self._tokens)
+        assert isinstance(meta, dict)  # check_meta refuses anything else
+        self._tokens = meta.get("completion_tokens", 0)
+        return part
+
+    def new_part(self, chunk: dict[str, Any]) -> dict[str, Any]:
+        """``chunk`` as what it adds to the ones before it (its own tokens' log probabilities:
+        those after the tokens of the chunks before it)."""
+        if not self._repeats_output:
+            return chunk
+        text = chunk.get("text") or ""
+        if not text.startswith(self._text):
+            raise IsolationFailure("stream text was rewritten by the engine")
+        part = dict(chunk, text=text[len(self._text) :])
+        self._text = text
+        meta = chunk.get("meta_info")
+        if isinstance(meta, dict):
+            meta = part["meta_info"] = dict(meta)
+            for key in _REPEATED_META_LISTS:
+                if isinstance(values := meta.get(key), list):
+                    meta[key] = values[self._tokens :]
+        return part
 
 
 def check_text(scanner: ContentScanner, text: str, tenant_id: str) -> None:

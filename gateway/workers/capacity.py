@@ -59,6 +59,9 @@ class WorkerCapacity:
     max_running_requests: int | None = None
     # Requests waiting in the engine's own queues (the least loaded rank's).
     waiting_requests: int = 0
+    # Started with ``--incremental-streaming-output``: each stream chunk carries only what it
+    # adds (without it, every chunk repeats the whole output so far).
+    incremental_streams: bool = False
 
     @property
     def available_tokens(self) -> int:
@@ -132,6 +135,7 @@ def parse_worker_state(
         engine_patch=str(marker) if marker else None,
         max_running_requests=min(running) if running else None,
         waiting_requests=waiting,
+        incremental_streams=server_info.get("incremental_streaming_output") is True,
     )
 
 
@@ -221,6 +225,8 @@ class CapacityRegistry:
         self._workers: dict[str, Role] = {}
         self._observed: dict[str, WorkerCapacity] = {}
         self._errors: dict[str, str] = {}
+        # Decode workers seen repeating their whole output in every stream chunk (warned once).
+        self._repeating: set[str] = set()
         self._configs: dict[str, WorkerConfig] = {}
         self._config_refresh_s = config_refresh_s
         # A poll slower than half the staleness window would make a busy worker look dead.
@@ -397,6 +403,7 @@ class CapacityRegistry:
             log.info("capacity: %s worker %s answers polls again", role, url)
         self.seen_serving((url,))
         self._configs[url] = config
+        self._note_stream_mode(state)
         self.adopt(state)
         if self._redis is not None:
             try:
@@ -405,6 +412,18 @@ class CapacityRegistry:
                 )
             except Exception as exc:  # Redis down: our own observations are still real ones.
                 log.warning("capacity: redis unavailable, deciding on local observations: %s", exc)
+
+    def _note_stream_mode(self, state: WorkerCapacity) -> None:
+        if state.role != "decode" or state.incremental_streams:
+            self._repeating.discard(state.url)
+        elif state.url not in self._repeating:
+            self._repeating.add(state.url)
+            log.warning(
+                "capacity: decode worker %s repeats its whole output in every stream chunk, "
+                "which the gateway parses at every token; start it with "
+                "--incremental-streaming-output (docs/operations.md, section 1)",
+                state.url,
+            )
 
     def _config_for(self, url: str) -> WorkerConfig | None:
         config = self._configs.get(url)

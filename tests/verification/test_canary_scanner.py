@@ -17,7 +17,12 @@ from gateway.verification.scanner import (
     CanaryScanner,
     new_marker,
 )
-from gateway.verification.verify import IsolationFailure, StreamGuard, check_text
+from gateway.verification.verify import (
+    IncrementalChunks,
+    IsolationFailure,
+    StreamGuard,
+    check_text,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -78,7 +83,7 @@ async def test_a_marker_split_across_two_chunks_is_caught_before_any_of_it_is_se
     guard = StreamGuard(scanner, "tenant-a")
     sent = guard.feed("Hello, " + marker[:9])
     with pytest.raises(IsolationFailure):
-        guard.feed("Hello, " + marker + " tail")
+        guard.feed(marker[9:] + " tail")
     assert MARKER_PREFIX[0] not in sent and sent == "Hello, "[: len(sent)]
 
 
@@ -97,10 +102,11 @@ def test_no_byte_of_a_foreign_marker_is_ever_sent_whatever_the_chunking(
     text = before + marker + after
     ends = sorted({min(c, len(text)) for c in cuts} | {len(text)})
     guard = StreamGuard(scanner, "tenant-a")
-    sent = ""
+    sent, fed = "", 0
     with pytest.raises(IsolationFailure):
         for end in ends:
-            sent += guard.feed(text[:end])
+            sent += guard.feed(text[fed:end])
+            fed = end
         sent += guard.finish()
     # Nothing from the marker's first character on reached the client.
     assert len(sent) <= len(before) and text.startswith(sent)
@@ -112,20 +118,23 @@ def test_clean_text_comes_through_whole_and_in_order(text: str, cuts: list[int])
     scanner = CanaryScanner()
     asyncio.run(scanner.register_marker(new_marker(), "tenant-b", 60))
     guard = StreamGuard(scanner, "tenant-a")
-    sent = ""
+    sent, fed = "", 0
     for end in sorted({min(c, len(text)) for c in cuts}):
-        sent += guard.feed(text[:end])
-        assert len(text[:end]) - len(sent) <= MARKER_LENGTH - 1  # held back no more than needed
-    sent += guard.feed(text)
+        sent += guard.feed(text[fed:end])
+        fed = end
+        assert fed - len(sent) <= MARKER_LENGTH - 1  # held back no more than needed
+    sent += guard.feed(text[fed:])
     sent += guard.finish()
     assert sent == text
 
 
 def test_rewritten_stream_text_is_refused() -> None:
-    guard = StreamGuard(CanaryScanner(), "tenant-a")
-    guard.feed("Hello world")
+    # An engine that repeats its output in every chunk must repeat it unchanged.
+    chunks = IncrementalChunks(repeats_output=True)
+    assert chunks.new_part({"text": "Hello world"})["text"] == "Hello world"
+    assert chunks.new_part({"text": "Hello world, more"})["text"] == ", more"
     with pytest.raises(IsolationFailure, match="rewritten"):
-        guard.feed("Hellx world and more")
+        chunks.new_part({"text": "Hellx world, more and more"})
 
 
 @pytest.mark.redis

@@ -115,6 +115,7 @@ def stream(call: responses_api.ResponsesCall, saved: Saved, chunks: list[Any]) -
             StreamGuard(NoScanner(), "acme"),
             None,
             reasoning_shaper(),
+            engine_repeats_output=True,
         )
         checked.take_first([chunks[0]])
         streams = ChoiceStreams([checked], trace, None)

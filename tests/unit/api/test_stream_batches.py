@@ -41,10 +41,10 @@ async def batches_of(*batches: list[dict[str, Any]]) -> AsyncGenerator[list[dict
 
 
 def writes_of(
-    first: dict[str, Any], *later: list[dict[str, Any]]
+    first: dict[str, Any], *later: list[dict[str, Any]], repeated: bool = True
 ) -> tuple[list[bytes], BaseException | None]:
     """The writes ``sse_events`` makes for a stream whose first chunk was ``first``, and what it
-    raised."""
+    raised; each chunk the whole text so far (``repeated``, SGLang's default) or what it adds."""
     guard = StreamGuard(NoScanner(), "acme")
     trace = Trace(GID, datetime.now(UTC), time.perf_counter(), stream=True, model="m")
     request = EngineRequest(
@@ -58,7 +58,13 @@ def writes_of(
     async def collect() -> tuple[list[bytes], BaseException | None]:
         writes: list[bytes] = []
         try:
-            stream = CheckedStream(Choice(0, 0, request, EXPECTED), batches_of(*later), guard, None)
+            stream = CheckedStream(
+                Choice(0, 0, request, EXPECTED),
+                batches_of(*later),
+                guard,
+                None,
+                engine_repeats_output=repeated,
+            )
             stream.take_first([first])
             streams = ChoiceStreams([stream], trace, None)
             async for write in sse_events(trace, streams, "completion", False):
@@ -85,6 +91,14 @@ def test_chunks_that_arrive_together_are_one_write_with_an_event_per_engine_chun
     assert texts(writes[0]) == ["He"]
     assert texts(writes[1]) == ["ll", "o"]  # two engine chunks, checked as one
     assert len(writes) == 3
+
+
+def test_chunks_of_an_incremental_engine_that_arrive_together_are_one_write_an_event_each() -> None:
+    writes, failure = writes_of(
+        chunk("He", 1), [chunk("ll", 2), chunk("o", 3)], [chunk("!", 4, "stop")], repeated=False
+    )
+    assert failure is None
+    assert [texts(write) for write in writes] == [["He"], ["ll", "o"], ["!", ""]]
 
 
 def test_a_chunk_that_adds_no_text_gives_no_event() -> None:

@@ -61,7 +61,12 @@ def events(
         guard = StreamGuard(NoScanner(), "acme")
         later = [[c] for c in chunks[1:]]
         stream = CheckedStream(
-            Choice(0, 0, request, EXPECTED), batches_of(*later), guard, None, shaper
+            Choice(0, 0, request, EXPECTED),
+            batches_of(*later),
+            guard,
+            None,
+            shaper,
+            engine_repeats_output=True,
         )
         stream.take_first([chunks[0]])
         streams = ChoiceStreams([stream], trace, None)
