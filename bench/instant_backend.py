@@ -37,6 +37,7 @@ def static_bodies(role: str, pool_tokens: int) -> dict[bytes, bytes]:
     internal.update(max_total_num_tokens=p, context_length=p, max_req_input_len=p - 1)
     info.update(internal_states=[internal], context_length=p, disaggregation_mode=role)
     info["isogate_engine_patch"] = "instant-backend"
+    info["incremental_streaming_output"] = True  # as docs/operations.md starts decode workers
     loads["loads"] = [dict(loads["loads"][0], max_total_num_tokens=pool_tokens, num_used_tokens=0)]
     model = {"id": "instant-backend", "object": "model", "owned_by": "bench"}
     models = {"object": "list", "data": [dict(model, max_model_len=pool_tokens)]}
@@ -79,10 +80,12 @@ def answer(
         for name in ("tenant", "generation"):
             if (value := headers.get(b"x-isolation-" + name.encode())) is not None:
                 meta["isolation_" + name] = value.decode()
+        # A stream's chunks carry what each adds (``--incremental-streaming-output``).
+        added = 1 if stream else tokens
         bodies = [
             {
-                "text": TOKEN_TEXT * n,
-                "output_ids": [OUTPUT_TOKEN_ID] * n,
+                "text": TOKEN_TEXT * added,
+                "output_ids": [OUTPUT_TOKEN_ID] * added,
                 "meta_info": dict(
                     meta,
                     completion_tokens=n,

@@ -27,7 +27,8 @@ args=(
 )
 case "$mode" in
   prefill) args+=(--disaggregation-bootstrap-port "${SGLANG_BOOTSTRAP_PORT:-8998}") ;;
-  decode) ;;
+  # Each stream chunk carries what it adds, not the whole output so far (docs/operations.md).
+  decode) args+=(--incremental-streaming-output) ;;
   *) echo "isogate-engine: SGLANG_DISAGGREGATION_MODE must be prefill or decode, got '$mode'" >&2; exit 2 ;;
 esac
 [ -n "${SGLANG_SERVED_MODEL_NAME:-}" ] && args+=(--served-model-name "$SGLANG_SERVED_MODEL_NAME")

@@ -201,6 +201,9 @@ def server_command(worker: WorkerSpec, model_dir: Path, engine_python: Path) -> 
     else:
         # The default retraction backup pins host memory, which needs CUDA.
         command += ["--disaggregation-decode-retraction-backup", "cpu_tensor"]
+        # Each stream chunk carries what it adds, not the whole output so far
+        # (``docs/operations.md``: the gateway reads either, this one for a cost per token).
+        command += ["--incremental-streaming-output"]
     if worker.context_length is not None:
         command += ["--context-length", str(worker.context_length)]
     if worker.page_size is not None:

@@ -180,13 +180,14 @@ def test_entrypoint_starts_a_prefill_worker_with_mooncake_and_its_bootstrap_port
     assert "--enable-metrics" in argv, "the gateway polls /metrics for live KV capacity"
 
 
-def test_entrypoint_starts_a_decode_worker_without_a_bootstrap_port(tmp_path: Path) -> None:
+def test_entrypoint_starts_a_decode_worker_streaming_what_each_chunk_adds(tmp_path: Path) -> None:
     code, argv, _ = _launch(
         tmp_path, SGLANG_DISAGGREGATION_MODE="decode", SGLANG_MODEL_PATH="/models/m"
     )
     assert code == 0
     assert _value(argv, "--disaggregation-mode") == "decode"
     assert "--disaggregation-bootstrap-port" not in argv and "--context-length" not in argv
+    assert "--incremental-streaming-output" in argv, "each stream chunk only what it adds"
 
 
 def test_entrypoint_refuses_an_unknown_mode(tmp_path: Path) -> None:
