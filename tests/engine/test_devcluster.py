@@ -80,6 +80,56 @@ def test_pd_pair_generates_the_requested_greedy_tokens(
     assert result["meta_info"]["finish_reason"] == {"type": "length", "length": MAX_NEW_TOKENS}
 
 
+async def stream_through_pd_pair(pd_cluster: PDCluster, body: dict) -> list[dict]:
+    """Decode's stream chunks for ``body`` sent to both workers (prefill's whole answer)."""
+    body = {
+        **body,
+        "rid": uuid.uuid4().hex,
+        "bootstrap_host": "127.0.0.1",
+        "bootstrap_port": pd_cluster.bootstrap_port,
+        "bootstrap_room": random.getrandbits(63),
+    }
+    chunks: list[dict] = []
+
+    async def decode(client: httpx.AsyncClient) -> None:
+        url = f"{pd_cluster.decode_url}/generate"
+        async with client.stream("POST", url, json={**body, "stream": True}) as response:
+            assert response.status_code == 200
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    chunks.append(json.loads(line[len("data: ") :]))
+
+    async with httpx.AsyncClient(timeout=60.0) as client:
+        prefill, _ = await asyncio.gather(
+            client.post(f"{pd_cluster.prefill_url}/generate", json=body), decode(client)
+        )
+    assert prefill.status_code == 200, prefill.text
+    return chunks
+
+
+@pytest.mark.engine
+def test_the_dev_decode_worker_streams_what_each_chunk_adds(
+    pd_cluster: PDCluster, prompt_ids: list[int]
+) -> None:
+    # What the gateway's IncrementalChunks reads: each chunk's text, token ids and log
+    # probabilities are its own new tokens', against the running completion_tokens.
+    body = {**generate_body(prompt_ids), "return_logprob": True, "top_logprobs_num": 2}
+    whole = asyncio.run(generate_through_pd_pair(pd_cluster, prompt_ids))
+    chunks = asyncio.run(stream_through_pd_pair(pd_cluster, body))
+    info = httpx.get(f"{pd_cluster.decode_url}/server_info", timeout=10.0).json()
+    assert info["incremental_streaming_output"] is True
+    assert len(chunks) > 1
+    before = 0
+    for chunk in chunks:
+        meta = chunk["meta_info"]
+        new = meta["completion_tokens"] - before
+        assert len(chunk["output_ids"]) == len(meta["output_token_logprobs"]) == new
+        assert len(meta["output_top_logprobs"]) == new
+        before = meta["completion_tokens"]
+    assert [t for c in chunks for t in c["output_ids"]] == whole["output_ids"]
+    assert "".join(c["text"] for c in chunks) == whole["text"]
+
+
 @pytest.mark.engine
 def test_pd_pair_greedy_output_is_deterministic_across_rooms(
     pd_cluster: PDCluster, prompt_ids: list[int]
