@@ -5,7 +5,8 @@
    cap (``queue_in_flight_per_pair``).
 2. Noisy neighbour: tenant B sends one request at a time (``max_tokens`` 16, then 64) alone,
    then while tenant A keeps 24 and 64 requests in flight at ``max_tokens`` 64 and 1,024, and
-   while A sends one request of 32 prompts x ``n=16`` at a time; through a gateway with the
+   while A sends one request of 32 prompts x ``n=16`` at a time, and one streamed request of
+   1,024 tokens with 5 log probabilities per token at a time; through a gateway with the
    queue as configured (the settings' defaults, the knee as its cap) and through one without
    a queue. For each case: B's p50 against B alone through the same gateway, B's refused
    requests, and the pair's generated tokens per second against the same case without a
@@ -84,6 +85,9 @@ A_CASES: tuple[tuple[str, int, dict], ...] = (
         1,
         {"prompt": [[3 + (7 * p + i) % 500 for i in range(8)] for p in range(32)], "n": 16},
     ),
+    # One long stream with log probabilities: each chunk must cost what it adds, not what the
+    # stream holds so far (SGLang repeats it all without --incremental-streaming-output).
+    ("1 x 1024 tok streamed, logprobs 5", 1, {"max_tokens": 1024, "stream": True, "logprobs": 5}),
 )
 CURVE_CASE = ("24 x 64 tok", 24, {"max_tokens": 64})
 LINGER_CASE = ("24 x 1024 tok", 24, {"max_tokens": 1024})
