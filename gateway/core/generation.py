@@ -513,7 +513,7 @@ class GenerationCore:
         if len(admitted.choices) == 1:  # without a coroutine of its own, one frame less to resume
             choice = admitted.choices[0]
             output = await self._dispatcher.generate(admitted.pair, choice.request)
-            only = self._checked(admitted, choice, output)
+            only = await self._checked(admitted, choice, output)
             completions, completion_tokens = [only], only.completion_tokens
         elif metered is not None:
             completions = await _all_or_nothing(
@@ -536,7 +536,7 @@ class GenerationCore:
 
     async def _complete_one(self, admitted: Admitted, choice: Choice) -> Completion:
         output = await self._dispatcher.generate(admitted.pair, choice.request)
-        return self._checked(admitted, choice, output)
+        return await self._checked(admitted, choice, output)
 
     async def _complete_metered(
         self, admitted: Admitted, metered: _Metered, choice: Choice
@@ -563,7 +563,7 @@ class GenerationCore:
                 claim = await self._claim(pair, need)
             choice.request.priority = slot.priority
             output = await self._dispatcher.generate(pair, choice.request)
-            completion = self._checked(admitted, choice, output)
+            completion = await self._checked(admitted, choice, output)
             slot.refund(OUTPUT_TOKEN_COST * (admitted.max_tokens - completion.completion_tokens))
             return completion
         finally:
@@ -572,7 +572,9 @@ class GenerationCore:
             slot.release()
             metered.leave(need)
 
-    def _checked(self, admitted: Admitted, choice: Choice, output: dict[str, Any]) -> Completion:
+    async def _checked(
+        self, admitted: Admitted, choice: Choice, output: dict[str, Any]
+    ) -> Completion:
         """One choice's answer from decode, once it has passed every check."""
         meta = output.get("meta_info")
         expected = choice.expected
@@ -596,10 +598,9 @@ class GenerationCore:
                 finish_reason = "tool_calls"
         scored_prompt = None
         if choice.request.prompt_logprobs:
-            prefill_meta = output.get(PREFILL_META)
-            check_prompt_logprobs(prefill_meta, choice.request.input_ids, expected)
-            assert isinstance(prefill_meta, dict)  # check_prompt_logprobs refuses anything else
-            scored_prompt = prompt_logprobs(prefill_meta, admitted.tokenizer)
+            scored_prompt = await checked_prompt_scores(
+                output.get(PREFILL_META), choice.request.input_ids, expected, admitted.tokenizer
+            )
         return Completion(
             choice.index,
             text,
@@ -1095,20 +1096,46 @@ def token_logprobs(meta: dict[str, Any], tokenizer: ModelTokenizer) -> list[Toke
     return result
 
 
-def prompt_logprobs(meta: dict[str, Any], tokenizer: ModelTokenizer) -> PromptLogprobs:
-    """The prompt's scores, checked by ``check_prompt_logprobs`` already; token texts from the
-    gateway's own tokenizer."""
+# Prompt positions checked and read between two turns of the event loop: a prompt of 16k tokens
+# scored with five alternatives each, checked and read whole, held the loop for a tenth of a
+# second and more (parsing prefill's answer, one call, is the part left).
+PROMPT_SCORES_PER_TURN = 2048
+
+
+async def checked_prompt_scores(
+    meta: Any, input_ids: list[int], expected: Expectation, tokenizer: ModelTokenizer
+) -> PromptLogprobs:
+    """Prefill's scores of the prompt, checked (``check_prompt_logprobs``) and read
+    ``PROMPT_SCORES_PER_TURN`` positions at a time, with the loop free between them; token
+    texts from the gateway's own tokenizer."""
+    total = len(input_ids)
+    rest: list[TokenLogprob] = []
+    for start in range(0, max(total, 1), PROMPT_SCORES_PER_TURN):
+        if start:
+            await asyncio.sleep(0)
+        positions = range(start, min(total, start + PROMPT_SCORES_PER_TURN))
+        check_prompt_logprobs(meta, input_ids, expected, positions)
+        rest += _prompt_scores(meta, tokenizer, positions)
+    return PromptLogprobs(tokenizer.token_text(input_ids[0]), rest)
+
+
+def _prompt_scores(
+    meta: dict[str, Any], tokenizer: ModelTokenizer, positions: range
+) -> list[TokenLogprob]:
+    """The scores of the prompt's tokens at ``positions`` but the first (which has none)."""
     entries = meta["input_token_logprobs"]
     alternatives = meta.get("input_top_logprobs") or []
     text = tokenizer.token_text
-    rest = []
-    for position in range(1, len(entries)):
+    scores = []
+    for position in positions:
+        if not position:
+            continue
         logprob, token = entries[position][0], entries[position][1]
         top = (alternatives[position] if position < len(alternatives) else None) or []
-        rest.append(
+        scores.append(
             TokenLogprob(text(token), float(logprob), [(text(e[1]), float(e[0])) for e in top])
         )
-    return PromptLogprobs(text(entries[0][1]), rest)
+    return scores
 
 
 def best_of(completions: list[Completion], candidates: int, keep: int) -> list[Completion]:

@@ -116,11 +116,14 @@ def check_logprobs(meta: dict[str, Any], new_tokens: int, expected: Expectation)
                 _check_logprob_entry(entry, expected.vocab_size)
 
 
-def check_prompt_logprobs(meta: Any, input_ids: list[int], expected: Expectation) -> None:
+def check_prompt_logprobs(
+    meta: Any, input_ids: list[int], expected: Expectation, positions: range | None = None
+) -> None:
     """Prefill's scores of the prompt (``echo``), from prefill's answer to this generation:
     one entry per prompt token, for exactly the prompt's tokens in order (the first,
     conditioned on nothing, without a log probability), each with the alternatives asked for.
-    Anything else scored another sequence."""
+    Anything else scored another sequence. With ``positions``, the entries of those only (the
+    shape is checked at every call), so that a long prompt can be checked a slice at a time."""
     if not isinstance(meta, dict) or meta.get("id") != expected.generation_id:
         raise IsolationFailure("prefill's prompt scores are not this request's")
     vocab_size, top_logprobs = expected.vocab_size, expected.top_logprobs or 0
@@ -130,21 +133,25 @@ def check_prompt_logprobs(meta: Any, input_ids: list[int], expected: Expectation
         raise IsolationFailure(
             f"{count} prompt log-probability entries for {len(input_ids)} prompt tokens"
         )
-    for position, (entry, token) in enumerate(zip(entries, input_ids, strict=True)):
-        if not isinstance(entry, list) or len(entry) < 2 or entry[1] != token:
-            raise IsolationFailure("prompt log probabilities of tokens that are not the prompt's")
-        if position:
-            _check_logprob_entry(entry, vocab_size)
-    if not top_logprobs:
-        return
     alternatives = meta.get("input_top_logprobs")
-    if not isinstance(alternatives, list) or len(alternatives) != len(input_ids):
+    if top_logprobs and (not isinstance(alternatives, list) or len(alternatives) != len(input_ids)):
         raise IsolationFailure("top log probabilities do not match the prompt tokens")
-    for position in alternatives[1:]:
-        if not isinstance(position, list) or len(position) != min(top_logprobs, vocab_size):
-            raise IsolationFailure("a prompt token's top log probabilities are not as asked for")
-        for entry in position:
-            _check_logprob_entry(entry, vocab_size)
+    for position in range(len(input_ids)) if positions is None else positions:
+        entry = entries[position]
+        if not isinstance(entry, list) or len(entry) < 2 or entry[1] != input_ids[position]:
+            raise IsolationFailure("prompt log probabilities of tokens that are not the prompt's")
+        if not position:
+            continue
+        _check_logprob_entry(entry, vocab_size)
+        if top_logprobs:
+            assert isinstance(alternatives, list)  # checked above
+            top = alternatives[position]
+            if not isinstance(top, list) or len(top) != min(top_logprobs, vocab_size):
+                raise IsolationFailure(
+                    "a prompt token's top log probabilities are not as asked for"
+                )
+            for alternative in top:
+                _check_logprob_entry(alternative, vocab_size)
 
 
 def _check_logprob_entry(entry: Any, vocab_size: int) -> None:
