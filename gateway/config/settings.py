@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from gateway.common.deadlines import DEFAULT_RESOLUTION_S
@@ -102,6 +102,7 @@ class Settings(BaseSettings):
 
     # State
     database_url: str = f"sqlite:///{REPO_ROOT / '.run' / 'isogate.db'}"
+    # Empty (ISOGATE_REDIS_URL=) is no Redis, for every part alike: one process by default.
     redis_url: str | None = None
     # Prefix of every Redis key this deployment uses (capacity, limits, canaries).
     redis_key_prefix: str = "isogate"
@@ -157,3 +158,8 @@ class Settings(BaseSettings):
     canary_refresh_s: float = Field(default=1.0, gt=0)
     canary_max_tokens: int = Field(default=8, gt=0)
     canary_redis_key: str = "isogate:canary:markers"
+
+    @field_validator("redis_url", mode="before")
+    @classmethod
+    def _empty_redis_url_is_none(cls, value: object) -> object:
+        return None if value == "" else value

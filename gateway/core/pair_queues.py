@@ -191,8 +191,19 @@ class PairQueues:
         self, model: ModelPolicy, pair: WorkerPair, share: Share, slots: int, kv: int, cost: float
     ) -> Slot:
         """The grant once its turn comes, waiting at most ``max_wait_s``; then a refusal in
-        OpenAI's terms: 429 for a tenant over its share, 503 for a full pair."""
+        OpenAI's terms: 429 for a tenant over its share, 503 for a full pair. A grant larger
+        than this replica's part of the KV pool never comes: a 400 at once."""
         queue = self.queue(model, pair)
+        if kv > queue.kv_capacity:
+            raise APIError(
+                400,
+                f"This request needs {kv} KV tokens of pool '{pair.pool}' at once; each of the "
+                f"{self._settings.replicas} gateway processes sharing its workers without Redis "
+                f"may hold at most {int(queue.kv_capacity)} (ISOGATE_REDIS_URL shares the whole "
+                "pool among them). Send a shorter prompt or a smaller max_tokens.",
+                "invalid_request_error",
+                "request_too_large",
+            )
         try:
             return await queue.wait_turn(share, self._settings.max_wait_s, slots, kv=kv, cost=cost)
         except WaitExpired as expired:

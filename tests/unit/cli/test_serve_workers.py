@@ -10,10 +10,22 @@ import pytest
 import uvicorn
 
 from gateway.cli.main import main, worker_count
+from gateway.config.settings import Settings
 
 
 def test_without_redis_the_gateway_is_one_process() -> None:
     assert worker_count(None, redis_configured=False, cores=8) == 1
+
+
+def test_an_empty_redis_url_is_no_redis_for_the_process_count_too(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # It counted as Redis for the number of processes and as none for their claims: two
+    # processes each holding half the pool, refusing after a 10 s wait what fit the whole.
+    monkeypatch.setenv("ISOGATE_REDIS_URL", "")
+    redis_url = Settings().redis_url
+    assert redis_url is None
+    assert worker_count(None, redis_configured=redis_url is not None, cores=8) == 1
 
 
 def test_with_redis_the_default_is_one_process_per_core() -> None:

@@ -17,7 +17,7 @@ import pytest
 
 from gateway.common.errors import APIError
 from gateway.common.redis_pipeline import RedisPipeline
-from gateway.config.policies import DecodeWorker, PrefillWorker, load_policies
+from gateway.config.policies import DecodeWorker, PrefillWorker, Share, load_policies
 from gateway.core.admission import ClaimLedger
 from gateway.core.pair_queues import PairQueues, QueueSettings
 from gateway.core.routing import Candidates
@@ -226,6 +226,29 @@ def test_with_shared_claims_each_replicas_queue_may_grant_the_whole_pool(
     queues = PairQueues(QueueSettings(8, 10.0, 10, replicas=2, kv_shared=kv_shared), Metrics())
     assert queues.queue(model, pair(1000)).kv_capacity == granted
     assert queues.caps_of(model, pair(1000))[0] == 4
+
+
+async def test_a_request_larger_than_a_replicas_part_of_the_pool_is_refused_at_once(
+    tmp_path: Path,
+) -> None:
+    # Without shared claims each of two replicas may hold half the pool: a request for more
+    # would wait its whole turn (10 s) and be told the pair is busy, however idle it is.
+    directory = write_policies(
+        tmp_path,
+        model_name="m",
+        tokenizer_dir=tmp_path,
+        pools=[PoolSpec("shared", (("http://p:1", 2),), ("http://d:1",))],
+    )
+    model = load_policies(directory).models["m"]
+    queues = PairQueues(QueueSettings(8, 10.0, 10, replicas=2), Metrics())
+    started = time.monotonic()
+    with pytest.raises(APIError) as refused:
+        await queues.wait_turn(model, pair(1000), Share("acme"), 1, 501, 1.0)
+    assert (refused.value.status, refused.value.code) == (400, "request_too_large")
+    assert "at most 500" in refused.value.message and time.monotonic() - started < 5
+    granted = queues.take_free(model, pair(1000), Share("acme"), 1, 500, 1.0)
+    assert granted is not None  # half the pool is granted
+    granted.release()
 
 
 async def test_a_dead_process_with_thousands_of_claims_frees_them_all(
