@@ -65,6 +65,7 @@ from gateway.verification.verify import (
     IncrementalChunks,
     IsolationFailure,
     StreamGuard,
+    check_logprob_entries,
     check_meta,
     check_prompt_logprobs,
     check_text,
@@ -578,13 +579,13 @@ class GenerationCore:
         """One choice's answer from decode, once it has passed every check."""
         meta = output.get("meta_info")
         expected = choice.expected
-        check_meta(meta, expected)
+        check_meta(meta, expected, entries=False)  # the entries: ``checked_logprobs``
         assert isinstance(meta, dict)  # check_meta refuses anything else
         text = output.get("text", "")
         check_text(admitted.scanner, text, expected.tenant_id)
         logprobs = None
         if expected.top_logprobs is not None:
-            logprobs = token_logprobs(meta, admitted.tokenizer)
+            logprobs = await checked_logprobs(meta, expected, admitted.tokenizer)
             check_text(admitted.scanner, "".join(t.token for t in logprobs), expected.tenant_id)
         finish_reason = finish_reason_of(meta)
         reasoning = calls = None
@@ -1079,15 +1080,30 @@ def _capacity_busy() -> APIError:
     )
 
 
-def token_logprobs(meta: dict[str, Any], tokenizer: ModelTokenizer) -> list[TokenLogprob]:
+# Log-probability entries (a token's and each of its alternatives) checked and read between two
+# turns of the event loop, of a whole answer or a scored prompt: 1,024 tokens with 20
+# alternatives each, or a prompt of 16k tokens with five, took the loop for tens of
+# milliseconds to a tenth of a second and more in one go (parsing the engine's answer, one
+# call, is the part left).
+LOGPROB_ENTRIES_PER_TURN = 4096
+
+
+def positions_per_turn(expected: Expectation) -> int:
+    """Tokens whose entries (their own and their alternatives) fit ``LOGPROB_ENTRIES_PER_TURN``."""
+    return max(1, LOGPROB_ENTRIES_PER_TURN // (1 + (expected.top_logprobs or 0)))
+
+
+def token_logprobs(
+    meta: dict[str, Any], tokenizer: ModelTokenizer, positions: range | None = None
+) -> list[TokenLogprob]:
     """The log probabilities of ``meta``'s tokens (a whole answer's, or a stream chunk's new
-    ones), checked by ``check_meta`` already; token texts come from the gateway's own
-    tokenizer, never from the engine."""
+    ones; those at ``positions`` only, if given), checked by ``check_meta`` already; token
+    texts come from the gateway's own tokenizer, never from the engine."""
     entries = meta.get("output_token_logprobs") or []
     alternatives = meta.get("output_top_logprobs") or []
     text = tokenizer.token_text
     result = []
-    for position in range(len(entries)):
+    for position in range(len(entries)) if positions is None else positions:
         logprob, token = entries[position][0], entries[position][1]
         top = alternatives[position] if position < len(alternatives) else []
         result.append(
@@ -1096,24 +1112,37 @@ def token_logprobs(meta: dict[str, Any], tokenizer: ModelTokenizer) -> list[Toke
     return result
 
 
-# Prompt positions checked and read between two turns of the event loop: a prompt of 16k tokens
-# scored with five alternatives each, checked and read whole, held the loop for a tenth of a
-# second and more (parsing prefill's answer, one call, is the part left).
-PROMPT_SCORES_PER_TURN = 2048
+async def checked_logprobs(
+    meta: dict[str, Any], expected: Expectation, tokenizer: ModelTokenizer
+) -> list[TokenLogprob]:
+    """A whole answer's log probabilities (their shape checked by ``check_meta``), checked
+    (``check_logprob_entries``) and read ``positions_per_turn`` tokens at a time, with
+    the loop free between them."""
+    total = len(meta["output_token_logprobs"])
+    per_turn = positions_per_turn(expected)
+    result: list[TokenLogprob] = []
+    for start in range(0, total, per_turn):
+        if start:
+            await asyncio.sleep(0)
+        positions = range(start, min(total, start + per_turn))
+        check_logprob_entries(meta, expected, positions)
+        result += token_logprobs(meta, tokenizer, positions)
+    return result
 
 
 async def checked_prompt_scores(
     meta: Any, input_ids: list[int], expected: Expectation, tokenizer: ModelTokenizer
 ) -> PromptLogprobs:
     """Prefill's scores of the prompt, checked (``check_prompt_logprobs``) and read
-    ``PROMPT_SCORES_PER_TURN`` positions at a time, with the loop free between them; token
+    ``positions_per_turn`` positions at a time, with the loop free between them; token
     texts from the gateway's own tokenizer."""
     total = len(input_ids)
+    per_turn = positions_per_turn(expected)
     rest: list[TokenLogprob] = []
-    for start in range(0, max(total, 1), PROMPT_SCORES_PER_TURN):
+    for start in range(0, max(total, 1), per_turn):
         if start:
             await asyncio.sleep(0)
-        positions = range(start, min(total, start + PROMPT_SCORES_PER_TURN))
+        positions = range(start, min(total, start + per_turn))
         check_prompt_logprobs(meta, input_ids, expected, positions)
         rest += _prompt_scores(meta, tokenizer, positions)
     return PromptLogprobs(tokenizer.token_text(input_ids[0]), rest)

@@ -48,10 +48,13 @@ class Expectation:
     vocab_size: int = 0
 
 
-def check_meta(meta: Any, expected: Expectation, tokens_before: int = 0) -> None:
+def check_meta(
+    meta: Any, expected: Expectation, tokens_before: int = 0, *, entries: bool = True
+) -> None:
     """Check one engine response (or stream chunk) ``meta_info`` against the request; a stream
     chunk's log probabilities are those of the tokens after the ``tokens_before`` earlier ones
-    (``IncrementalChunks``)."""
+    (``IncrementalChunks``). Without ``entries``, the log probabilities' shape only: their
+    entries are the caller's to check (``check_logprob_entries``), a slice at a time."""
     if not isinstance(meta, dict):
         raise IsolationFailure("response carries no meta_info")
     if meta.get("id") != expected.generation_id:
@@ -89,31 +92,43 @@ def check_meta(meta: Any, expected: Expectation, tokens_before: int = 0) -> None
     if not isinstance(cached_tokens, int) or not 0 <= cached_tokens <= expected.prompt_tokens:
         raise IsolationFailure(f"cached_tokens {cached_tokens} outside 0..{expected.prompt_tokens}")
     if expected.top_logprobs is not None:
-        check_logprobs(meta, completion_tokens - tokens_before, expected)
+        new_tokens = completion_tokens - tokens_before
+        check_logprobs_shape(meta, new_tokens, expected)
+        if entries:
+            check_logprob_entries(meta, expected, range(new_tokens))
 
 
-def check_logprobs(meta: dict[str, Any], new_tokens: int, expected: Expectation) -> None:
+def check_logprobs_shape(meta: dict[str, Any], new_tokens: int, expected: Expectation) -> None:
     """One log-probability entry per new completion token (all of them in a whole answer, a
-    chunk's own in a stream), each a token id inside the vocabulary, with exactly the
-    alternatives asked for; none for the prompt, which was not asked for."""
+    chunk's own in a stream), with as many alternatives; none for the prompt, which was not
+    asked for."""
     entries = meta.get("output_token_logprobs")
     if not isinstance(entries, list) or len(entries) != new_tokens:
         count = len(entries) if isinstance(entries, list) else "no"
         raise IsolationFailure(f"{count} log-probability entries for {new_tokens} new tokens")
-    for entry in entries:
-        _check_logprob_entry(entry, expected.vocab_size)
     if meta.get("input_token_logprobs"):
         raise IsolationFailure("prompt log probabilities that were not asked for")
-    top = expected.top_logprobs or 0
-    if top:
+    if expected.top_logprobs:
         alternatives = meta.get("output_top_logprobs")
         if not isinstance(alternatives, list) or len(alternatives) != new_tokens:
             raise IsolationFailure("top log probabilities do not match the completion tokens")
-        for position in alternatives:
-            if not isinstance(position, list) or len(position) != min(top, expected.vocab_size):
-                raise IsolationFailure("a token's top log probabilities are not as asked for")
-            for entry in position:
-                _check_logprob_entry(entry, expected.vocab_size)
+
+
+def check_logprob_entries(meta: dict[str, Any], expected: Expectation, positions: range) -> None:
+    """The entries at ``positions`` (of a ``meta`` whose shape was checked): each a token id
+    inside the vocabulary with a log probability, with exactly the alternatives asked for."""
+    entries = meta["output_token_logprobs"]
+    top = expected.top_logprobs or 0
+    alternatives = meta.get("output_top_logprobs") if top else None
+    for position in positions:
+        _check_logprob_entry(entries[position], expected.vocab_size)
+        if alternatives is None:
+            continue
+        listed = alternatives[position]
+        if not isinstance(listed, list) or len(listed) != min(top, expected.vocab_size):
+            raise IsolationFailure("a token's top log probabilities are not as asked for")
+        for entry in listed:
+            _check_logprob_entry(entry, expected.vocab_size)
 
 
 def check_prompt_logprobs(
