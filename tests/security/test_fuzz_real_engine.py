@@ -26,7 +26,6 @@ what the fuzzing finds there).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 from collections import Counter
@@ -391,12 +390,16 @@ def _drop(body: dict[str, Any], param: str) -> bool:
     return False
 
 
-@contextlib.contextmanager
 def gateway_for_cases(
-    pd_cluster: PDCluster | ExternalCluster, work: Path, max_output_tokens: int
+    pd_cluster: PDCluster | ExternalCluster,
+    tmp_path_factory: pytest.TempPathFactory,
+    name: str,
+    max_output_tokens: int,
 ) -> Iterator[GatewayProcess]:
-    """A gateway of its own (its memory and loop this test's alone) in front of the session
-    pair, whose policy allows at most ``max_output_tokens``."""
+    """A module's gateway (``yield from`` in a fixture): its own process (its memory and loop
+    the module's alone) in front of the session pair, whose policy allows at most
+    ``max_output_tokens``."""
+    work = tmp_path_factory.mktemp(name)
     policies = write_policies(
         work / "policies",
         model_name=MODEL,
@@ -443,10 +446,7 @@ def invariants_of(
 def fuzz_gateway(
     pd_cluster: PDCluster | ExternalCluster, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[GatewayProcess]:
-    with gateway_for_cases(
-        pd_cluster, tmp_path_factory.mktemp("fuzz-gateway"), MAX_OUTPUT_TOKENS
-    ) as gateway:
-        yield gateway
+    yield from gateway_for_cases(pd_cluster, tmp_path_factory, "fuzz-gateway", MAX_OUTPUT_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -592,10 +592,9 @@ LARGEST_ANSWERS = {
 def large_gateway(
     pd_cluster: PDCluster | ExternalCluster, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[GatewayProcess]:
-    with gateway_for_cases(
-        pd_cluster, tmp_path_factory.mktemp("large-gateway"), LARGEST_OUTPUT_TOKENS
-    ) as gateway:
-        yield gateway
+    yield from gateway_for_cases(
+        pd_cluster, tmp_path_factory, "large-gateway", LARGEST_OUTPUT_TOKENS
+    )
 
 
 @pytest.fixture(scope="module")

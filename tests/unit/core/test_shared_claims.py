@@ -17,7 +17,13 @@ import pytest
 
 from gateway.common.errors import APIError
 from gateway.common.redis_pipeline import RedisPipeline
-from gateway.config.policies import DecodeWorker, PrefillWorker, Share, load_policies
+from gateway.config.policies import (
+    DecodeWorker,
+    ModelPolicy,
+    PrefillWorker,
+    Share,
+    load_policies,
+)
 from gateway.core.admission import ClaimLedger
 from gateway.core.pair_queues import PairQueues, QueueSettings
 from gateway.core.routing import Candidates
@@ -210,19 +216,24 @@ async def test_the_ledger_takes_and_releases_the_shared_claim_with_its_own(
     assert await other.claim(pair(1000), 600) is not None
 
 
-@pytest.mark.parametrize(("kv_shared", "granted"), [(False, 500), (True, 1000)])
-def test_with_shared_claims_each_replicas_queue_may_grant_the_whole_pool(
-    tmp_path: Path, kv_shared: bool, granted: int
-) -> None:
-    # Split among two replicas, a request for more than half the pool would never be granted;
-    # shared claims bound the pool across them instead. The request slots stay split.
+def one_pool_model(tmp_path: Path) -> ModelPolicy:
+    """Model ``m``, served by one pool of one pair (``pair`` of its workers)."""
     directory = write_policies(
         tmp_path,
         model_name="m",
         tokenizer_dir=tmp_path,
         pools=[PoolSpec("shared", (("http://p:1", 2),), ("http://d:1",))],
     )
-    model = load_policies(directory).models["m"]
+    return load_policies(directory).models["m"]
+
+
+@pytest.mark.parametrize(("kv_shared", "granted"), [(False, 500), (True, 1000)])
+def test_with_shared_claims_each_replicas_queue_may_grant_the_whole_pool(
+    tmp_path: Path, kv_shared: bool, granted: int
+) -> None:
+    # Split among two replicas, a request for more than half the pool would never be granted;
+    # shared claims bound the pool across them instead. The request slots stay split.
+    model = one_pool_model(tmp_path)
     queues = PairQueues(QueueSettings(8, 10.0, 10, replicas=2, kv_shared=kv_shared), Metrics())
     assert queues.queue(model, pair(1000)).kv_capacity == granted
     assert queues.caps_of(model, pair(1000))[0] == 4
@@ -233,13 +244,7 @@ async def test_a_request_larger_than_a_replicas_part_of_the_pool_is_refused_at_o
 ) -> None:
     # Without shared claims each of two replicas may hold half the pool: a request for more
     # would wait its whole turn (10 s) and be told the pair is busy, however idle it is.
-    directory = write_policies(
-        tmp_path,
-        model_name="m",
-        tokenizer_dir=tmp_path,
-        pools=[PoolSpec("shared", (("http://p:1", 2),), ("http://d:1",))],
-    )
-    model = load_policies(directory).models["m"]
+    model = one_pool_model(tmp_path)
     queues = PairQueues(QueueSettings(8, 10.0, 10, replicas=2), Metrics())
     started = time.monotonic()
     with pytest.raises(APIError) as refused:
