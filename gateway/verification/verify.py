@@ -49,12 +49,19 @@ class Expectation:
 
 
 def check_meta(
-    meta: Any, expected: Expectation, tokens_before: int = 0, *, entries: bool = True
+    meta: Any,
+    expected: Expectation,
+    tokens_before: int = 0,
+    *,
+    entries: bool = True,
+    output: bool = True,
 ) -> None:
     """Check one engine response (or stream chunk) ``meta_info`` against the request; a stream
     chunk's log probabilities are those of the tokens after the ``tokens_before`` earlier ones
     (``IncrementalChunks``). Without ``entries``, the log probabilities' shape only: their
-    entries are the caller's to check (``check_logprob_entries``), a slice at a time."""
+    entries are the caller's to check (``check_logprob_entries``), a slice at a time. Without
+    ``output`` (a chunk that ends its generation with an abort before any output:
+    ``refused_before_output``), decode's coverage report guards nothing, and is not read."""
     if not isinstance(meta, dict):
         raise IsolationFailure("response carries no meta_info")
     if meta.get("id") != expected.generation_id:
@@ -75,7 +82,7 @@ def check_meta(
         # engine_patch's decode says whether it verified that prefill's transfer covered every
         # page it reserved (gate 3). An explicit "not verified" is a failure; an engine that
         # does not report it at all is judged by the tags alone.
-        if "isolation_verified" in meta and meta["isolation_verified"] is not True:
+        if output and "isolation_verified" in meta and meta["isolation_verified"] is not True:
             raise IsolationFailure("decode did not verify the KV transfer's coverage")
     prompt_tokens = meta.get("prompt_tokens")
     if prompt_tokens != expected.prompt_tokens:
@@ -301,7 +308,8 @@ class IncrementalChunks:
         """``chunk`` as what it adds, once it passed ``check_meta``."""
         part = self.new_part(chunk)
         meta = part.get("meta_info")
-        check_meta(meta, expected, self._tokens)
+        output = not refused_before_output(part, self._tokens)
+        check_meta(meta, expected, self._tokens, output=output)
         assert isinstance(meta, dict)  # check_meta refuses anything else
         self._tokens = meta.get("completion_tokens", 0)
         return part
@@ -323,6 +331,19 @@ class IncrementalChunks:
                 if isinstance(values := meta.get(key), list):
                     meta[key] = values[self._tokens :]
         return part
+
+
+def refused_before_output(part: dict[str, Any], tokens_before: int) -> bool:
+    """Whether a stream chunk (as what it adds) ends its generation with an abort and adds
+    nothing: no text, no token. Decode then never read the KV pages its coverage check guards,
+    and says so (not verified), as when it could not compile the request's grammar; the abort
+    is the engine's refusal (``finish_reason_of``), not an isolation failure."""
+    meta = part.get("meta_info")
+    if not isinstance(meta, dict) or part.get("text"):
+        return False
+    reason = meta.get("finish_reason")
+    kind = reason.get("type") if isinstance(reason, dict) else reason
+    return kind == "abort" and meta.get("completion_tokens", 0) == tokens_before
 
 
 def check_text(scanner: ContentScanner, text: str, tenant_id: str) -> None:

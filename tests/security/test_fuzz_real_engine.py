@@ -235,6 +235,14 @@ FOUND_CASES: list[FoundCase] = [
         ),
     ),
     FoundCase(
+        "chat-stream-grammar-the-engine-cannot-compile",
+        "/v1/chat/completions",
+        _chat(stream=True, guided_grammar="0"),
+        "scripts/soak fuzz, seed 2179449493 (flaky there): decode refused the grammar before "
+        "the KV transfer it would have verified and said 'not verified' on its abort chunk; "
+        "the gateway answered 502 isolation_check_failed for the engine's refusal",
+    ),
+    FoundCase(
         "chat-min-tokens-beside-a-one-token-choice",
         "/v1/chat/completions",
         _chat(min_tokens=2, guided_choice=["0"]),

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from gateway.common.errors import APIError
 from gateway.core.generation import CheckedStream, Choice, StreamEnd
 from gateway.dev.model import ensure_tiny_model
 from gateway.openai.tokenize import ModelTokenizer
@@ -150,3 +151,48 @@ def test_a_worker_says_whether_its_streams_carry_only_what_each_chunk_adds() -> 
         info = {} if flag is None else {"incremental_streaming_output": flag}
         state = parse_worker_state("http://w", "decode", info, loads, 0.0)
         assert state.incremental_streams is expected
+
+
+def abort_chunk(text: str) -> dict[str, Any]:
+    """Decode's last chunk when it refused the request (its grammar did not compile), before
+    the KV transfer it would have verified: tags echoed, coverage not verified."""
+    meta = {
+        "id": GID,
+        "prompt_tokens": 3,
+        "completion_tokens": 0,
+        "isolation_generation": GID,
+        "isolation_tenant": "acme",
+        "isolation_verified": False,
+        "finish_reason": {"type": "abort", "status_code": 400, "message": "grammar error"},
+    }
+    return {"text": text, "meta_info": meta}
+
+
+def first_and_end(chunk: dict[str, Any]) -> None:
+    """Open a stream on ``chunk`` (tags required) and end it."""
+    request = EngineRequest(
+        generation_id=GID, tenant_id="acme", input_ids=[1, 2, 3], sampling_params={}, cache_salt="s"
+    )
+    expected = Expectation(GID, "acme", 3, 64, require_tags=True)
+    stream = CheckedStream(
+        Choice(0, 0, request, expected),
+        batches_of([]),
+        StreamGuard(NoScanner(), "acme"),
+        None,
+        engine_repeats_output=False,
+    )
+    stream.take_first([chunk])
+    stream.finish()
+
+
+def test_an_abort_before_any_output_is_the_engines_refusal_not_an_isolation_alarm() -> None:
+    # Found by the real-engine fuzzing (seed 2179449493): a streamed chat whose grammar SGLang
+    # could not compile got 502 isolation_check_failed.
+    with pytest.raises(APIError) as refused:
+        first_and_end(abort_chunk(""))
+    assert (refused.value.status, refused.value.code) == (400, "engine_rejected")
+
+
+def test_unverified_output_still_fails_closed_even_with_an_abort() -> None:
+    with pytest.raises(IsolationFailure, match="did not verify"):
+        first_and_end(abort_chunk("text from pages nobody verified"))
