@@ -1093,6 +1093,16 @@ def positions_per_turn(expected: Expectation) -> int:
     return max(1, LOGPROB_ENTRIES_PER_TURN // (1 + (expected.top_logprobs or 0)))
 
 
+async def _turns(total: int, expected: Expectation) -> AsyncGenerator[range]:
+    """``range(total)`` in slices of ``positions_per_turn``, the loop free between two (at
+    least one slice, empty for no positions: what is checked with every slice still is)."""
+    per_turn = positions_per_turn(expected)
+    for start in range(0, max(total, 1), per_turn):
+        if start:
+            await asyncio.sleep(0)
+        yield range(start, min(total, start + per_turn))
+
+
 def token_logprobs(
     meta: dict[str, Any], tokenizer: ModelTokenizer, positions: range | None = None
 ) -> list[TokenLogprob]:
@@ -1118,13 +1128,8 @@ async def checked_logprobs(
     """A whole answer's log probabilities (their shape checked by ``check_meta``), checked
     (``check_logprob_entries``) and read ``positions_per_turn`` tokens at a time, with
     the loop free between them."""
-    total = len(meta["output_token_logprobs"])
-    per_turn = positions_per_turn(expected)
     result: list[TokenLogprob] = []
-    for start in range(0, total, per_turn):
-        if start:
-            await asyncio.sleep(0)
-        positions = range(start, min(total, start + per_turn))
+    async for positions in _turns(len(meta["output_token_logprobs"]), expected):
         check_logprob_entries(meta, expected, positions)
         result += token_logprobs(meta, tokenizer, positions)
     return result
@@ -1136,13 +1141,8 @@ async def checked_prompt_scores(
     """Prefill's scores of the prompt, checked (``check_prompt_logprobs``) and read
     ``positions_per_turn`` positions at a time, with the loop free between them; token
     texts from the gateway's own tokenizer."""
-    total = len(input_ids)
-    per_turn = positions_per_turn(expected)
     rest: list[TokenLogprob] = []
-    for start in range(0, max(total, 1), per_turn):
-        if start:
-            await asyncio.sleep(0)
-        positions = range(start, min(total, start + per_turn))
+    async for positions in _turns(len(input_ids), expected):
         check_prompt_logprobs(meta, input_ids, expected, positions)
         rest += _prompt_scores(meta, tokenizer, positions)
     return PromptLogprobs(tokenizer.token_text(input_ids[0]), rest)
