@@ -8,15 +8,24 @@ the system fingerprint, whole or chunk by chunk.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
 import hashlib
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from typing import Any, Literal
 
 import orjson
 
-from gateway.core.generation import ChoiceStreams, Completion, StreamEnd, StreamStep, Trace
+from gateway.common.json_turns import json_array, json_in_turns
+from gateway.core.generation import (
+    ChoiceStreams,
+    Completion,
+    StreamEnd,
+    StreamStep,
+    Trace,
+    positions_per_turn,
+)
 from gateway.openai.protocol import (
     CompletionRequest,
     PromptLogprobs,
@@ -59,7 +68,7 @@ async def echoed(
     return echoed
 
 
-def whole_answer(
+async def whole_answer(
     kind: Kind,
     trace: Trace,
     model: str,
@@ -68,7 +77,8 @@ def whole_answer(
     generated: list[Completion],
 ) -> dict[str, Any]:
     """The whole answer: ``completions`` as choices, usage of all that was ``generated``
-    (with ``best_of``, the candidates not returned count too, as in OpenAI's API)."""
+    (with ``best_of``, the candidates not returned count too, as in OpenAI's API). Their log
+    probabilities are written a slice at a time (``json_in_turns``)."""
     if len(generated) == 1:
         only = generated[0]
         usage = usage_of(only.prompt_tokens, only.completion_tokens, only.cached_tokens)
@@ -83,7 +93,12 @@ def whole_answer(
     if kind == "chat":
         chat_choices = [
             chat_choice(
-                c.index, c.text, c.finish_reason, c.logprobs, c.reasoning, _calls(c.tool_calls)
+                c.index,
+                c.text,
+                c.finish_reason,
+                None if c.logprobs is None else await whole_chat_logprobs(c.logprobs),
+                c.reasoning,
+                _calls(c.tool_calls),
             )
             for c in completions
         ]
@@ -91,10 +106,22 @@ def whole_answer(
             trace.generation_id, model, created, chat_choices, usage, fingerprint
         )
     choices = [
-        completion_choice(c.index, c.text, c.finish_reason, c.logprobs, prompt=c.prompt_logprobs)
+        completion_choice(
+            c.index,
+            c.text,
+            c.finish_reason,
+            None
+            if c.logprobs is None
+            else await whole_completion_logprobs(c.logprobs, c.prompt_logprobs),
+        )
         for c in completions
     ]
     return completion(trace.generation_id, model, created, choices, usage, fingerprint)
+
+
+def per_turn(entries: Sequence[TokenLogprob]) -> int:
+    """How many of ``entries`` are written between two turns of the loop."""
+    return positions_per_turn(len(entries[0].top) if entries else 0)
 
 
 def _calls(calls: list[ToolCall] | None) -> list[dict[str, Any]] | None:
@@ -273,7 +300,7 @@ def chat_choice(
     index: int,
     text: str,
     finish_reason: str,
-    logprobs: list[TokenLogprob] | None,
+    logprobs: dict[str, Any] | None,
     reasoning: str | None = None,
     tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
@@ -287,7 +314,7 @@ def chat_choice(
     return {
         "index": index,
         "message": message,
-        "logprobs": None if logprobs is None else chat_logprobs(logprobs),
+        "logprobs": logprobs,
         "finish_reason": finish_reason,
     }
 
@@ -306,20 +333,24 @@ def tool_call_deltas(index: int, id: str, name: str, arguments: str) -> list[dic
 
 
 def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
+    """A stream chunk's log probabilities (a whole answer's: ``whole_chat_logprobs``)."""
+    return {"content": [chat_logprob(entry) for entry in entries], "refusal": None}
+
+
+async def whole_chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
+    content = await json_in_turns(entries, chat_logprob, per_turn(entries))
+    return {"content": content, "refusal": None}
+
+
+def chat_logprob(entry: TokenLogprob) -> dict[str, Any]:
     return {
-        "content": [
-            {
-                "token": entry.token,
-                "logprob": entry.logprob,
-                "bytes": list(entry.token.encode()),
-                "top_logprobs": [
-                    {"token": token, "logprob": logprob, "bytes": list(token.encode())}
-                    for token, logprob in entry.top
-                ],
-            }
-            for entry in entries
+        "token": entry.token,
+        "logprob": entry.logprob,
+        "bytes": list(entry.token.encode()),
+        "top_logprobs": [
+            {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+            for token, logprob in entry.top
         ],
-        "refusal": None,
     }
 
 
@@ -346,49 +377,76 @@ def completion_choice(
     index: int,
     text: str,
     finish_reason: str | None,
-    logprobs: list[TokenLogprob] | None,
-    text_offset: int = 0,
-    prompt: PromptLogprobs | None = None,
+    logprobs: dict[str, Any] | None,
 ) -> dict[str, Any]:
-    return {
-        "index": index,
-        "text": text,
-        "logprobs": None
-        if logprobs is None
-        else completion_logprobs(logprobs, text_offset, prompt),
-        "finish_reason": finish_reason,
-    }
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+# The legacy completions format: four lists, one item per token each.
+_COLUMNS = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
 
 
 def completion_logprobs(
     entries: list[TokenLogprob], text_offset: int, prompt: PromptLogprobs | None = None
-) -> dict[str, Any]:
+) -> dict[str, list[Any]]:
     """The legacy completions format; ``text_offset`` is where the first token's text starts.
     With an echoed ``prompt``, its tokens come first (the first without a log probability,
     as in OpenAI's API) and the offsets count from the prompt's start."""
-    tokens: list[str] = []
-    token_logprobs: list[float | None] = []
-    top_logprobs: list[dict[str, float] | None] = []
-    offsets: list[int] = []
+    columns: dict[str, list[Any]] = {name: [] for name in _COLUMNS}
     if prompt is not None:
-        tokens.append(prompt.first_token)
-        token_logprobs.append(None)
-        top_logprobs.append(None)
-        offsets.append(0)
+        _add_unscored(columns, prompt.first_token)
         text_offset = len(prompt.first_token)
         entries = [*prompt.rest, *entries]
+    _add_scored(columns, entries, text_offset)
+    return columns
+
+
+async def whole_completion_logprobs(
+    entries: list[TokenLogprob], prompt: PromptLogprobs | None
+) -> dict[str, Any]:
+    """``completion_logprobs`` of a whole answer (from its first character), its columns
+    written a slice of tokens at a time with the loop free between two (``json_in_turns``)."""
+    written: dict[str, list[bytes]] = {name: [] for name in _COLUMNS}
+    text_offset = 0
+    if prompt is not None:
+        entries = [*prompt.rest, *entries]
+        text_offset = len(prompt.first_token)
+        head: dict[str, list[Any]] = {name: [] for name in _COLUMNS}
+        _add_unscored(head, prompt.first_token)
+        for name, values in head.items():
+            written[name].append(orjson.dumps(values))
+    step = per_turn(entries)
+    for start in range(0, len(entries), step):
+        if start:
+            await asyncio.sleep(0)
+        part: dict[str, list[Any]] = {name: [] for name in _COLUMNS}
+        text_offset = _add_scored(part, entries[start : start + step], text_offset)
+        for name, values in part.items():
+            written[name].append(orjson.dumps(values))
+    return {name: json_array(lists) for name, lists in written.items()}
+
+
+def _add_unscored(columns: dict[str, list[Any]], token: str) -> None:
+    columns["tokens"].append(token)
+    columns["token_logprobs"].append(None)
+    columns["top_logprobs"].append(None)
+    columns["text_offset"].append(0)
+
+
+def _add_scored(
+    columns: dict[str, list[Any]], entries: Sequence[TokenLogprob], text_offset: int
+) -> int:
+    """``entries`` added to ``columns``, the first starting at ``text_offset``; the offset
+    after the last."""
+    tokens, token_logprobs = columns["tokens"], columns["token_logprobs"]
+    top_logprobs, offsets = columns["top_logprobs"], columns["text_offset"]
     for entry in entries:
         offsets.append(text_offset)
         text_offset += len(entry.token)
         tokens.append(entry.token)
         token_logprobs.append(entry.logprob)
         top_logprobs.append(dict(entry.top))
-    return {
-        "tokens": tokens,
-        "token_logprobs": token_logprobs,
-        "top_logprobs": top_logprobs,
-        "text_offset": offsets,
-    }
+    return text_offset
 
 
 def chat_chunk(
@@ -431,7 +489,14 @@ def completion_chunk(
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [completion_choice(index, text, finish_reason, logprobs, text_offset)],
+        "choices": [
+            completion_choice(
+                index,
+                text,
+                finish_reason,
+                None if logprobs is None else completion_logprobs(logprobs, text_offset),
+            )
+        ],
     }
 
 

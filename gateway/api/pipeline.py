@@ -196,7 +196,9 @@ async def handle_generation(
             result = await responses_api.answer(components, responses_call, trace, completions[0])
         else:
             fingerprint = answers.system_fingerprint(model.name, str(model.tokenizer))
-            result = answers.whole_answer(kind, trace, name, fingerprint, completions, generated)
+            result = await answers.whole_answer(
+                kind, trace, name, fingerprint, completions, generated
+            )
         core.record(trace, SERVED)
         return JSONBodyResponse(orjson.dumps(result), trace.generation_id, limit_lines)
     except IsolationFailure as failure:

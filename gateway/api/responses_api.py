@@ -27,7 +27,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
+from gateway.api import answers
 from gateway.common.errors import APIError, bad_request, forbidden, unavailable
+from gateway.common.json_turns import json_in_turns
 from gateway.core.generation import ChoiceStreams, Completion, StreamEnd, Trace
 from gateway.core.held import Held
 from gateway.openai.protocol import ChatCompletionRequest
@@ -43,6 +45,7 @@ from gateway.openai.responses import (
     output_items,
     response_not_found,
     response_object,
+    text_logprob,
     usage_of,
 )
 from gateway.openai.tool_use import new_tool_call_id
@@ -119,7 +122,12 @@ async def answer(
     """The Response object of a whole answer, stored first where the request says so."""
     status, reason = finish_status(completion.finish_reason)
     calls = [(new_tool_call_id(), c.name, c.arguments) for c in completion.tool_calls or ()]
-    output = output_items(completion.text, completion.reasoning, calls, status, completion.logprobs)
+    logprobs = None
+    if completion.logprobs:
+        logprobs = await json_in_turns(
+            completion.logprobs, text_logprob, answers.per_turn(completion.logprobs)
+        )
+    output = output_items(completion.text, completion.reasoning, calls, status, logprobs)
     response = response_object(
         call.request,
         id=trace.generation_id,

@@ -1088,15 +1088,16 @@ def _capacity_busy() -> APIError:
 LOGPROB_ENTRIES_PER_TURN = 4096
 
 
-def positions_per_turn(expected: Expectation) -> int:
-    """Tokens whose entries (their own and their alternatives) fit ``LOGPROB_ENTRIES_PER_TURN``."""
-    return max(1, LOGPROB_ENTRIES_PER_TURN // (1 + (expected.top_logprobs or 0)))
+def positions_per_turn(top_logprobs: int | None) -> int:
+    """Tokens whose entries (their own and ``top_logprobs`` alternatives each) fit
+    ``LOGPROB_ENTRIES_PER_TURN``."""
+    return max(1, LOGPROB_ENTRIES_PER_TURN // (1 + (top_logprobs or 0)))
 
 
 async def _turns(total: int, expected: Expectation) -> AsyncGenerator[range]:
     """``range(total)`` in slices of ``positions_per_turn``, the loop free between two (at
     least one slice, empty for no positions: what is checked with every slice still is)."""
-    per_turn = positions_per_turn(expected)
+    per_turn = positions_per_turn(expected.top_logprobs)
     for start in range(0, max(total, 1), per_turn):
         if start:
             await asyncio.sleep(0)

@@ -35,6 +35,7 @@ from pydantic import (
 )
 
 from gateway.common.errors import APIError, bad_request
+from gateway.common.json_turns import json_array
 from gateway.openai.engine_bounds import FIELD_BOUNDS
 from gateway.openai.protocol import (
     _TEXT_ONLY,
@@ -76,6 +77,9 @@ _PREFIX_CACHE = "the prefix cache is the gateway's, keyed per tenant"
 _NOT_RENDERED = "the chat template renders past turns without it, as chat completions here do"
 
 Status = Literal["in_progress", "completed", "incomplete"]
+# An output text's log probabilities: ``text_logprob``'s entries, or their JSON written already
+# a slice at a time (``gateway.common.json_turns``).
+Logprobs = list[dict[str, Any]] | orjson.Fragment
 
 
 class _Strict(BaseModel):
@@ -623,7 +627,7 @@ def message_item(
     text_parts: Iterable[str],
     status: Status = "completed",
     id: str | None = None,
-    logprobs: list[dict[str, Any]] | None = None,
+    logprobs: Logprobs | None = None,
 ) -> dict[str, Any]:
     """A message as OpenAI lists it: an assistant's with ``output_text`` parts (one, with its
     log probabilities, when it is an answer), anyone else's with ``input_text`` parts."""
@@ -870,20 +874,17 @@ def usage_of(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> 
     }
 
 
-def text_logprobs(entries: list[TokenLogprob]) -> list[dict[str, Any]]:
-    """An answer's log probabilities as ``output_text.logprobs`` holds them."""
-    return [
-        {
-            "token": entry.token,
-            "bytes": list(entry.token.encode()),
-            "logprob": entry.logprob,
-            "top_logprobs": [
-                {"token": token, "bytes": list(token.encode()), "logprob": logprob}
-                for token, logprob in entry.top
-            ],
-        }
-        for entry in entries
-    ]
+def text_logprob(entry: TokenLogprob) -> dict[str, Any]:
+    """A token's log probabilities as ``output_text.logprobs`` holds them."""
+    return {
+        "token": entry.token,
+        "bytes": list(entry.token.encode()),
+        "logprob": entry.logprob,
+        "top_logprobs": [
+            {"token": token, "bytes": list(token.encode()), "logprob": logprob}
+            for token, logprob in entry.top
+        ],
+    }
 
 
 def delta_logprobs(entries: list[TokenLogprob]) -> list[dict[str, Any]]:
@@ -1008,7 +1009,8 @@ class ResponseEvents:
         self.output: list[dict[str, Any]] = []  # the items closed so far
         self._open: dict[str, Any] | None = None  # the item being written
         self._open_text = ""
-        self._open_logprobs: list[dict[str, Any]] = []
+        # The open message's log probabilities, written chunk by chunk (``json_array``).
+        self._open_logprobs: list[bytes] = []
 
     def _event(self, type_: str, **fields: Any) -> bytes:
         payload = {"type": type_, **fields, "sequence_number": self.sequence}
@@ -1071,7 +1073,7 @@ class ResponseEvents:
         assert self._open is not None
         self._open_text += delta
         if logprobs and self._request.wants_logprobs:
-            self._open_logprobs += text_logprobs(logprobs)
+            self._open_logprobs.append(orjson.dumps([text_logprob(e) for e in logprobs]))
         return out + self._event(
             "response.output_text.delta",
             item_id=self._open["id"],
@@ -1151,7 +1153,11 @@ class ResponseEvents:
         if open_["type"] == "reasoning":
             return reasoning_item(self._open_text, status, id=open_["id"])
         return message_item(
-            "assistant", [self._open_text], status, id=open_["id"], logprobs=self._open_logprobs
+            "assistant",
+            [self._open_text],
+            status,
+            id=open_["id"],
+            logprobs=json_array(self._open_logprobs),
         )
 
     def _close(self, status: Status = "completed") -> bytes:
@@ -1169,7 +1175,7 @@ class ResponseEvents:
                 text=text,
             )
         else:
-            part = _output_text(text, self._open_logprobs)
+            part = _output_text(text, json_array(self._open_logprobs))
             out = self._event(
                 "response.output_text.done",
                 item_id=item_id,
@@ -1195,7 +1201,7 @@ class ResponseEvents:
         return self._event("response.output_item.done", output_index=index, item=item)
 
 
-def _output_text(text: str, logprobs: list[dict[str, Any]]) -> dict[str, Any]:
+def _output_text(text: str, logprobs: Logprobs) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
 
 
@@ -1204,17 +1210,17 @@ def output_items(
     reasoning: str | None,
     calls: Iterable[tuple[str, str, str]],
     status: Status,
-    logprobs: list[TokenLogprob] | None = None,
+    logprobs: Logprobs | None = None,
 ) -> list[dict[str, Any]]:
-    """A whole answer's output: its reasoning, its text (none when it only calls functions),
-    then each call ``(call_id, name, arguments)``; as a stream closes the same items."""
+    """A whole answer's output: its reasoning, its text (none when it only calls functions)
+    with its ``logprobs`` (``text_logprob``'s of each token), then each call
+    ``(call_id, name, arguments)``; as a stream closes the same items."""
     items: list[dict[str, Any]] = []
     if reasoning:
         items.append(reasoning_item(reasoning, status))
     calls = list(calls)
     if text or not calls:
-        entries = text_logprobs(logprobs) if logprobs else []
-        items.append(message_item("assistant", [text], status, logprobs=entries))
+        items.append(message_item("assistant", [text], status, logprobs=logprobs))
     items += [call_item(call_id, name, arguments) for call_id, name, arguments in calls]
     return items
 

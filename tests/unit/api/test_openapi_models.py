@@ -59,7 +59,7 @@ ANSWERS: list[tuple[type[pydantic.BaseModel], dict[str, Any]]] = [
             CREATED,
             [
                 answers.chat_choice(0, "", "length", None),
-                answers.chat_choice(1, "Hé", "stop", LOGPROBS),
+                answers.chat_choice(1, "Hé", "stop", answers.chat_logprobs(LOGPROBS)),
             ],
             USAGE,
             FP,
@@ -96,7 +96,9 @@ ANSWERS: list[tuple[type[pydantic.BaseModel], dict[str, Any]]] = [
             CREATED,
             [
                 answers.completion_choice(0, "", "length", None),
-                answers.completion_choice(1, "Hé", "stop", LOGPROBS, 3),
+                answers.completion_choice(
+                    1, "Hé", "stop", answers.completion_logprobs(LOGPROBS, 3)
+                ),
             ],
             USAGE,
             FP,

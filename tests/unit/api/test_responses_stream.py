@@ -170,9 +170,11 @@ def test_reasoning_text_and_calls_become_items_in_order_and_the_response_is_stor
         "function_call",
     ]
     (record,) = saved.records
-    assert record.response == final["response"] and record.tenant_id == "acme"
+    stored = orjson.loads(orjson.dumps(record.response))  # as the store writes it
+    assert stored == final["response"] and record.tenant_id == "acme"
     # The conversation a follow-up continues: this input, then this output.
-    assert record.context == [*record.input_items, *final["response"]["output"]]
+    context = orjson.loads(orjson.dumps(record.context))
+    assert context == [*record.input_items, *final["response"]["output"]]
 
 
 def test_store_false_keeps_nothing() -> None:

@@ -27,7 +27,7 @@ from gateway.verification.verify import Expectation, IsolationFailure
 GID = "gen_01JTESTTESTTESTTESTTESTTES"
 TOP = 2
 EXPECTED = Expectation(GID, "acme", 0, 1, require_tags=False, top_logprobs=TOP, vocab_size=1000)
-PER_TURN = positions_per_turn(EXPECTED)
+PER_TURN = positions_per_turn(EXPECTED.top_logprobs)
 LENGTH = 2 * PER_TURN + 100  # three slices
 INPUT_IDS = [3 + position % 400 for position in range(LENGTH)]
 

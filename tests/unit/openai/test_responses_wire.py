@@ -27,6 +27,7 @@ from gateway.openai.responses import (
     input_item_page,
     output_items,
     response_object,
+    text_logprob,
     usage_of,
 )
 
@@ -73,7 +74,12 @@ def whole_stream(
     out += events.text("lo", [TokenLogprob("lo", -0.25, [])])
     out += events.call("get_weather", '{"city": "Paris"}', "call_1")
     response, last = events.finished(finish_reason, usage_of(5, 7, 2), 1700000001)
-    return response, out + last
+    return written(response), out + last
+
+
+def written(value: Any) -> Any:
+    """``value`` as the client reads it (log probabilities are JSON written already)."""
+    return orjson.loads(orjson.dumps(value))
 
 
 def test_a_stream_is_the_sdks_events_in_order_numbered_from_zero() -> None:
@@ -127,7 +133,10 @@ def test_a_streamed_response_ends_with_the_same_items_as_the_whole_answer() -> N
         "Let me think. Done.",
         [("call_1", "get_weather", '{"city": "Paris"}')],
         "completed",
-        [TokenLogprob("Hel", -0.5, [("He", -1.5)]), TokenLogprob("lo", -0.25, [])],
+        [
+            text_logprob(TokenLogprob("Hel", -0.5, [("He", -1.5)])),
+            text_logprob(TokenLogprob("lo", -0.25, [])),
+        ],
     )
 
     def without_ids(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
