@@ -70,6 +70,7 @@ from gateway.verification.verify import (
     check_prompt_logprobs,
     check_text,
 )
+from gateway.workers.answer_json import parse_positions
 from gateway.workers.dispatch import PREFILL_META, EngineRequest, PDDispatcher
 from gateway.workers.pairs import WorkerPair
 
@@ -1083,9 +1084,13 @@ def _capacity_busy() -> APIError:
 # Log-probability entries (a token's and each of its alternatives) checked and read between two
 # turns of the event loop, of a whole answer or a scored prompt: 1,024 tokens with 20
 # alternatives each, or a prompt of 16k tokens with five, took the loop for tens of
-# milliseconds to a tenth of a second and more in one go (parsing the engine's answer, one
-# call, is the part left).
+# milliseconds to a tenth of a second and more in one go.
 LOGPROB_ENTRIES_PER_TURN = 4096
+
+
+# Where a large answer's entries wait, unparsed, for their slice (``gateway.workers.answer_json``).
+_OUTPUT_LOGPROBS = ("output_token_logprobs", "output_top_logprobs")
+_PROMPT_LOGPROBS = ("input_token_logprobs", "input_top_logprobs")
 
 
 def positions_per_turn(top_logprobs: int | None) -> int:
@@ -1131,6 +1136,7 @@ async def checked_logprobs(
     the loop free between them."""
     result: list[TokenLogprob] = []
     async for positions in _turns(len(meta["output_token_logprobs"]), expected):
+        parse_positions(meta, _OUTPUT_LOGPROBS, positions)
         check_logprob_entries(meta, expected, positions)
         result += token_logprobs(meta, tokenizer, positions)
     return result
@@ -1144,6 +1150,7 @@ async def checked_prompt_scores(
     texts from the gateway's own tokenizer."""
     rest: list[TokenLogprob] = []
     async for positions in _turns(len(input_ids), expected):
+        parse_positions(meta, _PROMPT_LOGPROBS, positions)
         check_prompt_logprobs(meta, input_ids, expected, positions)
         rest += _prompt_scores(meta, tokenizer, positions)
     return PromptLogprobs(tokenizer.token_text(input_ids[0]), rest)

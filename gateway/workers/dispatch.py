@@ -28,6 +28,7 @@ import orjson
 
 from gateway.common.errors import APIError, unavailable, upstream_failed, upstream_timeout
 from gateway.common.ids import bootstrap_room
+from gateway.workers.answer_json import parse_answer
 from gateway.workers.pairs import WorkerPair
 from gateway.workers.upstream import (
     UpstreamClient,
@@ -152,9 +153,9 @@ class PDDispatcher:
             for role, connection in exchanges:
                 if connection.answered:  # else abandoned: the other one failed
                     _raise_unless_ok(role, connection)
-            answer: dict[str, Any] = orjson.loads(exchanges[1][1].body())
+            answer: dict[str, Any] = parse_answer(exchanges[1][1].body())
             if request.prompt_logprobs:
-                prefill_answer = orjson.loads(exchanges[0][1].body())
+                prefill_answer = parse_answer(exchanges[0][1].body())
                 answer[PREFILL_META] = (
                     prefill_answer.get("meta_info") if isinstance(prefill_answer, dict) else None
                 )
