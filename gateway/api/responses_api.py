@@ -37,6 +37,7 @@ from gateway.openai.responses import (
     LOGPROBS_INCLUDE,
     ResponseEvents,
     ResponsesRequest,
+    as_context,
     canonical_items,
     chat_request,
     deleted,
@@ -185,7 +186,7 @@ async def _store(components: Components, call: ResponsesCall, response: dict[str
         expires_at=call.created_at + timedelta(days=retention),
         response=response,
         input_items=call.items,
-        context=[*call.context, *call.items, *response["output"]],
+        context=[*call.context, *call.items, *as_context(response["output"])],
     )
     try:
         await asyncio.to_thread(components.responses.save, record)

@@ -711,6 +711,20 @@ def canonical_items(request: ResponsesRequest) -> list[dict[str, Any]]:
     return items
 
 
+def as_context(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A response's output items as a later turn's context: without their log probabilities,
+    which ``chat_messages`` never reads (stored with the response already, they doubled what a
+    long answer stores)."""
+    return [_without_logprobs(item) if item["type"] == "message" else item for item in output]
+
+
+def _without_logprobs(message: dict[str, Any]) -> dict[str, Any]:
+    parts = [
+        {**part, "logprobs": []} if "logprobs" in part else part for part in message["content"]
+    ]
+    return {**message, "content": parts}
+
+
 def chat_messages(items: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     """Canonical items as chat messages: a message as itself, calls on the assistant turn
     before them (a turn of their own when there is none), each output a tool message, and

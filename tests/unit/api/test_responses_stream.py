@@ -30,7 +30,12 @@ from gateway.core.generation import (
     Trace,
 )
 from gateway.openai import protocol
-from gateway.openai.responses import ResponseEvents, ResponsesRequest, canonical_items
+from gateway.openai.responses import (
+    ResponseEvents,
+    ResponsesRequest,
+    as_context,
+    canonical_items,
+)
 from gateway.tool_parsers import Function, OutputParser, ToolCall
 from gateway.verification.verify import Expectation, NoScanner, StreamGuard
 from gateway.workers.dispatch import EngineRequest
@@ -174,7 +179,7 @@ def test_reasoning_text_and_calls_become_items_in_order_and_the_response_is_stor
     assert stored == final["response"] and record.tenant_id == "acme"
     # The conversation a follow-up continues: this input, then this output.
     context = orjson.loads(orjson.dumps(record.context))
-    assert context == [*record.input_items, *final["response"]["output"]]
+    assert context == [*record.input_items, *as_context(final["response"]["output"])]
 
 
 def test_store_false_keeps_nothing() -> None:

@@ -22,7 +22,9 @@ from gateway.openai.responses import (
     ResponseItemList,
     ResponseObject,
     ResponsesRequest,
+    as_context,
     canonical_items,
+    chat_messages,
     chat_request,
     input_item_page,
     output_items,
@@ -322,3 +324,14 @@ def test_the_chat_requests_own_checks_still_apply(fields: dict[str, Any], param:
     with pytest.raises(APIError) as refused:
         chat_request(parsed, [], canonical_items(parsed))
     assert refused.value.status == 400 and refused.value.param == param
+
+
+def test_a_later_turns_context_keeps_the_answer_and_drops_its_log_probabilities() -> None:
+    events = ResponseEvents(request(include=["message.output_text.logprobs"]), "gen_1", 1700000000)
+    response, _ = whole_stream(events)
+    output = response["output"]
+    assert output[1]["content"][0]["logprobs"]  # the answer has them...
+    context = as_context(output)
+    assert context[1]["content"][0]["logprobs"] == []  # ...its context does not
+    assert chat_messages(context) == chat_messages(output)
+    assert [item["type"] for item in context] == [item["type"] for item in output]
