@@ -11,7 +11,6 @@ the very answer the one-go builders give (they still build a stream chunk's).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
@@ -21,6 +20,7 @@ import pytest
 from gateway.api import answers
 from gateway.core.generation import Completion, Trace, positions_per_turn
 from gateway.openai import protocol
+from tests.loop_turns import with_turns
 from tests.schemas import validate_with_model
 
 T = TypeVar("T")
@@ -52,30 +52,6 @@ def completion(
     return Completion(
         index, "text", "length", 5, len(logprobs or ()), 0, logprobs, prompt_logprobs=prompt
     )
-
-
-def with_turns(work: Awaitable[T]) -> tuple[T, int]:
-    """What ``work`` returns, and how many times another task ran while it did."""
-
-    async def run() -> tuple[T, int]:
-        turns = 0
-        done = False
-
-        async def other_tenant() -> None:
-            nonlocal turns
-            while not done:
-                turns += 1
-                await asyncio.sleep(0)
-
-        other = asyncio.create_task(other_tenant())
-        await asyncio.sleep(0)
-        turns = 0
-        result = await work
-        done = True
-        await other
-        return result, turns
-
-    return asyncio.run(run())
 
 
 def written(answer: dict[str, Any]) -> Any:

@@ -10,7 +10,6 @@ answer closed.
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import pytest
@@ -23,6 +22,7 @@ from gateway.core.generation import (
 from gateway.dev.model import ensure_tiny_model
 from gateway.openai.tokenize import ModelTokenizer
 from gateway.verification.verify import Expectation, IsolationFailure
+from tests.loop_turns import with_turns
 
 GID = "gen_01JTESTTESTTESTTESTTESTTES"
 TOP = 2
@@ -54,31 +54,15 @@ def scored_with_turns(
     """What ``checked_prompt_scores`` (or, not ``prompt``, ``checked_logprobs``) returns (or
     raises), and how many times another task ran while it did."""
 
-    async def run() -> tuple[Any, int]:
-        turns = 0
-        done = False
-
-        async def other_tenant() -> None:
-            nonlocal turns
-            while not done:
-                turns += 1
-                await asyncio.sleep(0)
-
-        other = asyncio.create_task(other_tenant())
-        await asyncio.sleep(0)
-        turns = 0
+    async def read() -> Any:
         try:
             if prompt:
-                result: Any = await checked_prompt_scores(meta, INPUT_IDS, EXPECTED, tokenizer)
-            else:
-                result = await checked_logprobs(meta, EXPECTED, tokenizer)
+                return await checked_prompt_scores(meta, INPUT_IDS, EXPECTED, tokenizer)
+            return await checked_logprobs(meta, EXPECTED, tokenizer)
         except IsolationFailure as failure:
-            result = failure
-        done = True
-        await other
-        return result, turns
+            return failure
 
-    return asyncio.run(run())
+    return with_turns(read())
 
 
 def test_a_long_scored_prompt_leaves_the_loop_free_between_slices(
