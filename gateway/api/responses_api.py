@@ -247,10 +247,10 @@ async def retrieve(request: Request) -> Response:
     """The tenant's stored response, as it was answered."""
     async with _tenant(request) as (components, tenant_id):
         response_id = request.path_params["response_id"]
-        found = await _stored(components.responses.response, tenant_id, response_id)
+        found = await _stored(components.responses.response_json, tenant_id, response_id)
     if found is None:
         raise response_not_found(response_id)
-    return _json(found)
+    return Response(found, media_type="application/json")
 
 
 async def delete(request: Request) -> Response:

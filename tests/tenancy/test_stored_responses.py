@@ -7,6 +7,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import orjson
 import pytest
 from sqlalchemy import event, inspect, select
 
@@ -39,8 +40,9 @@ def responses(store: Store) -> ResponseStore:
 def every_read(
     responses: ResponseStore, tenant_id: str, response_id: str, now: datetime
 ) -> list[Any]:
+    response = responses.response_json(tenant_id, response_id, now)
     return [
-        responses.response(tenant_id, response_id, now),
+        None if response is None else orjson.loads(response),
         responses.input_items(tenant_id, response_id, now),
         responses.context(tenant_id, response_id, now),
     ]
@@ -74,7 +76,7 @@ def test_another_tenants_response_reads_exactly_as_a_missing_one(responses: Resp
     assert responses.delete("globex", "gen_a", now) is False
     assert responses.delete("globex", "gen_missing", now) is False
     # The owner's response is untouched by the other tenant's delete.
-    assert responses.response("acme", "gen_a", now) is not None
+    assert responses.response_json("acme", "gen_a", now) is not None
 
 
 def test_the_tenant_is_in_the_querys_where_clause_not_checked_after(
@@ -119,7 +121,7 @@ def test_a_deleted_response_is_gone_and_deleting_again_finds_nothing(
 
 def test_a_response_past_its_retention_is_gone_before_any_sweep(responses: ResponseStore) -> None:
     responses.save(record("gen_a", "acme", days=1))
-    assert responses.response("acme", "gen_a", T0 + timedelta(hours=23)) is not None
+    assert responses.response_json("acme", "gen_a", T0 + timedelta(hours=23)) is not None
     expired = T0 + timedelta(days=1)
     assert every_read(responses, "acme", "gen_a", expired) == [None, None, None]
     assert responses.delete("acme", "gen_a", expired) is False
