@@ -1029,7 +1029,9 @@ class ResponseEvents:
     def _event(self, type_: str, **fields: Any) -> bytes:
         payload = {"type": type_, **fields, "sequence_number": self.sequence}
         self.sequence += 1
-        return b"event: " + type_.encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n"
+        # Joined, not added up: an event that ends a long answer with its log probabilities is
+        # megabytes, and each + copied it whole once more.
+        return b"".join((b"event: ", type_.encode(), b"\ndata: ", orjson.dumps(payload), b"\n\n"))
 
     def _response(self, status: Any, **fields: Any) -> dict[str, Any]:
         return response_object(
@@ -1161,17 +1163,15 @@ class ResponseEvents:
             part=_output_text("", []),
         )
 
-    def _closed_item(self, status: Status) -> dict[str, Any]:
+    def _closed_item(self, status: Status, logprobs: Logprobs | None = None) -> dict[str, Any]:
         open_ = self._open
         assert open_ is not None
         if open_["type"] == "reasoning":
             return reasoning_item(self._open_text, status, id=open_["id"])
+        if logprobs is None:
+            logprobs = json_array(self._open_logprobs)
         return message_item(
-            "assistant",
-            [self._open_text],
-            status,
-            id=open_["id"],
-            logprobs=json_array(self._open_logprobs),
+            "assistant", [self._open_text], status, id=open_["id"], logprobs=logprobs
         )
 
     def _close(self, status: Status = "completed") -> bytes:
@@ -1179,6 +1179,7 @@ class ResponseEvents:
         if open_ is None:
             return b""
         item_id, index, text = open_["id"], self._index, self._open_text
+        logprobs = None
         if open_["type"] == "reasoning":
             part = {"type": "reasoning_text", "text": text}
             out = self._event(
@@ -1189,7 +1190,8 @@ class ResponseEvents:
                 text=text,
             )
         else:
-            part = _output_text(text, json_array(self._open_logprobs))
+            logprobs = json_array(self._open_logprobs)  # written once, sent twice
+            part = _output_text(text, logprobs)
             out = self._event(
                 "response.output_text.done",
                 item_id=item_id,
@@ -1198,16 +1200,16 @@ class ResponseEvents:
                 text=text,
                 logprobs=[],
             )
-        out += self._event(
+        part_done = self._event(
             "response.content_part.done",
             item_id=item_id,
             output_index=index,
             content_index=0,
             part=part,
         )
-        done = self._closed_item(status)
+        done = self._closed_item(status, logprobs)
         self._open = None
-        return out + self._done(done)
+        return b"".join((out, part_done, self._done(done)))
 
     def _done(self, item: dict[str, Any]) -> bytes:
         index = self._index
