@@ -174,6 +174,7 @@ class Differential:
     distinct_outputs: int = 0
     honest_changes: int = 0  # must be 0: identical short request, different output
     outputs: list[str | None] = field(default_factory=list)
+    honest_outputs: list[str | None] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -184,6 +185,9 @@ class Differential:
             "distinct_outputs": self.distinct_outputs,
             "honest_changes": self.honest_changes,
             "outputs": [o if o is None else o[:40] for o in self.outputs],
+            # Whole: when they differ, where they part says whether a token flipped late
+            # (numerics) or the answer was another from its start.
+            "honest_outputs": self.honest_outputs,
         }
 
 
@@ -320,6 +324,7 @@ class Soak:
         result.distinct_outputs = len(set(served))
         result.changes = _changes(result.outputs)
         result.honest_changes = _changes(honest_outputs)
+        result.honest_outputs = honest_outputs
         return result
 
     def _round_traffic(self, tenant: Tenant, round_index: int, index: int, send: Any) -> None:
