@@ -61,7 +61,8 @@ def check_meta(
     (``IncrementalChunks``). Without ``entries``, the log probabilities' shape only: their
     entries are the caller's to check (``check_logprob_entries``), a slice at a time. Without
     ``output`` (a chunk that ends its generation with an abort before any output:
-    ``refused_before_output``), decode's coverage report guards nothing, and is not read."""
+    ``refused_before_output``), decode's coverage report and its count of the prompt guard
+    nothing, and are not read: a refusal's counts are whatever stage refused it."""
     if not isinstance(meta, dict):
         raise IsolationFailure("response carries no meta_info")
     if meta.get("id") != expected.generation_id:
@@ -85,7 +86,7 @@ def check_meta(
         if output and "isolation_verified" in meta and meta["isolation_verified"] is not True:
             raise IsolationFailure("decode did not verify the KV transfer's coverage")
     prompt_tokens = meta.get("prompt_tokens")
-    if prompt_tokens != expected.prompt_tokens:
+    if output and prompt_tokens != expected.prompt_tokens:
         raise IsolationFailure(
             f"engine counted {prompt_tokens} prompt tokens, "
             f"the gateway sent {expected.prompt_tokens}"
@@ -336,8 +337,9 @@ class IncrementalChunks:
 def refused_before_output(part: dict[str, Any], tokens_before: int) -> bool:
     """Whether a stream chunk (as what it adds) ends its generation with an abort and adds
     nothing: no text, no token. Decode then never read the KV pages its coverage check guards,
-    and says so (not verified), as when it could not compile the request's grammar; the abort
-    is the engine's refusal (``finish_reason_of``), not an isolation failure."""
+    and says so (not verified), as when it could not compile the request's grammar (its count
+    of the prompt then depends on where the request was refused: the whole prompt, or 1); the
+    abort is the engine's refusal (``finish_reason_of``), not an isolation failure."""
     meta = part.get("meta_info")
     if not isinstance(meta, dict) or part.get("text"):
         return False

@@ -240,7 +240,8 @@ FOUND_CASES: list[FoundCase] = [
         _chat(stream=True, guided_grammar="0"),
         "scripts/soak fuzz, seed 2179449493 (flaky there): decode refused the grammar before "
         "the KV transfer it would have verified and said 'not verified' on its abort chunk; "
-        "the gateway answered 502 isolation_check_failed for the engine's refusal",
+        "the gateway answered 502 isolation_check_failed for the engine's refusal. Seed "
+        "4035335039: the same refusal counted 1 prompt token of 14, the same 502",
     ),
     FoundCase(
         "chat-min-tokens-beside-a-one-token-choice",

@@ -153,16 +153,16 @@ def test_a_worker_says_whether_its_streams_carry_only_what_each_chunk_adds() -> 
         assert state.incremental_streams is expected
 
 
-def abort_chunk(text: str) -> dict[str, Any]:
+def abort_chunk(text: str, prompt_tokens: int = 3, verified: bool = False) -> dict[str, Any]:
     """Decode's last chunk when it refused the request (its grammar did not compile), before
     the KV transfer it would have verified: tags echoed, coverage not verified."""
     meta = {
         "id": GID,
-        "prompt_tokens": 3,
+        "prompt_tokens": prompt_tokens,
         "completion_tokens": 0,
         "isolation_generation": GID,
         "isolation_tenant": "acme",
-        "isolation_verified": False,
+        "isolation_verified": verified,
         "finish_reason": {"type": "abort", "status_code": 400, "message": "grammar error"},
     }
     return {"text": text, "meta_info": meta}
@@ -185,12 +185,22 @@ def first_and_end(chunk: dict[str, Any]) -> None:
     stream.finish()
 
 
-def test_an_abort_before_any_output_is_the_engines_refusal_not_an_isolation_alarm() -> None:
-    # Found by the real-engine fuzzing (seed 2179449493): a streamed chat whose grammar SGLang
-    # could not compile got 502 isolation_check_failed.
+# Found by the real-engine fuzzing: a streamed chat whose grammar SGLang could not compile got
+# 502 isolation_check_failed. Its abort said "not verified" (seed 2179449493), and in another
+# run counted 1 prompt token of 14 (seed 4035335039): where in the engine the request was
+# refused decides both.
+@pytest.mark.parametrize("prompt_tokens", [3, 1])
+def test_an_abort_before_any_output_is_the_engines_refusal_not_an_isolation_alarm(
+    prompt_tokens: int,
+) -> None:
     with pytest.raises(APIError) as refused:
-        first_and_end(abort_chunk(""))
+        first_and_end(abort_chunk("", prompt_tokens))
     assert (refused.value.status, refused.value.code) == (400, "engine_rejected")
+
+
+def test_output_counted_against_another_prompt_still_fails_closed_even_with_an_abort() -> None:
+    with pytest.raises(IsolationFailure, match="prompt tokens"):
+        first_and_end(abort_chunk("text of another prompt", prompt_tokens=1, verified=True))
 
 
 def test_unverified_output_still_fails_closed_even_with_an_abort() -> None:
