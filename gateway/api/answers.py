@@ -8,7 +8,6 @@ the system fingerprint, whole or chunk by chunk.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import functools
 import hashlib
@@ -17,7 +16,7 @@ from typing import Any, Literal
 
 import orjson
 
-from gateway.common.json_turns import json_array, json_in_turns
+from gateway.common.json_turns import in_turns, json_array, json_in_turns
 from gateway.core.generation import (
     ChoiceStreams,
     Completion,
@@ -405,24 +404,24 @@ async def whole_completion_logprobs(
     entries: list[TokenLogprob], prompt: PromptLogprobs | None
 ) -> dict[str, Any]:
     """``completion_logprobs`` of a whole answer (from its first character), its columns
-    written a slice of tokens at a time with the loop free between two (``json_in_turns``)."""
+    written a slice of tokens at a time with the loop free between two (``in_turns``)."""
     written: dict[str, list[bytes]] = {name: [] for name in _COLUMNS}
+
+    def write(part: dict[str, list[Any]]) -> None:
+        for name, values in part.items():
+            written[name].append(orjson.dumps(values))
+
     text_offset = 0
     if prompt is not None:
         entries = [*prompt.rest, *entries]
         text_offset = len(prompt.first_token)
         head: dict[str, list[Any]] = {name: [] for name in _COLUMNS}
         _add_unscored(head, prompt.first_token)
-        for name, values in head.items():
-            written[name].append(orjson.dumps(values))
-    step = per_turn(entries)
-    for start in range(0, len(entries), step):
-        if start:
-            await asyncio.sleep(0)
+        write(head)
+    async for positions in in_turns(len(entries), per_turn(entries)):
         part: dict[str, list[Any]] = {name: [] for name in _COLUMNS}
-        text_offset = _add_scored(part, entries[start : start + step], text_offset)
-        for name, values in part.items():
-            written[name].append(orjson.dumps(values))
+        text_offset = _add_scored(part, entries[positions.start : positions.stop], text_offset)
+        write(part)
     return {name: json_array(lists) for name, lists in written.items()}
 
 

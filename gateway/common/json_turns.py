@@ -1,4 +1,5 @@
-"""Long JSON lists written a slice at a time, the event loop free between two slices.
+"""Long work done a slice at a time, the event loop free between two slices (``in_turns``);
+long JSON lists written that way (``json_in_turns``).
 
 A whole answer's log probabilities grow with its tokens times the alternatives asked for:
 built as Python objects and written in one go, those of a few thousand tokens held the loop for
@@ -11,7 +12,7 @@ writes into the answer as it is.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any, TypeVar
 
 import orjson
@@ -19,15 +20,22 @@ import orjson
 T = TypeVar("T")
 
 
+async def in_turns(total: int, per_turn: int) -> AsyncGenerator[range]:
+    """``range(total)`` in slices of ``per_turn`` positions, the loop free between two."""
+    for start in range(0, total, per_turn):
+        if start:
+            await asyncio.sleep(0)
+        yield range(start, min(total, start + per_turn))
+
+
 async def json_in_turns(
     items: Sequence[T], to_json: Callable[[T], Any], per_turn: int
 ) -> orjson.Fragment:
     """``[to_json(item) for item in items]`` as JSON, written ``per_turn`` items at a time."""
-    pieces = []
-    for start in range(0, len(items), per_turn):
-        if start:
-            await asyncio.sleep(0)
-        pieces.append(orjson.dumps([to_json(item) for item in items[start : start + per_turn]]))
+    pieces = [
+        orjson.dumps([to_json(item) for item in items[slice_.start : slice_.stop]])
+        async for slice_ in in_turns(len(items), per_turn)
+    ]
     return json_array(pieces)
 
 

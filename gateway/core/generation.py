@@ -38,6 +38,7 @@ from typing import Any, Protocol, TypeVar
 
 from gateway.common.errors import APIError, bad_request, unavailable
 from gateway.common.ids import new_generation_id, tenant_cache_salt
+from gateway.common.json_turns import in_turns
 from gateway.config.policies import ModelPolicy, Policies, Share, TenantLimits
 from gateway.core.admission import (
     CONTEXT_LENGTH_EXCEEDED,
@@ -1102,11 +1103,11 @@ def positions_per_turn(top_logprobs: int | None) -> int:
 async def _turns(total: int, expected: Expectation) -> AsyncGenerator[range]:
     """``range(total)`` in slices of ``positions_per_turn``, the loop free between two (at
     least one slice, empty for no positions: what is checked with every slice still is)."""
-    per_turn = positions_per_turn(expected.top_logprobs)
-    for start in range(0, max(total, 1), per_turn):
-        if start:
-            await asyncio.sleep(0)
-        yield range(start, min(total, start + per_turn))
+    if not total:
+        yield range(0)
+        return
+    async for positions in in_turns(total, positions_per_turn(expected.top_logprobs)):
+        yield positions
 
 
 def token_logprobs(
