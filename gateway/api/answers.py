@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import orjson
 
-from gateway.common.json_turns import in_turns, json_array, json_in_turns
+from gateway.common.json_turns import JSONList, in_turns, json_in_turns
 from gateway.core.generation import (
     ChoiceStreams,
     Completion,
@@ -405,11 +405,11 @@ async def whole_completion_logprobs(
 ) -> dict[str, Any]:
     """``completion_logprobs`` of a whole answer (from its first character), its columns
     written a slice of tokens at a time with the loop free between two (``in_turns``)."""
-    written: dict[str, list[bytes]] = {name: [] for name in _COLUMNS}
+    written = {name: JSONList() for name in _COLUMNS}
 
     def write(part: dict[str, list[Any]]) -> None:
         for name, values in part.items():
-            written[name].append(orjson.dumps(values))
+            written[name].add(orjson.dumps(values))
 
     text_offset = 0
     if prompt is not None:
@@ -422,7 +422,7 @@ async def whole_completion_logprobs(
         part: dict[str, list[Any]] = {name: [] for name in _COLUMNS}
         text_offset = _add_scored(part, entries[positions.start : positions.stop], text_offset)
         write(part)
-    return {name: json_array(lists) for name, lists in written.items()}
+    return {name: column.fragment() for name, column in written.items()}
 
 
 def _add_unscored(columns: dict[str, list[Any]], token: str) -> None:

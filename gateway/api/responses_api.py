@@ -150,7 +150,8 @@ async def sse_events(
 ) -> AsyncGenerator[bytes]:
     """The response's semantic events: created and in progress, then each output item as its
     checked parts arrive, then completed (or incomplete), once the response is stored. What
-    is ready together goes out in one write."""
+    is ready together goes out in one write, but for the events that close the output: each
+    goes alone, the loop free between two (a long answer's log probabilities are in three)."""
     events = call.events
     pending = events.created()
     end: StreamEnd | None = None
@@ -167,6 +168,10 @@ async def sse_events(
             yield pending
             pending = b""
     assert end is not None  # a stream always ends with its end
+    for event in events.closing(end.finish_reason):
+        yield pending + event
+        pending = b""
+        await asyncio.sleep(0)
     usage = usage_of(streams.prompt_tokens, end.completion_tokens, end.cached_tokens)
     response, last = events.finished(end.finish_reason, usage, _now_s())
     await _store(components, call, response)

@@ -6,7 +6,7 @@ built as Python objects and written in one go, those of a few thousand tokens he
 a tenth of a second and more, most of it in the collections of the cyclic GC that so many new
 objects set off, and every other tenant's requests waited. Written a slice at a time, only
 bytes outlive a slice, and the pieces join into one ``orjson.Fragment``, which ``orjson``
-writes into the answer as it is.
+writes into the answer as it is (``JSONList``).
 """
 
 from __future__ import annotations
@@ -32,15 +32,38 @@ async def json_in_turns(
     items: Sequence[T], to_json: Callable[[T], Any], per_turn: int
 ) -> orjson.Fragment:
     """``[to_json(item) for item in items]`` as JSON, written ``per_turn`` items at a time."""
-    pieces = [
-        orjson.dumps([to_json(item) for item in items[slice_.start : slice_.stop]])
-        async for slice_ in in_turns(len(items), per_turn)
-    ]
-    return json_array(pieces)
+    written = JSONList()
+    async for slice_ in in_turns(len(items), per_turn):
+        written.add(orjson.dumps([to_json(item) for item in items[slice_.start : slice_.stop]]))
+    return written.fragment()
 
 
-def json_array(lists: list[bytes]) -> orjson.Fragment:
-    """The JSON lists ``lists``, each written by ``orjson``, as one list."""
-    # Each list's items without its brackets, as views: no copy but the one join makes.
-    items = [memoryview(written)[1:-1] for written in lists if written != b"[]"]
-    return orjson.Fragment(b"".join((b"[", b",".join(items), b"]")))
+class JSONList:
+    """A JSON list written a piece at a time: each piece a list ``orjson`` wrote, its items
+    copied in as the piece comes, so that the whole is never joined in one go (a join of
+    megabytes holds the loop for milliseconds, most of it faulting in fresh pages)."""
+
+    __slots__ = ("_fragment", "_written")
+
+    def __init__(self) -> None:
+        self._written = bytearray(b"[")
+        self._fragment: orjson.Fragment | None = None
+
+    def add(self, written: bytes) -> None:
+        """The items of ``written``, a JSON list, after those added so far."""
+        if self._fragment is not None:
+            raise RuntimeError("the list was read: nothing more can be added")
+        if len(written) > 2:  # not []
+            if len(self._written) > 1:
+                self._written += b","
+            self._written += memoryview(written)[1:-1]
+
+    def fragment(self) -> orjson.Fragment:
+        """The list, which ``orjson`` writes into a document as it is; nothing can be added
+        after."""
+        if self._fragment is None:
+            self._written += b"]"
+            # orjson takes bytes, not a bytearray: the one copy of the whole.
+            self._fragment = orjson.Fragment(bytes(self._written))
+            self._written = bytearray()
+        return self._fragment

@@ -35,7 +35,7 @@ from pydantic import (
 )
 
 from gateway.common.errors import APIError, bad_request
-from gateway.common.json_turns import json_array
+from gateway.common.json_turns import JSONList
 from gateway.openai.engine_bounds import FIELD_BOUNDS
 from gateway.openai.protocol import (
     _TEXT_ONLY,
@@ -1010,9 +1010,10 @@ class ResponseEvents:
 
     ``created`` opens it; ``reasoning``, ``text`` and ``call`` add output as it is checked
     (each item is opened when its first part arrives and closed when another kind starts);
-    ``finished`` closes the open item and ends the stream with ``response.completed`` (or
-    ``response.incomplete``); ``failed`` ends it with ``error`` and ``response.failed``,
-    nothing more of the open item. Items are built by the same functions as a whole answer's.
+    ``closing`` closes the open item and ``finished`` ends the stream with
+    ``response.completed`` (or ``response.incomplete``); ``failed`` ends it with ``error`` and
+    ``response.failed``, nothing more of the open item. Items are built by the same functions
+    as a whole answer's.
     """
 
     def __init__(self, request: ResponsesRequest, response_id: str, created_at: int) -> None:
@@ -1023,8 +1024,8 @@ class ResponseEvents:
         self.output: list[dict[str, Any]] = []  # the items closed so far
         self._open: dict[str, Any] | None = None  # the item being written
         self._open_text = ""
-        # The open message's log probabilities, written chunk by chunk (``json_array``).
-        self._open_logprobs: list[bytes] = []
+        # The open message's log probabilities, written chunk by chunk.
+        self._open_logprobs = JSONList()
 
     def _event(self, type_: str, **fields: Any) -> bytes:
         payload = {"type": type_, **fields, "sequence_number": self.sequence}
@@ -1089,7 +1090,7 @@ class ResponseEvents:
         assert self._open is not None
         self._open_text += delta
         if logprobs and self._request.wants_logprobs:
-            self._open_logprobs.append(orjson.dumps([text_logprob(e) for e in logprobs]))
+            self._open_logprobs.add(orjson.dumps([text_logprob(e) for e in logprobs]))
         return out + self._event(
             "response.output_text.delta",
             item_id=self._open["id"],
@@ -1120,20 +1121,27 @@ class ResponseEvents:
         self._open = None
         return out + self._done(done)
 
+    def closing(self, finish_reason: str) -> Iterator[bytes]:
+        """The events that close the output, one at a time, each built when the one before it
+        has been taken: three of them carry the message's log probabilities, megabytes for a
+        long answer, and the caller lets the loop run between two."""
+        status, _ = finish_status(finish_reason)
+        if not self.output and self._open is None:
+            yield self._open_message()  # an empty answer is still a message, as whole
+        yield from self._closing(status)
+
     def finished(
         self, finish_reason: str, usage: dict[str, Any], completed_at: int
     ) -> tuple[dict[str, Any], bytes]:
-        """The final Response, and the events that end the stream with it."""
+        """The final Response, once ``closing`` has closed the output, and the event that ends
+        the stream with it."""
+        assert self._open is None, "closing() first"
         status, reason = finish_status(finish_reason)
-        out = b""
-        if not self.output and self._open is None:
-            out += self._open_message()  # an empty answer is still a message, as whole
-        out += self._close(status)
         response = self._response(
             status, usage=usage, completed_at=completed_at, incomplete_reason=reason
         )
         kind = "response.completed" if status == "completed" else "response.incomplete"
-        return response, out + self._event(kind, response=response)
+        return response, self._event(kind, response=response)
 
     def failed(self, error: APIError) -> bytes:
         """The end of a stream that failed: what was sent of the open item stays incomplete."""
@@ -1149,7 +1157,7 @@ class ResponseEvents:
     # -- items ---------------------------------------------------------------------------
 
     def _open_item(self, item: dict[str, Any]) -> bytes:
-        self._open, self._open_text, self._open_logprobs = item, "", []
+        self._open, self._open_text, self._open_logprobs = item, "", JSONList()
         return self._event("response.output_item.added", output_index=self._index, item=item)
 
     def _open_message(self) -> bytes:
@@ -1169,20 +1177,24 @@ class ResponseEvents:
         if open_["type"] == "reasoning":
             return reasoning_item(self._open_text, status, id=open_["id"])
         if logprobs is None:
-            logprobs = json_array(self._open_logprobs)
+            logprobs = self._open_logprobs.fragment()
         return message_item(
             "assistant", [self._open_text], status, id=open_["id"], logprobs=logprobs
         )
 
     def _close(self, status: Status = "completed") -> bytes:
+        """The events that close the open item, together: another item opens after them."""
+        return b"".join(self._closing(status))
+
+    def _closing(self, status: Status) -> Iterator[bytes]:
         open_ = self._open
         if open_ is None:
-            return b""
+            return
         item_id, index, text = open_["id"], self._index, self._open_text
         logprobs = None
         if open_["type"] == "reasoning":
             part = {"type": "reasoning_text", "text": text}
-            out = self._event(
+            yield self._event(
                 "response.reasoning_text.done",
                 item_id=item_id,
                 output_index=index,
@@ -1190,9 +1202,9 @@ class ResponseEvents:
                 text=text,
             )
         else:
-            logprobs = json_array(self._open_logprobs)  # written once, sent twice
+            logprobs = self._open_logprobs.fragment()  # written once, sent twice
             part = _output_text(text, logprobs)
-            out = self._event(
+            yield self._event(
                 "response.output_text.done",
                 item_id=item_id,
                 output_index=index,
@@ -1200,7 +1212,7 @@ class ResponseEvents:
                 text=text,
                 logprobs=[],
             )
-        part_done = self._event(
+        yield self._event(
             "response.content_part.done",
             item_id=item_id,
             output_index=index,
@@ -1209,7 +1221,7 @@ class ResponseEvents:
         )
         done = self._closed_item(status, logprobs)
         self._open = None
-        return b"".join((out, part_done, self._done(done)))
+        yield self._done(done)
 
     def _done(self, item: dict[str, Any]) -> bytes:
         index = self._index

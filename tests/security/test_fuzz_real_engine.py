@@ -606,6 +606,18 @@ LARGEST_ANSWERS = {
             "max_output_tokens": LARGEST_OUTPUT_TOKENS,
         },
     ),
+    # A stream's last events carry the message's log probabilities three times over (its part,
+    # its item and the completed response): megabytes at the end of a long answer.
+    "responses streamed, top_logprobs 20": (
+        "/v1/responses",
+        {
+            "input": "Hello",
+            "stream": True,
+            "top_logprobs": 20,
+            "include": ["message.output_text.logprobs"],
+            "max_output_tokens": LARGEST_OUTPUT_TOKENS,
+        },
+    ),
     "completions echo scored, logprobs 5": (
         "/v1/completions",
         {

@@ -10,6 +10,7 @@ Decode's chunks are fed to ``core.generation.CheckedStream`` with the model's ou
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 import types
 from collections.abc import AsyncGenerator
@@ -27,14 +28,18 @@ from gateway.core.generation import (
     ChoiceStreams,
     Completion,
     OutputShaper,
+    StreamEnd,
+    StreamStep,
     Trace,
 )
 from gateway.openai import protocol
 from gateway.openai.responses import (
+    LOGPROBS_INCLUDE,
     ResponseEvents,
     ResponsesRequest,
     as_context,
     canonical_items,
+    text_logprob,
 )
 from gateway.tool_parsers import Function, OutputParser, ToolCall
 from gateway.verification.verify import Expectation, NoScanner, StreamGuard
@@ -220,3 +225,68 @@ def test_a_whole_answer_is_the_same_items_and_is_stored() -> None:
     ]
     assert response["status"] == "completed" and response["id"] == GID
     assert saved.records[0].response == response
+
+
+class ScriptedStreams:
+    """Checked steps as the core hands them out, without a stream behind them."""
+
+    def __init__(self, items: list[StreamStep | StreamEnd]) -> None:
+        self.items = items
+        self.prompt_tokens = 3
+
+    async def events(self) -> AsyncGenerator[tuple[None, StreamStep | StreamEnd]]:
+        for item in self.items:
+            yield None, item
+
+
+def test_the_events_that_close_a_long_answer_go_out_one_at_a_time_the_loop_free_between() -> None:
+    # Three of them carry the message's log probabilities: megabytes at the end of a long
+    # answer, which other tenants waited for while they were all written in one go.
+    call = call_of(stream=True, top_logprobs=2, include=[LOGPROBS_INCLUDE])
+    entries = [protocol.TokenLogprob(f"t{n}", -0.5, [("a", -1.0), ("b", -2.0)]) for n in range(6)]
+    steps: list[StreamStep | StreamEnd] = [
+        StreamStep(entry.token, {}, [entry]) for entry in entries
+    ]
+    steps.append(StreamEnd("", "stop", len(entries), 0, None))
+    saved = Saved()
+
+    async def collect() -> list[tuple[bytes, int]]:
+        turns = 0
+        done = False
+
+        async def other_tenant() -> None:
+            nonlocal turns
+            while not done:
+                turns += 1
+                await asyncio.sleep(0)
+
+        other = asyncio.create_task(other_tenant())
+        writes = []
+        try:
+            async for write in responses_api.sse_events(
+                components(saved),
+                call,
+                ScriptedStreams(steps),  # type: ignore[arg-type]
+            ):
+                writes.append((write, turns))
+        finally:
+            done = True
+            await other
+        return writes
+
+    writes = asyncio.run(collect())
+    closing = [(orjson.loads(write.split(b"\ndata: ")[1]), turns) for write, turns in writes[-4:]]
+    assert [event["type"] for event, _ in closing] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]  # each its own write
+    seen = [turns for _, turns in closing]
+    assert all(later > earlier for earlier, later in itertools.pairwise(seen))
+    expected = [text_logprob(entry) for entry in entries]
+    part, item, completed = (event for event, _ in closing[1:])
+    assert part["part"]["logprobs"] == expected
+    assert item["item"]["content"][0]["logprobs"] == expected
+    assert completed["response"]["output"][0]["content"][0]["logprobs"] == expected
+    assert saved.records and saved.records[0].response["id"] == GID

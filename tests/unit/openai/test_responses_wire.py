@@ -75,6 +75,7 @@ def whole_stream(
     out += events.text("Hel", [TokenLogprob("Hel", -0.5, [("He", -1.5)])])
     out += events.text("lo", [TokenLogprob("lo", -0.25, [])])
     out += events.call("get_weather", '{"city": "Paris"}', "call_1")
+    out += b"".join(events.closing(finish_reason))
     response, last = events.finished(finish_reason, usage_of(5, 7, 2), 1700000001)
     return written(response), out + last
 
@@ -160,7 +161,7 @@ def test_a_response_cut_at_max_output_tokens_is_incomplete_and_says_why() -> Non
 
 def test_an_empty_answer_is_still_one_message_as_the_whole_answer_has() -> None:
     events = ResponseEvents(request(), "gen_1", 1700000000)
-    opened = events.created()
+    opened = events.created() + b"".join(events.closing("stop"))
     response, last = events.finished("stop", usage_of(5, 1, 0), 1700000001)
     payloads = events_of(opened + last)
     through_the_sdk(payloads)
