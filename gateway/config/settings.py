@@ -30,6 +30,11 @@ class Settings(BaseSettings):
     # how often each rewrites its file there (how far a scrape may lag a process's counts).
     metrics_dir: Path | None = None
     metrics_write_interval_s: float = Field(default=1.0, gt=0)
+    # A diagnostic, off unless set (the real-engine fuzzing sets it): the directory where each
+    # process writes the stacks of all its threads whenever its event loop has not woken its
+    # lag probe for loop_stall_report_after_s (observability.loop_lag.StallReport).
+    loop_stall_report_dir: Path | None = None
+    loop_stall_report_after_s: float = Field(default=0.05, gt=0)
 
     # Client bounds (server.http_server, api.pipeline.read_body): how long a client may
     # take to send a request's headers and its body, how large its headers may be, how many

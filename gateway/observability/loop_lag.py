@@ -13,14 +13,21 @@ counts that wait per thread (``/proc/thread-self/schedstat``), so the part of a 
 lateness the process itself caused (its own work or blocking calls on the loop, its other
 threads holding the GIL) is the lateness less that wait: the *held* time. Where the counters
 are missing (not Linux), held is the whole lateness.
+
+What held the loop is gone by the time the probe wakes. ``StallReport``, a diagnostic off by
+default, writes where every thread was while the loop is still held.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import faulthandler
 import os
 from collections.abc import Callable
-from typing import Protocol
+from pathlib import Path
+from types import TracebackType
+from typing import Protocol, TextIO
 
 PROBE_INTERVAL_S = 0.02
 _SCHEDSTAT = "/proc/thread-self/schedstat"
@@ -56,12 +63,49 @@ class RunQueueWait:
             self._fd = None
 
 
+class StallReport:
+    """The stacks of every thread, appended to a file of this process's in ``directory`` each
+    time the loop has not woken the probe for ``after_s``: ``faulthandler``'s watchdog, a
+    thread in C that needs no GIL, writes them while the loop is still held, so they show what
+    held it (or, on a busy host, where the loop waited for a CPU).
+
+    For a hold that cannot be reproduced at will (the real-engine fuzzing's). Each wake-up of
+    the probe re-arms it, which starts a thread: off in production.
+    """
+
+    def __init__(self, directory: Path, after_s: float) -> None:
+        self.path = directory / f"loop-stalls-{os.getpid()}.txt"  # one per serving process
+        self._after_s = after_s
+        self._file: TextIO | None = None
+
+    def __enter__(self) -> StallReport:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = self.path.open("a")
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        faulthandler.cancel_dump_traceback_later()
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def arm(self) -> None:
+        """Write the stacks if the next ``arm`` does not come within ``after_s``."""
+        assert self._file is not None, "used outside its with block"
+        faulthandler.dump_traceback_later(self._after_s, file=self._file)
+
+
 class LoopLagProbe:
     """Sleeps ``interval_s`` again and again on the running loop and passes each wake-up's
     lateness and held time (seconds, never negative) to ``observe``; runs until cancelled.
 
     ``run_queue_wait`` makes the clock of CPU waits, on the loop's thread (a test gives its
-    own).
+    own). With ``stall_report``, each wake-up re-arms it.
     """
 
     def __init__(
@@ -70,15 +114,21 @@ class LoopLagProbe:
         *,
         interval_s: float = PROBE_INTERVAL_S,
         run_queue_wait: Callable[[], WaitClock] = RunQueueWait,
+        stall_report: StallReport | None = None,
     ) -> None:
         self._observe = observe
         self._interval_s = interval_s
         self._run_queue_wait = run_queue_wait
+        self._stall_report = stall_report
 
     async def run(self) -> None:
         # Each wake-up is a timer's callback, not a coroutine's ``asyncio.sleep``: no future
         # and no task step per wake-up, fifty times a second on an idle gateway.
         loop = asyncio.get_running_loop()
+        with self._stall_report or contextlib.nullcontext() as report:
+            await self._run(loop, report)
+
+    async def _run(self, loop: asyncio.AbstractEventLoop, report: StallReport | None) -> None:
         waited = self._run_queue_wait()
         interval_s = self._interval_s
         before = waited()
@@ -92,10 +142,14 @@ class LoopLagProbe:
             now = waited()
             due = loop.time() + interval_s
             timer = loop.call_at(due, wake)
+            if report is not None:
+                report.arm()
             self._observe(late, max(0.0, late - (now - before)))
             before = now
 
         timer = loop.call_at(due, wake)
+        if report is not None:
+            report.arm()
         try:
             await loop.create_future()  # until cancelled
         finally:

@@ -22,7 +22,7 @@ from gateway.core.generation import GenerationCore
 from gateway.core.pair_queues import PairQueues, QueueSettings
 from gateway.core.routing import RoutingCache
 from gateway.core.shared_claims import SharedClaims
-from gateway.observability.loop_lag import LoopLagProbe
+from gateway.observability.loop_lag import LoopLagProbe, StallReport
 from gateway.observability.metrics import GAUGE_RULES, Metrics
 from gateway.observability.multiprocess import ProcessMetrics
 from gateway.openai.tokenize import ModelTokenizer
@@ -256,8 +256,16 @@ async def build_components(settings: Settings) -> Components:
     components.tasks.append(
         asyncio.create_task(components.revocations.run(), name="auth-invalidations")
     )
+    stall_report = None
+    if settings.loop_stall_report_dir is not None:
+        stall_report = StallReport(
+            settings.loop_stall_report_dir, settings.loop_stall_report_after_s
+        )
     components.tasks.append(
-        asyncio.create_task(LoopLagProbe(metrics.loop_lag.observe).run(), name="loop-lag-probe")
+        asyncio.create_task(
+            LoopLagProbe(metrics.loop_lag.observe, stall_report=stall_report).run(),
+            name="loop-lag-probe",
+        )
     )
     components.tasks.append(
         asyncio.create_task(

@@ -86,6 +86,11 @@ LAG_BOUND_S = 0.05
 ENGINE_REFUSED = "engine_rejected"
 LAG_SERIES = ("isogate_event_loop_lag_max_seconds", "isogate_event_loop_held_max_seconds")
 RSS_MARGIN_KB = 500 * 1024
+# Where the gateway writes its threads' stacks when its loop goes this long without waking
+# its lag probe (its wake-ups are 20 ms apart), and how much of them a failure message shows.
+STALL_REPORTS = "loop-stalls"
+STALL_REPORT_AFTER_S = LAG_BOUND_S
+STALL_TEXT_CHARS = 6000
 OUTPUT_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 SIMPLE_MESSAGES = [{"role": "user", "content": "Say hi."}]
 # What replaces a conversation or prompt the gateway's parser refuses, by field.
@@ -265,11 +270,31 @@ FOUND_CASES: list[FoundCase] = [
 
 
 @dataclass
+class StallReports:
+    """What the gateway's stall report (``gateway.observability.loop_lag.StallReport``) wrote
+    since the last read: where its threads were each time its loop went ``STALL_REPORT_AFTER_S``
+    without waking its lag probe (a hold, or on a busy host a wait for a CPU). Attached to a
+    failed loop check, so that a hold found once says what it was."""
+
+    directory: Path
+    read: dict[Path, int] = field(default_factory=dict)
+
+    def since_last_read(self) -> str:
+        texts = []
+        for path in sorted(self.directory.glob("loop-stalls-*.txt")):
+            written = path.read_bytes()
+            texts.append(written[self.read.get(path, 0) :].decode(errors="replace"))
+            self.read[path] = len(written)
+        return "".join(texts)
+
+
+@dataclass
 class Invariants:
     """The three things no tenant's case may break."""
 
     gateway: GatewayProcess
     workers: dict[str, str]  # role -> URL
+    stalls: StallReports
     rss_bound_kb: int = 0
     # The worst seen since ``figures`` was last read.
     peak_rss_kb: int = 0
@@ -284,9 +309,15 @@ class Invariants:
         lag, held = loop_lag_max_s(self.gateway)
         self.peak_lag_s = max(self.peak_lag_s, lag)
         self.peak_held_s = max(self.peak_held_s, held)
+        stalls = self.stalls.since_last_read()
         assert held < LAG_BOUND_S, (
             f"the gateway's event loop was held {held * 1000:.0f} ms "
             f"(late {lag * 1000:.0f} ms): {case}"
+            + (
+                f"\nwhere its threads were meanwhile:\n{stalls[-STALL_TEXT_CHARS:]}"
+                if stalls
+                else ""
+            )
         )
         rss = gateway_rss_kb(self.gateway)
         self.peak_rss_kb = max(self.peak_rss_kb, rss)
@@ -428,7 +459,13 @@ def gateway_for_cases(
     )
     root = os.environ.get("ISOGATE_FUZZ_GATEWAY_ROOT")
     checkout = {"root": Path(root)} if root else {}
-    with GatewayProcess(policies_dir=policies, work_dir=work, **checkout) as process:
+    stall_report = {
+        "ISOGATE_LOOP_STALL_REPORT_DIR": str(work / STALL_REPORTS),
+        "ISOGATE_LOOP_STALL_REPORT_AFTER_S": str(STALL_REPORT_AFTER_S),
+    }
+    with GatewayProcess(
+        policies_dir=policies, work_dir=work, env=stall_report, **checkout
+    ) as process:
         yield process
 
 
@@ -444,9 +481,12 @@ def invariants_of(
         )
         assert response.status_code == 200, response.text
     watch = Invariants(
-        gateway, {"prefill": pd_cluster.prefill_url, "decode": pd_cluster.decode_url}
+        gateway,
+        {"prefill": pd_cluster.prefill_url, "decode": pd_cluster.decode_url},
+        StallReports(gateway.work_dir / STALL_REPORTS),
     )
     loop_lag_max_s(gateway)  # start and warm-up are not the cases' lag
+    watch.stalls.since_last_read()
     watch.rss_bound_kb = gateway_rss_kb(gateway) + RSS_MARGIN_KB
     return watch
 

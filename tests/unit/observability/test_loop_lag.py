@@ -1,17 +1,18 @@
 """The loop lag probe sees a loop held by blocking work, tells it from a wait for a CPU, and the
-series expose the worst stall since the last scrape once."""
+series expose the worst stall since the last scrape once; its stall report shows what held it."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.observability.loop_lag import LoopLagProbe, RunQueueWait, WaitClock
+from gateway.observability.loop_lag import LoopLagProbe, RunQueueWait, StallReport, WaitClock
 from gateway.observability.metrics import Metrics
 
 BLOCK_S = 0.3
@@ -52,6 +53,7 @@ async def _probe_across_a_block(
     block_s: float,
     clock: Callable[[], WaitClock] = RunQueueWait,
     on_block: Callable[[], None] = lambda: None,
+    stall_report: StallReport | None = None,
 ) -> None:
     """Runs the probe with ``observe``, holds the loop with a blocking callback, and returns once
     the probe has woken after it."""
@@ -66,7 +68,9 @@ async def _probe_across_a_block(
         time.sleep(block_s)
 
     task = asyncio.create_task(
-        LoopLagProbe(observed, interval_s=INTERVAL_S, run_queue_wait=clock).run()
+        LoopLagProbe(
+            observed, interval_s=INTERVAL_S, run_queue_wait=clock, stall_report=stall_report
+        ).run()
     )
     await woke.wait()  # the probe runs and is asleep again
     woke.clear()
@@ -98,6 +102,16 @@ def test_lateness_spent_waiting_for_a_cpu_is_not_held_time() -> None:
     assert late >= BLOCK_S - INTERVAL_S
     assert held == 0.0
     assert waits.closed  # the probe closes its clock when cancelled
+
+
+def test_a_stall_report_shows_what_held_the_loop_while_it_was_held(tmp_path: Path) -> None:
+    report = StallReport(tmp_path, after_s=BLOCK_S / 3)
+    asyncio.run(_probe_across_a_block(lambda *wake: None, BLOCK_S, stall_report=report))
+    written = report.path.read_text()
+    # The loop's thread, in the blocking callback, from faulthandler's watchdog.
+    assert f'{Path(__file__).name}", line' in written and "in block" in written
+    time.sleep(BLOCK_S)  # the probe is gone: nothing re-arms the watchdog, nor may it fire
+    assert report.path.read_text() == written
 
 
 def test_gauges_hold_the_worst_since_the_last_scrape_the_histogram_every_lag() -> None:
