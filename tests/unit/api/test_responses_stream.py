@@ -44,6 +44,7 @@ from gateway.openai.responses import (
 from gateway.tool_parsers import Function, OutputParser, ToolCall
 from gateway.verification.verify import Expectation, NoScanner, StreamGuard
 from gateway.workers.dispatch import EngineRequest
+from tests.loop_turns import items_with_turns
 
 GID = "gen_01JTESTTESTTESTTESTTESTTES"
 EXPECTED = Expectation(GID, "acme", prompt_tokens=3, max_tokens=16, require_tags=False)
@@ -250,31 +251,9 @@ def test_the_events_that_close_a_long_answer_go_out_one_at_a_time_the_loop_free_
     steps.append(StreamEnd("", "stop", len(entries), 0, None))
     saved = Saved()
 
-    async def collect() -> list[tuple[bytes, int]]:
-        turns = 0
-        done = False
-
-        async def other_tenant() -> None:
-            nonlocal turns
-            while not done:
-                turns += 1
-                await asyncio.sleep(0)
-
-        other = asyncio.create_task(other_tenant())
-        writes = []
-        try:
-            async for write in responses_api.sse_events(
-                components(saved),
-                call,
-                ScriptedStreams(steps),  # type: ignore[arg-type]
-            ):
-                writes.append((write, turns))
-        finally:
-            done = True
-            await other
-        return writes
-
-    writes = asyncio.run(collect())
+    writes = items_with_turns(
+        responses_api.sse_events(components(saved), call, ScriptedStreams(steps))  # type: ignore[arg-type]
+    )
     closing = [(orjson.loads(write.split(b"\ndata: ")[1]), turns) for write, turns in writes[-4:]]
     assert [event["type"] for event, _ in closing] == [
         "response.output_text.done",
