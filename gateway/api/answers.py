@@ -29,6 +29,7 @@ from gateway.openai.protocol import (
     CompletionRequest,
     PromptLogprobs,
     TokenLogprob,
+    TokenLogprobs,
     now,
 )
 from gateway.openai.tokenize import ModelTokenizer
@@ -336,7 +337,7 @@ def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
     return {"content": [chat_logprob(entry) for entry in entries], "refusal": None}
 
 
-async def whole_chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
+async def whole_chat_logprobs(entries: Sequence[TokenLogprob]) -> dict[str, Any]:
     content = await json_in_turns(entries, chat_logprob, per_turn(entries))
     return {"content": content, "refusal": None}
 
@@ -401,7 +402,7 @@ def completion_logprobs(
 
 
 async def whole_completion_logprobs(
-    entries: list[TokenLogprob], prompt: PromptLogprobs | None
+    entries: Sequence[TokenLogprob], prompt: PromptLogprobs | None
 ) -> dict[str, Any]:
     """``completion_logprobs`` of a whole answer (from its first character), its columns
     written a slice of tokens at a time with the loop free between two (``in_turns``)."""
@@ -413,7 +414,7 @@ async def whole_completion_logprobs(
 
     text_offset = 0
     if prompt is not None:
-        entries = [*prompt.rest, *entries]
+        entries = TokenLogprobs.of(prompt.rest, entries)
         text_offset = len(prompt.first_token)
         head: dict[str, list[Any]] = {name: [] for name in _COLUMNS}
         _add_unscored(head, prompt.first_token)

@@ -53,7 +53,7 @@ from gateway.core.held import Held
 from gateway.core.pair_queues import PairQueues, RequestBound
 from gateway.core.routing import Candidates, RoutingCache
 from gateway.observability.metrics import Metrics
-from gateway.openai.protocol import PromptLogprobs, TokenLogprob, utf8_length
+from gateway.openai.protocol import PromptLogprobs, TokenLogprob, TokenLogprobs, utf8_length
 from gateway.openai.tokenize import ChatTurn, ModelTokenizer
 from gateway.tenancy.audit import AuditEvent, AuditLog
 from gateway.tenancy.auth import Principal
@@ -71,7 +71,7 @@ from gateway.verification.verify import (
     check_prompt_logprobs,
     check_text,
 )
-from gateway.workers.answer_json import parse_positions
+from gateway.workers.answer_json import parse_positions, release_positions
 from gateway.workers.dispatch import PREFILL_META, EngineRequest, PDDispatcher
 from gateway.workers.pairs import WorkerPair
 
@@ -193,7 +193,7 @@ class Completion:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
-    logprobs: list[TokenLogprob] | None = None
+    logprobs: Sequence[TokenLogprob] | None = None
     # With an output parser: the thinking part (None: none was parsed) and the calls.
     reasoning: str | None = None
     tool_calls: list[ToolCall] | None = None
@@ -588,7 +588,7 @@ class GenerationCore:
         logprobs = None
         if expected.top_logprobs is not None:
             logprobs = await checked_logprobs(meta, expected, admitted.tokenizer)
-            check_text(admitted.scanner, "".join(t.token for t in logprobs), expected.tenant_id)
+            check_text(admitted.scanner, "".join(logprobs.tokens), expected.tenant_id)
         finish_reason = finish_reason_of(meta)
         reasoning = calls = None
         if admitted.output is not None:
@@ -1112,34 +1112,33 @@ async def _turns(total: int, expected: Expectation) -> AsyncGenerator[range]:
 
 def token_logprobs(
     meta: dict[str, Any], tokenizer: ModelTokenizer, positions: range | None = None
-) -> list[TokenLogprob]:
+) -> TokenLogprobs:
     """The log probabilities of ``meta``'s tokens (a whole answer's, or a stream chunk's new
     ones; those at ``positions`` only, if given), checked by ``check_meta`` already; token
     texts come from the gateway's own tokenizer, never from the engine."""
     entries = meta.get("output_token_logprobs") or []
     alternatives = meta.get("output_top_logprobs") or []
     text = tokenizer.token_text
-    result = []
+    result = TokenLogprobs()
     for position in range(len(entries)) if positions is None else positions:
         logprob, token = entries[position][0], entries[position][1]
         top = alternatives[position] if position < len(alternatives) else []
-        result.append(
-            TokenLogprob(text(token), float(logprob), [(text(e[1]), float(e[0])) for e in top])
-        )
+        result.append(text(token), float(logprob), [(text(e[1]), float(e[0])) for e in top])
     return result
 
 
 async def checked_logprobs(
     meta: dict[str, Any], expected: Expectation, tokenizer: ModelTokenizer
-) -> list[TokenLogprob]:
+) -> TokenLogprobs:
     """A whole answer's log probabilities (their shape checked by ``check_meta``), checked
     (``check_logprob_entries``) and read ``positions_per_turn`` tokens at a time, with
-    the loop free between them."""
-    result: list[TokenLogprob] = []
+    the loop free between them; the engine's entries let go once read."""
+    result = TokenLogprobs()
     async for positions in _turns(len(meta["output_token_logprobs"]), expected):
         parse_positions(meta, _OUTPUT_LOGPROBS, positions)
         check_logprob_entries(meta, expected, positions)
-        result += token_logprobs(meta, tokenizer, positions)
+        result.extend(token_logprobs(meta, tokenizer, positions))
+        release_positions(meta, _OUTPUT_LOGPROBS, positions)
     return result
 
 
@@ -1148,31 +1147,30 @@ async def checked_prompt_scores(
 ) -> PromptLogprobs:
     """Prefill's scores of the prompt, checked (``check_prompt_logprobs``) and read
     ``positions_per_turn`` positions at a time, with the loop free between them; token
-    texts from the gateway's own tokenizer."""
-    rest: list[TokenLogprob] = []
+    texts from the gateway's own tokenizer, the engine's entries let go once read."""
+    rest = TokenLogprobs()
     async for positions in _turns(len(input_ids), expected):
         parse_positions(meta, _PROMPT_LOGPROBS, positions)
         check_prompt_logprobs(meta, input_ids, expected, positions)
-        rest += _prompt_scores(meta, tokenizer, positions)
+        rest.extend(_prompt_scores(meta, tokenizer, positions))
+        release_positions(meta, _PROMPT_LOGPROBS, positions)
     return PromptLogprobs(tokenizer.token_text(input_ids[0]), rest)
 
 
 def _prompt_scores(
     meta: dict[str, Any], tokenizer: ModelTokenizer, positions: range
-) -> list[TokenLogprob]:
+) -> TokenLogprobs:
     """The scores of the prompt's tokens at ``positions`` but the first (which has none)."""
     entries = meta["input_token_logprobs"]
     alternatives = meta.get("input_top_logprobs") or []
     text = tokenizer.token_text
-    scores = []
+    scores = TokenLogprobs()
     for position in positions:
         if not position:
             continue
         logprob, token = entries[position][0], entries[position][1]
         top = (alternatives[position] if position < len(alternatives) else None) or []
-        scores.append(
-            TokenLogprob(text(token), float(logprob), [(text(e[1]), float(e[0])) for e in top])
-        )
+        scores.append(text(token), float(logprob), [(text(e[1]), float(e[0])) for e in top])
     return scores
 
 
@@ -1189,8 +1187,12 @@ def best_of(completions: list[Completion], candidates: int, keep: int) -> list[C
 
 
 def _mean_logprob(completion: Completion) -> float:
-    entries = completion.logprobs or []
-    return sum(e.logprob for e in entries) / len(entries) if entries else float("-inf")
+    entries = completion.logprobs
+    if not entries:
+        return float("-inf")
+    if isinstance(entries, TokenLogprobs):
+        return sum(entries.logprobs) / len(entries)
+    return sum(e.logprob for e in entries) / len(entries)
 
 
 # How engine_patch's refusals (an isolation check inside the engine) begin their message.

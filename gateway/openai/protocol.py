@@ -13,9 +13,10 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Callable, Iterator, Mapping
+from array import array
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, overload
 
 import jsonschema_rs
 import orjson
@@ -1137,13 +1138,115 @@ class TokenLogprob:
     top: list[tuple[str, float]]
 
 
+class TokenLogprobs(Sequence[TokenLogprob]):
+    """Tokens' log probabilities in flat columns: the tokens' texts and log probabilities, and
+    all their alternatives' texts and log probabilities one token's after another. Read, it is
+    a sequence of ``TokenLogprob``, each made when asked for; a slice is columns again.
+
+    Why columns: a whole answer's log probabilities live until it is written. The 16 choices of
+    4,096 tokens with 20 alternatives each that a tenant may ask for, held as an object per
+    token, a list per token's alternatives and a tuple and a float per alternative, were over a
+    million objects: over a hundred thousand of them tracked, that every full collection of the
+    cyclic GC walked (tens of milliseconds a time, dozens while the answer was checked and
+    written), and all of them freed at once when the answer had gone (another fifty). Every
+    other tenant waited. Here the floats are unboxed (``array``) and the texts are the
+    tokenizer's own, shared; five containers per answer. (vLLM's FlatLogprobs, for the same
+    reason.)
+    """
+
+    __slots__ = ("_top_ends", "logprobs", "tokens", "top_logprobs", "top_tokens")
+
+    def __init__(self) -> None:
+        self.tokens: list[str] = []
+        self.logprobs = array("d")
+        self.top_tokens: list[str] = []
+        self.top_logprobs = array("d")
+        # Where each token's alternatives end in the two top columns.
+        self._top_ends = array("q")
+
+    @classmethod
+    def of(cls, *runs: Iterable[TokenLogprob]) -> TokenLogprobs:
+        """The entries of ``runs``, one after the other, as columns."""
+        joined = cls()
+        for run in runs:
+            if isinstance(run, TokenLogprobs):
+                joined.extend(run)
+                continue
+            for entry in run:
+                joined.append(entry.token, entry.logprob, entry.top)
+        return joined
+
+    def append(self, token: str, logprob: float, top: Iterable[tuple[str, float]]) -> None:
+        self.tokens.append(token)
+        self.logprobs.append(logprob)
+        for text, alternative in top:
+            self.top_tokens.append(text)
+            self.top_logprobs.append(alternative)
+        self._top_ends.append(len(self.top_tokens))
+
+    def extend(self, other: TokenLogprobs) -> None:
+        base = len(self.top_tokens)
+        self.tokens += other.tokens
+        self.logprobs += other.logprobs
+        self.top_tokens += other.top_tokens
+        self.top_logprobs += other.top_logprobs
+        self._top_ends.extend([end + base for end in other._top_ends])
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @overload
+    def __getitem__(self, index: int) -> TokenLogprob: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> TokenLogprobs: ...
+
+    def __getitem__(self, index: int | slice) -> TokenLogprob | TokenLogprobs:
+        if isinstance(index, slice):
+            positions = range(len(self))[index]
+            if positions.step != 1 or not positions:
+                return TokenLogprobs.of(map(self._entry, positions))
+            return self._run(positions.start, positions.stop)
+        position = range(len(self))[index]  # an IndexError as a list's, negatives counted back
+        return self._entry(position)
+
+    def __iter__(self) -> Iterator[TokenLogprob]:
+        return map(self._entry, range(len(self)))
+
+    def _run(self, start: int, stop: int) -> TokenLogprobs:
+        """The columns of the tokens from ``start`` to ``stop``, copied as they are."""
+        first = self._top_ends[start - 1] if start else 0
+        last = self._top_ends[stop - 1]
+        run = TokenLogprobs()
+        run.tokens = self.tokens[start:stop]
+        run.logprobs = self.logprobs[start:stop]
+        run.top_tokens = self.top_tokens[first:last]
+        run.top_logprobs = self.top_logprobs[first:last]
+        run._top_ends = array("q", [end - first for end in self._top_ends[start:stop]])
+        return run
+
+    def _entry(self, position: int) -> TokenLogprob:
+        start = self._top_ends[position - 1] if position else 0
+        end = self._top_ends[position]
+        top = list(zip(self.top_tokens[start:end], self.top_logprobs[start:end], strict=True))
+        return TokenLogprob(self.tokens[position], self.logprobs[position], top)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and list(self) == list(other)
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, as a list
+
+    def __repr__(self) -> str:
+        return f"TokenLogprobs({list(self)!r})"
+
+
 @dataclass(slots=True)
 class PromptLogprobs:
     """The prompt's tokens scored (``echo``): the first token has no log probability, being
     conditioned on nothing; every later one is a ``TokenLogprob``."""
 
     first_token: str
-    rest: list[TokenLogprob]
+    rest: Sequence[TokenLogprob]
 
 
 def model_list(entries: list[dict[str, Any]]) -> dict[str, Any]:

@@ -46,6 +46,12 @@ class RawPositions(list[Any]):
             if isinstance(item, msgspec.Raw):
                 self[position] = decode(item)
 
+    def release(self, positions: range) -> None:
+        """The items at ``positions`` (a run of them) replaced by ``None``."""
+        stop = min(positions.stop, len(self))
+        if positions.start < stop:
+            self[positions.start : stop] = [None] * (stop - positions.start)
+
 
 def parse_positions(meta: Any, fields: tuple[str, ...], positions: range) -> None:
     """``meta``'s ``fields`` parsed at ``positions``, where they are ``RawPositions``."""
@@ -55,6 +61,19 @@ def parse_positions(meta: Any, fields: tuple[str, ...], positions: range) -> Non
         values = meta.get(field)
         if isinstance(values, RawPositions):
             values.parse(positions)
+
+
+def release_positions(meta: Any, fields: tuple[str, ...], positions: range) -> None:
+    """``meta``'s ``fields`` let go at ``positions``, where they are ``RawPositions``, once
+    whoever checked them has read them: parsed, each is a few small lists, which the cyclic GC
+    walks at every full collection for as long as the answer lives. A position let go is
+    ``None``: no entry, so a check that reads it again fails closed."""
+    if not isinstance(meta, dict):
+        return
+    for field in fields:
+        values = meta.get(field)
+        if isinstance(values, RawPositions):
+            values.release(positions)
 
 
 def parse_answer(body: bytes) -> Any:

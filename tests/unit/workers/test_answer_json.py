@@ -133,3 +133,16 @@ def test_the_checked_slices_parse_what_they_read(tokenizer: ModelTokenizer) -> N
         )
 
     assert (logprobs, scores) == asyncio.run(read_original())
+
+
+def test_the_checked_slices_let_go_what_they_read_and_a_second_read_fails_closed(
+    tokenizer: ModelTokenizer,
+) -> None:
+    # Parsed, each position is a few small lists the GC walks for as long as the answer lives.
+    meta = parse_answer(orjson.dumps(answer()))["meta_info"]
+    logprobs = asyncio.run(checked_logprobs(meta, EXPECTED, tokenizer))
+    assert len(logprobs) == TOKENS
+    for field in ("output_token_logprobs", "output_top_logprobs"):
+        assert len(meta[field]) == TOKENS and set(meta[field]) == {None}
+    with pytest.raises(IsolationFailure, match="malformed"):
+        check_logprob_entries(meta, EXPECTED, range(1))
