@@ -22,7 +22,6 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-import orjson
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -31,6 +30,7 @@ from gateway.api import answers, responses_api
 from gateway.api.answers import Kind
 from gateway.common.errors import APIError, bad_request
 from gateway.common.ids import new_generation_id
+from gateway.common.json_turns import json_pieces_in_turns
 from gateway.config.policies import ModelPolicy
 from gateway.core.generation import (
     CLIENT_CANCELLED,
@@ -200,7 +200,9 @@ async def handle_generation(
                 kind, trace, name, fingerprint, completions, generated
             )
         core.record(trace, SERVED)
-        return JSONBodyResponse(orjson.dumps(result), trace.generation_id, limit_lines)
+        listed = "choices" if responses_call is None else "output"
+        pieces = await json_pieces_in_turns(result, listed)
+        return JSONBodyResponse(pieces, trace.generation_id, limit_lines)
     except IsolationFailure as failure:
         core.record(trace, Outcome.of_failure(failure))
         return _with_generation_id(failure.api_error().response(), trace)
@@ -433,20 +435,23 @@ def _too_large(limit: int) -> APIError:
 
 
 class JSONBodyResponse(Response):
-    """A served response: JSON bytes with their length, the generation ID and ``extra_lines``
-    (header lines, ``name: value\\r\\n`` each).
+    """A served response: JSON bytes (or pieces of them, sent one after the other) with their
+    length, the generation ID and ``extra_lines`` (header lines, ``name: value\\r\\n`` each).
 
     The head is made by one format operation, as header lines where the gateway's own server
     takes them (``gateway.server.http_server``), else as the pairs they stand for; not by
     ``Response.__init__``, which rebuilds headers from a dict for every response.
     """
 
-    def __init__(self, body: bytes, generation_id: str, extra_lines: bytes = b"") -> None:
+    def __init__(
+        self, body: bytes | list[bytes], generation_id: str, extra_lines: bytes = b""
+    ) -> None:
         self.status_code = 200
         self.background = None
-        self.body = body
+        self.pieces = [body] if isinstance(body, bytes) else body
         id_ = generation_id.encode()
-        self._lines = _SERVED_HEAD % (len(body), id_, id_) + extra_lines
+        length = sum(map(len, self.pieces))
+        self._lines = _SERVED_HEAD % (length, id_, id_) + extra_lines
 
     @property
     def raw_headers(self) -> list[tuple[bytes, bytes]]:
@@ -460,7 +465,9 @@ class JSONBodyResponse(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send(response_start(200, [], self._lines, lines_taken=header_lines_offered(scope)))
-        await send({"type": "http.response.body", "body": self.body})
+        last = len(self.pieces) - 1
+        for index, piece in enumerate(self.pieces):
+            await send({"type": "http.response.body", "body": piece, "more_body": index < last})
 
 
 # A stream's own header lines (its type is Starlette's): no caching or proxy buffering, and

@@ -1,5 +1,6 @@
 """Long work done a slice at a time, the event loop free between two slices (``in_turns``);
-long JSON lists written that way (``json_in_turns``).
+long JSON lists written that way (``json_in_turns``), and documents whose one list holds large
+items (``json_pieces_in_turns``).
 
 A whole answer's log probabilities grow with its tokens times the alternatives asked for:
 built as Python objects and written in one go, those of a few thousand tokens held the loop for
@@ -36,6 +37,33 @@ async def json_in_turns(
     async for slice_ in in_turns(len(items), per_turn):
         written.add(orjson.dumps([to_json(item) for item in items[slice_.start : slice_.stop]]))
     return written.fragment()
+
+
+# Where a document's list goes while the rest of it is written: orjson writes a NUL inside a
+# string as \u0000, so this one byte can only be the mark.
+_LIST_MARK = b"\x00"
+
+
+async def json_pieces_in_turns(document: dict[str, Any], key: str) -> list[bytes]:
+    """``document`` as JSON, in pieces to send one after the other, its list ``key`` written an
+    item at a time with the loop free between two: a whole answer's choices, each of which may
+    carry megabytes of log probabilities (sixteen of them written in one go held the loop for a
+    tenth of a second)."""
+    items = document[key]
+    if len(items) < 2:
+        return [orjson.dumps(document)]
+    head, mark, tail = orjson.dumps({**document, key: orjson.Fragment(_LIST_MARK)}).partition(
+        _LIST_MARK
+    )
+    assert mark and _LIST_MARK not in tail, "the mark is the one NUL byte orjson wrote"
+    pieces = [head + b"["]
+    for index, item in enumerate(items):
+        if index:
+            await asyncio.sleep(0)
+            pieces.append(b",")
+        pieces.append(orjson.dumps(item))
+    pieces.append(b"]" + tail)
+    return pieces
 
 
 class JSONList:

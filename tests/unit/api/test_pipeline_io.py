@@ -124,6 +124,19 @@ def test_a_served_response_declares_its_length_type_and_generation_id_as_the_req
     assert sent[1]["body"] == b'{"id":"gen_1"}'
 
 
+def test_a_served_response_in_pieces_declares_their_whole_length_and_sends_them_in_order() -> None:
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    pieces = [b'{"choices":[', b'{"index":0}', b",", b'{"index":1}', b"]}"]
+    asyncio.run(JSONBodyResponse(pieces, "gen_1")({"type": "http"}, receiver(), send))
+    assert dict(sent[0]["headers"])[b"content-length"] == str(len(b"".join(pieces))).encode()
+    assert [message["body"] for message in sent[1:]] == pieces
+    assert [message["more_body"] for message in sent[1:]] == [True] * 4 + [False]
+
+
 def test_a_served_response_gives_the_gateways_server_its_head_as_lines() -> None:
     sent: list[dict[str, Any]] = []
 
