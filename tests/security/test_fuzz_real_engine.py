@@ -636,6 +636,12 @@ LARGEST_ANSWERS = {
         "/v1/chat/completions",
         {"messages": SIMPLE_MESSAGES, "logprobs": True, "top_logprobs": 20},
     ),
+    # The most choices: sixteen answers' log probabilities alive at once (about 100 MB written),
+    # where the cyclic GC's walks over them, freeing them and writing the body held the loop.
+    "chat whole, n 16, top_logprobs 20": (
+        "/v1/chat/completions",
+        {"messages": SIMPLE_MESSAGES, "logprobs": True, "top_logprobs": 20, "n": 16},
+    ),
     # The Responses API has no ignore_eos: the random-weight model rarely ends early anyway.
     "responses whole, top_logprobs 20": (
         "/v1/responses",
