@@ -47,8 +47,7 @@ _LIST_MARK = b"\x00"
 async def json_pieces_in_turns(document: dict[str, Any], key: str) -> list[bytes]:
     """``document`` as JSON, in pieces to send one after the other, its list ``key`` written an
     item at a time with the loop free between two: a whole answer's choices, each of which may
-    carry megabytes of log probabilities (sixteen of them written in one go held the loop for a
-    tenth of a second)."""
+    carry megabytes of log probabilities."""
     items = document[key]
     if len(items) < 2:
         return [orjson.dumps(document)]

@@ -1143,15 +1143,14 @@ class TokenLogprobs(Sequence[TokenLogprob]):
     all their alternatives' texts and log probabilities one token's after another. Read, it is
     a sequence of ``TokenLogprob``, each made when asked for; a slice is columns again.
 
-    Why columns: a whole answer's log probabilities live until it is written. The 16 choices of
-    4,096 tokens with 20 alternatives each that a tenant may ask for, held as an object per
-    token, a list per token's alternatives and a tuple and a float per alternative, were over a
-    million objects: over a hundred thousand of them tracked, that every full collection of the
-    cyclic GC walked (tens of milliseconds a time, dozens while the answer was checked and
-    written), and all of them freed at once when the answer had gone (another fifty). Every
-    other tenant waited. Here the floats are unboxed (``array``) and the texts are the
-    tokenizer's own, shared; five containers per answer. (vLLM's FlatLogprobs, for the same
-    reason.)
+    Why columns: a whole answer's log probabilities live until it is written. Held as an object
+    per token, a list per token's alternatives and a tuple and a float per alternative, the
+    largest answers a tenant may ask for (many choices, thousands of tokens, twenty
+    alternatives each) were over a million objects: every full collection of the cyclic GC
+    walked the tracked ones, the checking and writing of the answer set off many, and freeing
+    them all when the answer had gone was one more long pause. Every other tenant waited. Here
+    the floats are unboxed (``array``) and the texts are the tokenizer's own, shared: five
+    containers per answer. (vLLM's FlatLogprobs, for the same reason.)
     """
 
     __slots__ = ("_top_ends", "logprobs", "tokens", "top_logprobs", "top_tokens")
