@@ -26,7 +26,6 @@ import faulthandler
 import os
 from collections.abc import Callable
 from pathlib import Path
-from types import TracebackType
 from typing import Protocol, TextIO
 
 PROBE_INTERVAL_S = 0.02
@@ -83,12 +82,7 @@ class StallReport:
         self._file = self.path.open("a")
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         faulthandler.cancel_dump_traceback_later()
         if self._file is not None:
             self._file.close()

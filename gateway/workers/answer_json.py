@@ -55,12 +55,8 @@ class RawPositions(list[Any]):
 
 def parse_positions(meta: Any, fields: tuple[str, ...], positions: range) -> None:
     """``meta``'s ``fields`` parsed at ``positions``, where they are ``RawPositions``."""
-    if not isinstance(meta, dict):
-        return
-    for field in fields:
-        values = meta.get(field)
-        if isinstance(values, RawPositions):
-            values.parse(positions)
+    for values in _raw_lists(meta, fields):
+        values.parse(positions)
 
 
 def release_positions(meta: Any, fields: tuple[str, ...], positions: range) -> None:
@@ -68,12 +64,14 @@ def release_positions(meta: Any, fields: tuple[str, ...], positions: range) -> N
     whoever checked them has read them: parsed, each is a few small lists, which the cyclic GC
     walks at every full collection for as long as the answer lives. A position let go is
     ``None``: no entry, so a check that reads it again fails closed."""
+    for values in _raw_lists(meta, fields):
+        values.release(positions)
+
+
+def _raw_lists(meta: Any, fields: tuple[str, ...]) -> list[RawPositions]:
     if not isinstance(meta, dict):
-        return
-    for field in fields:
-        values = meta.get(field)
-        if isinstance(values, RawPositions):
-            values.release(positions)
+        return []
+    return [values for field in fields if isinstance(values := meta.get(field), RawPositions)]
 
 
 def parse_answer(body: bytes) -> Any:
