@@ -158,7 +158,7 @@ async def sse_events(
     def content(
         index: int,
         delta: str,
-        logprobs: list[TokenLogprob] | None,
+        logprobs: Sequence[TokenLogprob] | None,
         reasoning: str = "",
         calls: list[ToolCall] | None = None,
     ) -> bytes:
@@ -175,7 +175,7 @@ async def sse_events(
     def _chat_fields(
         index: int,
         delta: str,
-        logprobs: list[TokenLogprob] | None,
+        logprobs: Sequence[TokenLogprob] | None,
         reasoning: str,
         calls: list[ToolCall],
     ) -> bytes:
@@ -332,7 +332,7 @@ def tool_call_deltas(index: int, id: str, name: str, arguments: str) -> list[dic
     ]
 
 
-def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
+def chat_logprobs(entries: Sequence[TokenLogprob]) -> dict[str, Any]:
     """A stream chunk's log probabilities (a whole answer's: ``whole_chat_logprobs``)."""
     return {"content": [chat_logprob(entry) for entry in entries], "refusal": None}
 
@@ -387,7 +387,7 @@ _COLUMNS = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
 
 
 def completion_logprobs(
-    entries: list[TokenLogprob], text_offset: int, prompt: PromptLogprobs | None = None
+    entries: Sequence[TokenLogprob], text_offset: int, prompt: PromptLogprobs | None = None
 ) -> dict[str, list[Any]]:
     """The legacy completions format; ``text_offset`` is where the first token's text starts.
     With an echoed ``prompt``, its tokens come first (the first without a log probability,
@@ -456,7 +456,7 @@ def chat_chunk(
     delta: dict[str, Any],
     finish_reason: str | None,
     index: int = 0,
-    logprobs: list[TokenLogprob] | None = None,
+    logprobs: Sequence[TokenLogprob] | None = None,
 ) -> dict[str, Any]:
     return {
         "id": id,
@@ -481,7 +481,7 @@ def completion_chunk(
     text: str,
     finish_reason: str | None,
     index: int = 0,
-    logprobs: list[TokenLogprob] | None = None,
+    logprobs: Sequence[TokenLogprob] | None = None,
     text_offset: int = 0,
 ) -> dict[str, Any]:
     return {

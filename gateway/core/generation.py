@@ -730,7 +730,7 @@ class StreamStep:
 
     delta: str
     meta: dict[str, Any]  # the last chunk's ``meta_info``
-    logprobs: list[TokenLogprob] | None = None
+    logprobs: Sequence[TokenLogprob] | None = None
     reasoning: str = ""
     tool_calls: list[ToolCall] | None = None
     # Plain text of several chunks: ``delta`` cut where each chunk ended, so that the client
@@ -750,7 +750,7 @@ class StreamEnd:
     finish_reason: str
     completion_tokens: int
     cached_tokens: int
-    logprobs: list[TokenLogprob] | None
+    logprobs: Sequence[TokenLogprob] | None
     reasoning: str = ""
     tool_calls: list[ToolCall] | None = None
 
@@ -785,8 +785,8 @@ class CheckedStream:
         self._chunks = IncrementalChunks(engine_repeats_output)
         self._first: StreamStep | None = None
         self._last_meta: dict[str, Any] = {}
-        self._logprobs: list[TokenLogprob] = []
-        self._logprobs_sent = 0
+        # Entries whose text is held back still (their text not out yet), and the text out.
+        self._logprobs = TokenLogprobs()
         self._logprob_chars_sent = 0
 
     @property
@@ -814,25 +814,25 @@ class CheckedStream:
             if len(texts) > 1 and self._shaper is None:
                 step.pieces = pieces_of(texts, fed, sent, delta)
             return step
-        fresh = [
-            entry for part in parts for entry in token_logprobs(part["meta_info"], self._tokenizer)
-        ]
+        fresh = TokenLogprobs.of(
+            *(token_logprobs(part["meta_info"], self._tokenizer) for part in parts)
+        )
         self._logprobs.extend(fresh)
-        self._guard.scan_extra("".join(t.token for t in fresh))
+        self._guard.scan_extra("".join(fresh.tokens))
         step.logprobs = self._release_logprobs(self._guard.sent_chars)
         return step
 
-    def _release_logprobs(self, chars: int | None) -> list[TokenLogprob]:
-        """The entries whose text is out (all of them with ``chars`` None)."""
-        released = self._logprobs_sent
-        while released < len(self._logprobs):
-            length = len(self._logprobs[released].token)
+    def _release_logprobs(self, chars: int | None) -> TokenLogprobs:
+        """The entries whose text is out (all of them with ``chars`` None), held no longer."""
+        held = self._logprobs
+        released = 0
+        while released < len(held):
+            length = len(held.tokens[released])
             if chars is not None and self._logprob_chars_sent + length > chars:
                 break
             self._logprob_chars_sent += length
             released += 1
-        entries = self._logprobs[self._logprobs_sent : released]
-        self._logprobs_sent = released
+        entries, self._logprobs = held[:released], held[released:]
         return entries
 
     def finish(self) -> StreamEnd:

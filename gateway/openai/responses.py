@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import secrets
 import typing
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Annotated, Any, Literal
 
 import orjson
@@ -901,7 +901,7 @@ def text_logprob(entry: TokenLogprob) -> dict[str, Any]:
     }
 
 
-def delta_logprobs(entries: list[TokenLogprob]) -> list[dict[str, Any]]:
+def delta_logprobs(entries: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
     """The same, as a stream's ``output_text.delta`` carries them."""
     return [
         {
@@ -1080,7 +1080,7 @@ class ResponseEvents:
             delta=delta,
         )
 
-    def text(self, delta: str, logprobs: list[TokenLogprob] | None = None) -> bytes:
+    def text(self, delta: str, logprobs: Sequence[TokenLogprob] | None = None) -> bytes:
         if not delta and not logprobs:
             return b""
         out = b""
