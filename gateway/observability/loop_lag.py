@@ -24,7 +24,9 @@ import asyncio
 import contextlib
 import faulthandler
 import os
+import time
 from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Protocol, TextIO
 
@@ -68,6 +70,12 @@ class StallReport:
     thread in C that needs no GIL, writes them while the loop is still held, so they show what
     held it (or, on a busy host, where the loop waited for a CPU).
 
+    After a wake-up that found the loop held ``after_s`` or more, a line says how long, and for
+    how much of it the loop's thread ran on a CPU: its own work ran about as long as the hold; a
+    blocking call ran little, and the stacks show it; a line with no stacks before it means no
+    thread of the process could run at all, its watchdog included (the whole process, or the
+    machine, stood still).
+
     For a hold that cannot be reproduced at will (the real-engine fuzzing's). Each wake-up of
     the probe re-arms it, which starts a thread: off in production.
     """
@@ -76,6 +84,7 @@ class StallReport:
         self.path = directory / f"loop-stalls-{os.getpid()}.txt"  # one per serving process
         self._after_s = after_s
         self._file: TextIO | None = None
+        self._thread_time = 0.0
 
     def __enter__(self) -> StallReport:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -92,6 +101,21 @@ class StallReport:
         """Write the stacks if the next ``arm`` does not come within ``after_s``."""
         assert self._file is not None, "used outside its with block"
         faulthandler.dump_traceback_later(self._after_s, file=self._file)
+        self._thread_time = time.thread_time()
+
+    def woke(self, late_s: float, held_s: float) -> None:
+        """After a wake-up of the probe: the line of a long hold, then armed again."""
+        assert self._file is not None, "used outside its with block"
+        if held_s >= self._after_s:
+            ran_s = time.thread_time() - self._thread_time
+            line = (
+                f"loop held {held_s * 1000:.0f} ms (late {late_s * 1000:.0f} ms), its thread on "
+                f"a CPU {ran_s * 1000:.0f} ms since the wake-up before; woke at "
+                f"{datetime.now(UTC).isoformat(timespec='milliseconds')}\n"
+            )
+            # Not through the file's buffer: the watchdog writes to the descriptor itself.
+            os.write(self._file.fileno(), line.encode())
+        self.arm()
 
 
 class LoopLagProbe:
@@ -136,9 +160,10 @@ class LoopLagProbe:
             now = waited()
             due = loop.time() + interval_s
             timer = loop.call_at(due, wake)
+            held = max(0.0, late - (now - before))
             if report is not None:
-                report.arm()
-            self._observe(late, max(0.0, late - (now - before)))
+                report.woke(late, held)
+            self._observe(late, held)
             before = now
 
         timer = loop.call_at(due, wake)

@@ -108,8 +108,13 @@ def test_a_stall_report_shows_what_held_the_loop_while_it_was_held(tmp_path: Pat
     report = StallReport(tmp_path, after_s=BLOCK_S / 3)
     asyncio.run(_probe_across_a_block(lambda *wake: None, BLOCK_S, stall_report=report))
     written = report.path.read_text()
-    # The loop's thread, in the blocking callback, from faulthandler's watchdog.
+    # The loop's thread, in the blocking callback, from faulthandler's watchdog; then the line
+    # of the wake-up after it: a sleep is a hold during which the thread hardly ran.
     assert f'{Path(__file__).name}", line' in written and "in block" in written
+    line = written.rstrip().splitlines()[-1]
+    assert line.startswith("loop held ") and written.index("in block") < written.index(line)
+    held_ms, ran_ms = (int(part.split(" ms")[0].split()[-1]) for part in line.split(",")[:2])
+    assert held_ms >= (BLOCK_S - INTERVAL_S) * 1000 and ran_ms < held_ms / 2
     time.sleep(BLOCK_S)  # the probe is gone: nothing re-arms the watchdog, nor may it fire
     assert report.path.read_text() == written
 
