@@ -24,11 +24,12 @@ import asyncio
 import contextlib
 import faulthandler
 import os
+import threading
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Protocol, TextIO
+from typing import Protocol
 
 PROBE_INTERVAL_S = 0.02
 _SCHEDSTAT = "/proc/thread-self/schedstat"
@@ -66,56 +67,79 @@ class RunQueueWait:
 
 class StallReport:
     """The stacks of every thread, appended to a file of this process's in ``directory`` each
-    time the loop has not woken the probe for ``after_s``: ``faulthandler``'s watchdog, a
-    thread in C that needs no GIL, writes them while the loop is still held, so they show what
-    held it (or, on a busy host, where the loop waited for a CPU).
+    time the loop has not woken the probe for ``after_s``, written by a thread of its own while
+    the loop is still held, so that they show what held it (or, on a busy host, where the loop
+    waited for a CPU).
+
+    The watcher is a plain thread that looks every ``after_s / 4`` at when the probe last woke;
+    the loop only writes that time. (``faulthandler``'s own watchdog needs no GIL, but re-arming
+    it at every wake-up joins its previous thread: on a loaded host the loop waited for that
+    thread to be scheduled, and the report made the holds it was there to explain.) To look it
+    needs the GIL, which the interpreter hands over within its switch interval; a long C call
+    that keeps the GIL is seen when it returns.
 
     After a wake-up that found the loop held ``after_s`` or more, a line says how long, and for
     how much of it the loop's thread ran on a CPU: its own work ran about as long as the hold; a
-    blocking call ran little, and the stacks show it; a line with no stacks before it means no
-    thread of the process could run at all, its watchdog included (the whole process, or the
-    machine, stood still).
+    blocking call ran little, and the stacks show it.
 
-    For a hold that cannot be reproduced at will (the real-engine fuzzing's). Each wake-up of
-    the probe re-arms it, which starts a thread: off in production.
+    For a hold that cannot be reproduced at will (the real-engine fuzzing's): off in production.
     """
 
     def __init__(self, directory: Path, after_s: float) -> None:
         self.path = directory / f"loop-stalls-{os.getpid()}.txt"  # one per serving process
         self._after_s = after_s
-        self._file: TextIO | None = None
+        self._fd: int | None = None
+        self._last_wake = 0.0
         self._thread_time = 0.0
+        self._stop = threading.Event()
+        self._watcher: threading.Thread | None = None
 
     def __enter__(self) -> StallReport:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = self.path.open("a")
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._last_wake, self._thread_time = time.monotonic(), time.thread_time()
+        self._watcher = threading.Thread(target=self._watch, name="loop-stall-report", daemon=True)
+        self._watcher.start()
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        faulthandler.cancel_dump_traceback_later()
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-
-    def arm(self) -> None:
-        """Write the stacks if the next ``arm`` does not come within ``after_s``."""
-        assert self._file is not None, "used outside its with block"
-        faulthandler.dump_traceback_later(self._after_s, file=self._file)
-        self._thread_time = time.thread_time()
+        self._stop.set()
+        if self._watcher is not None:
+            self._watcher.join()
+            self._watcher = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
     def woke(self, late_s: float, held_s: float) -> None:
-        """After a wake-up of the probe: the line of a long hold, then armed again."""
-        assert self._file is not None, "used outside its with block"
+        """After a wake-up of the probe (on the loop's thread): the line of a long hold."""
+        assert self._fd is not None, "used outside its with block"
         if held_s >= self._after_s:
             ran_s = time.thread_time() - self._thread_time
-            line = (
+            os.write(
+                self._fd,
                 f"loop held {held_s * 1000:.0f} ms (late {late_s * 1000:.0f} ms), its thread on "
                 f"a CPU {ran_s * 1000:.0f} ms since the wake-up before; woke at "
-                f"{datetime.now(UTC).isoformat(timespec='milliseconds')}\n"
+                f"{_now()}\n".encode(),
             )
-            # Not through the file's buffer: the watchdog writes to the descriptor itself.
-            os.write(self._file.fileno(), line.encode())
-        self.arm()
+        self._last_wake, self._thread_time = time.monotonic(), time.thread_time()
+
+    def _watch(self) -> None:
+        reported = None  # the wake-up whose stall was written: once per stall
+        while not self._stop.wait(self._after_s / 4):
+            last_wake = self._last_wake
+            waited_s = time.monotonic() - last_wake
+            if waited_s < self._after_s or last_wake == reported or self._fd is None:
+                continue
+            reported = last_wake
+            os.write(
+                self._fd, f"loop not woken for {waited_s * 1000:.0f} ms at {_now()}:\n".encode()
+            )
+            faulthandler.dump_traceback(self._fd, all_threads=True)
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="milliseconds")
 
 
 class LoopLagProbe:
@@ -123,7 +147,7 @@ class LoopLagProbe:
     lateness and held time (seconds, never negative) to ``observe``; runs until cancelled.
 
     ``run_queue_wait`` makes the clock of CPU waits, on the loop's thread (a test gives its
-    own). With ``stall_report``, each wake-up re-arms it.
+    own). With ``stall_report``, each wake-up tells it.
     """
 
     def __init__(
@@ -167,8 +191,6 @@ class LoopLagProbe:
             before = now
 
         timer = loop.call_at(due, wake)
-        if report is not None:
-            report.arm()
         try:
             await loop.create_future()  # until cancelled
         finally:
