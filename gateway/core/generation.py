@@ -814,11 +814,10 @@ class CheckedStream:
             if len(texts) > 1 and self._shaper is None:
                 step.pieces = pieces_of(texts, fed, sent, delta)
             return step
-        fresh = TokenLogprobs.of(
-            *(token_logprobs(part["meta_info"], self._tokenizer) for part in parts)
-        )
-        self._logprobs.extend(fresh)
-        self._guard.scan_extra("".join(fresh.tokens))
+        fresh = [token_logprobs(part["meta_info"], self._tokenizer) for part in parts]
+        for run in fresh:
+            self._logprobs.extend(run)
+        self._guard.scan_extra("".join(token for run in fresh for token in run.tokens))
         step.logprobs = self._release_logprobs(self._guard.sent_chars)
         return step
 
