@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pydantic import ValidationError
+
 from gateway.config.policies import PolicyError, load_policies
 from gateway.config.settings import Settings
 from gateway.observability.multiprocess import run_directory
@@ -75,7 +77,11 @@ def _serve_within(args: argparse.Namespace, run: contextlib.ExitStack) -> int:
     from gateway.observability.logs import configure_logging
     from gateway.server.http_server import ClientBounds, bounded_protocol
 
-    settings = Settings()
+    try:
+        settings = Settings()
+    except ValidationError as exc:  # a bad setting: its message, not a traceback
+        print(f"isogate: refusing to start: {exc}", file=sys.stderr)
+        return 2
     configure_logging(settings)
     try:
         load_policies(settings.policies_dir)  # refuse a bad policy before binding the port

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from gateway.common.deadlines import DEFAULT_RESOLUTION_S
@@ -69,10 +69,11 @@ class Settings(BaseSettings):
     upstream_connect_timeout_s: float = 2.0
     upstream_timeout_s: float = 120.0
     # A worker that has not answered a capacity poll for this long is not routed to.
-    capacity_poll_interval_s: float = 1.0
+    capacity_poll_interval_s: float = Field(default=1.0, gt=0)
     # Keep it above twice the poll interval plus a second: a slow worker's failed poll (which
-    # times out at half of it) must be seen, and its /health asked, before it runs out.
-    capacity_stale_after_s: float = 5.0
+    # times out at half of it) must be seen, and its /health asked, before it runs out. Twice
+    # the interval or less is refused (``_polls_renew_capacity_before_it_goes_stale``).
+    capacity_stale_after_s: float = Field(default=5.0, gt=0)
     # Slow is not dead: while a worker passes its liveness probe (SGLang's /health), its last
     # capacity record is routed on up to this old (claims still bound what is sent to it).
     capacity_max_age_if_alive_s: float = Field(default=30.0, gt=0)
@@ -163,6 +164,21 @@ class Settings(BaseSettings):
     canary_refresh_s: float = Field(default=1.0, gt=0)
     canary_max_tokens: int = Field(default=8, gt=0)
     canary_redis_key: str = "isogate:canary:markers"
+
+    @model_validator(mode="after")
+    def _polls_renew_capacity_before_it_goes_stale(self) -> Settings:
+        # Otherwise a record goes stale between two polls (a poll may take half the window),
+        # and requests to a worker with a stale record may be refused (503 no_worker_available)
+        # until the next poll: measured with a 30 s interval and the default window, every
+        # request for seconds at a time.
+        if self.capacity_stale_after_s <= 2 * self.capacity_poll_interval_s:
+            raise ValueError(
+                f"ISOGATE_CAPACITY_STALE_AFTER_S ({self.capacity_stale_after_s:g} s) must be more "
+                f"than twice ISOGATE_CAPACITY_POLL_INTERVAL_S "
+                f"({self.capacity_poll_interval_s:g} s): a worker's capacity record would go "
+                "stale between two polls, and requests be refused until the next one"
+            )
+        return self
 
     @field_validator("redis_url", mode="before")
     @classmethod
