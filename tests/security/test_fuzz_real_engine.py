@@ -706,8 +706,10 @@ def test_the_largest_answers_a_tenant_may_ask_for_keep_the_invariants(
     if path != "/v1/responses":
         body = {"max_tokens": LARGEST_OUTPUT_TOKENS, "ignore_eos": True, **body}
     headers = {"Authorization": f"Bearer {key}"}
+    # A whole answer sends nothing until it is done: 16 choices of the largest answer take the
+    # CPU pair minutes, close to 300 s on a slower host.
     with httpx.stream(
-        "POST", large_gateway.url + path, json=body, headers=headers, timeout=300
+        "POST", large_gateway.url + path, json=body, headers=headers, timeout=600
     ) as response:
         raw = response.read()
     assert response.status_code == 200, raw[:500]
