@@ -41,7 +41,8 @@ class APIError(Exception):
     code: str | None = None
     param: str | None = None
     headers: dict[str, str] = field(default_factory=dict)
-    # What the audit event says where it must say more than the client is told.
+    # What the audit event says in place of the message: more than the client is told, or
+    # less (where the message quotes the request's own content).
     audit_detail: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:

@@ -74,6 +74,7 @@ from gateway.verification.verify import (
 from gateway.workers.answer_json import parse_positions, release_positions
 from gateway.workers.dispatch import PREFILL_META, EngineRequest, PDDispatcher
 from gateway.workers.pairs import WorkerPair
+from gateway.workers.refusals import engine_refusal
 
 log = logging.getLogger("isogate.request")
 
@@ -1211,7 +1212,8 @@ def finish_reason_of(meta: dict[str, Any]) -> str:
 
 
 def _abort(reason: dict[str, Any]) -> str:
-    # The engine's reason is for operators (logged); clients see the gateway's own.
+    # The engine's reason is for operators (logged); clients see the gateway's own words
+    # (a grammar compiler's verdict aside: gateway.workers.refusals).
     message, status = str(reason.get("message") or ""), reason.get("status_code")
     log.warning(
         "engine aborted a request", extra={"engine_message": message[:500], "status": status}
@@ -1221,12 +1223,7 @@ def _abort(reason: dict[str, Any]) -> str:
     if not isinstance(status, int) or isinstance(status, bool):
         return "abort"
     if 400 <= status < 500 and status not in (408, 429):
-        raise APIError(
-            400,
-            "The decode worker refused the request.",
-            "invalid_request_error",
-            "engine_rejected",
-        )
+        raise engine_refusal("decode", message)
     if status == 503:
         raise unavailable("The decode worker is unavailable.", code="worker_unavailable")
     raise APIError(

@@ -30,6 +30,7 @@ from gateway.common.errors import APIError, unavailable, upstream_failed, upstre
 from gateway.common.ids import bootstrap_room
 from gateway.workers.answer_json import parse_answer
 from gateway.workers.pairs import WorkerPair
+from gateway.workers.refusals import engine_refusal
 from gateway.workers.upstream import (
     UpstreamClient,
     UpstreamConnection,
@@ -313,7 +314,8 @@ def _transport_error(role: str, exc: BaseException) -> APIError:
 
 def _engine_error(role: str, status: int, body: bytes) -> APIError:
     """The gateway's own error for a worker's refusal or failure. The engine's text is logged
-    for operators and never passed on: it names internals (paths, limits, other requests)."""
+    for operators and not passed on (it names internals), except a grammar compiler's verdict
+    on the request's own grammar (``gateway.workers.refusals``)."""
     try:
         message = _error_message(orjson.loads(body))
     except orjson.JSONDecodeError:
@@ -322,12 +324,7 @@ def _engine_error(role: str, status: int, body: bytes) -> APIError:
         "engine error", extra={"role": role, "status": status, "engine_message": message[:500]}
     )
     if 400 <= status < 500 and status not in (408, 429):
-        return APIError(
-            400,
-            f"The {role} worker refused the request.",
-            "invalid_request_error",
-            "engine_rejected",
-        )
+        return engine_refusal(role, message)
     if status == 503:
         return unavailable(f"The {role} worker is unavailable.", code="worker_unavailable")
     return upstream_failed(f"The {role} worker failed (HTTP {status}).")

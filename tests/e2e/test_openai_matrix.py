@@ -193,9 +193,25 @@ def test_constrained_output_follows_its_grammar(
     check(structured(reply))
 
 
-def test_a_grammar_the_engine_cannot_compile_is_a_400(ours: openai.OpenAI) -> None:
-    with pytest.raises(openai.BadRequestError):
-        chat(ours, extra_body={"regex": "(unclosed"})
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_grammar_the_engine_cannot_compile_is_a_400_that_says_why(
+    ours: openai.OpenAI, peer: openai.OpenAI, stream: bool
+) -> None:
+    # The gateway cannot compile grammars (gateway.workers.refusals): a worker refuses it, and
+    # the client is told the compiler's verdict, as the peer passes it on, without the
+    # compiler's source position. (The peer streams a 200 and then the error, ours is a 400.)
+    verdict = "Regex parsing error at position 10: The parenthesis is not closed"
+    errors = []
+    for client, raised in ((ours, openai.BadRequestError), (peer, openai.APIError)):
+        with pytest.raises(raised) as refused:
+            reply = chat(client, stream=stream, extra_body={"regex": "(unclosed"})
+            if stream:
+                list(reply)
+        errors.append(refused.value)
+    mine, theirs = errors
+    assert verdict in theirs.message and ".cc:" in theirs.message  # SGLang's words, as they are
+    assert verdict in mine.message and ".cc:" not in mine.message, mine.message
+    assert mine.code == "engine_rejected"
 
 
 def test_echo_answers_alike_and_the_prompt_is_scored_where_the_peer_scores_none(
