@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 
-from gateway.common.errors import APIError
+from gateway.common.errors import APIError, clipped
 
 # SGLang's message for a grammar its compiler refused (``sglang.srt.constrained``), by kind.
 _GRAMMAR_REFUSAL = re.compile(
@@ -63,6 +63,4 @@ def _grammar_verdict(engine_message: str) -> tuple[str, str] | None:
     kind, text = found.groups()
     text = _COMPILER_POSITION.sub("", text).removeprefix(_WRAPPED)
     text = " ".join("".join(c if c.isprintable() else " " for c in text).split()).rstrip(".")
-    if len(text) > _MAX_VERDICT_CHARS:
-        text = text[: _MAX_VERDICT_CHARS - 1] + "…"
-    return _GRAMMAR_KINDS[kind], text or "no reason given"
+    return _GRAMMAR_KINDS[kind], clipped(text, _MAX_VERDICT_CHARS) or "no reason given"
