@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,11 @@ from tests.e2e_engine.pd_pairs import (
 pytestmark = pytest.mark.engine
 
 PREFILL_PORT, DECODE_PORT, BOOTSTRAP_PORT = 30140, 30141, 30142
-TOKENS = 24
+# The lower priority request is sent first and is long enough to still be decoding when the
+# higher one joins it, however slowly a loaded host prefills and transfers the second: the
+# retraction only chooses between requests that decode together (alone, one is always kept).
+LOW_TOKENS, HIGH_TOKENS = 600, 48
+DECODE_STARTED_WAIT_S = 60
 
 
 def forced_retraction_pair(tmp_path: Path) -> PDCluster:
@@ -49,11 +54,13 @@ def forced_retraction_pair(tmp_path: Path) -> PDCluster:
     )
 
 
-def generate(cluster: PDCluster, generation: str, priority: int, room: int) -> dict[str, Any]:
+def generate(
+    cluster: PDCluster, generation: str, priority: int, room: int, tokens: int
+) -> dict[str, Any]:
     """One request as the gateway sends it: the same body, priority included, to both."""
     body = {
         "input_ids": incident_prompt(40),
-        "sampling_params": {"max_new_tokens": TOKENS, "temperature": 0, "ignore_eos": True},
+        "sampling_params": {"max_new_tokens": tokens, "temperature": 0, "ignore_eos": True},
         "rid": generation,
         "extra_key": f"salt-{generation}",
         "stream": False,
@@ -77,6 +84,15 @@ def generate(cluster: PDCluster, generation: str, priority: int, room: int) -> d
         return meta
 
 
+def wait_until_decode_verified(cluster: PDCluster, generation: str) -> None:
+    """Until decode has verified the request's transferred pages: it decodes from then on."""
+    deadline = time.monotonic() + DECODE_STARTED_WAIT_S
+    line = f"verified rid={generation} "
+    while not any(line in entry for entry in engine_log_lines(cluster, "decode")):
+        assert time.monotonic() < deadline, f"decode never verified {generation}"
+        time.sleep(0.05)
+
+
 def test_a_retracted_lower_priority_request_resumes_verified_with_its_tags(tmp_path: Path) -> None:
     with forced_retraction_pair(tmp_path) as cluster:
         for url in (cluster.prefill_url, cluster.decode_url):
@@ -85,8 +101,9 @@ def test_a_retracted_lower_priority_request_resumes_verified_with_its_tags(tmp_p
             assert info["retraction_policy"] == "priority"
             assert info["default_priority_value"] == 200
         with ThreadPoolExecutor(2) as pool:
-            high = pool.submit(generate, cluster, "gen_high", 250, 7001)
-            low = pool.submit(generate, cluster, "gen_low", 200, 7002)
+            low = pool.submit(generate, cluster, "gen_low", 200, 7002, LOW_TOKENS)
+            wait_until_decode_verified(cluster, "gen_low")
+            high = pool.submit(generate, cluster, "gen_high", 250, 7001, HIGH_TOKENS)
             metas = {"gen_high": high.result(), "gen_low": low.result()}
         decode_log = cluster.logs["decode"].read_text(errors="replace")
         lines = engine_log_lines(cluster, "decode")
@@ -94,7 +111,7 @@ def test_a_retracted_lower_priority_request_resumes_verified_with_its_tags(tmp_p
         assert meta["isolation_generation"] == generation
         assert meta["isolation_tenant"] == f"tenant-{generation}"
         assert meta["isolation_verified"] is True
-        assert meta["completion_tokens"] == TOKENS
+        assert meta["completion_tokens"] == (LOW_TOKENS if generation == "gen_low" else HIGH_TOKENS)
         assert meta["finish_reason"]["type"] == "length"
     assert "Testing retraction" in decode_log  # SGLang retracted while both decoded
     reverified = [m[1] for line in lines if (m := re.search(r"reverified rid=(\S+)", line))]
