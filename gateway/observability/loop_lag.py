@@ -9,10 +9,15 @@ wake-up costs a timer, a subtraction and one read of the thread's scheduler coun
 
 Lateness is also the time the loop's thread, runnable, waited for a CPU that other processes
 held: on a busy host that alone reaches tens of milliseconds with the loop idle. The kernel
-counts that wait per thread (``/proc/thread-self/schedstat``), so the part of a wake-up's
+counts that wait per thread (``/proc/<pid>/task/<tid>/schedstat``), so the part of a wake-up's
 lateness the process itself caused (its own work or blocking calls on the loop, its other
-threads holding the GIL) is the lateness less that wait: the *held* time. Where the counters
-are missing (not Linux), held is the whole lateness.
+threads holding the GIL) is the lateness less that wait: the *held* time. The waits of the
+process's other threads are taken off too: one that holds the GIL and waits for a CPU makes
+the loop wait for the GIL as long, and on a crowded host that stretched a few milliseconds of
+its work to over a hundred. That can undercount a hold that is not CPU work (a blocking call)
+while other threads wait for a CPU, so held is never less than the loop thread's own CPU time
+beyond one interval: its own work counts whoever else waited. Where the counters are missing
+(not Linux), held is the whole lateness.
 
 What held the loop is gone by the time the probe wakes. ``StallReport``, a diagnostic off by
 default, writes where every thread was while the loop is still held.
@@ -32,11 +37,11 @@ from pathlib import Path
 from typing import Protocol
 
 PROBE_INTERVAL_S = 0.02
-_SCHEDSTAT = "/proc/thread-self/schedstat"
+_TASKS = "/proc/self/task"
 
 
 class WaitClock(Protocol):
-    """Seconds the loop's thread has waited for a CPU, as a running total."""
+    """Seconds the process's threads have waited for a CPU, as a running total."""
 
     def __call__(self) -> float: ...
 
@@ -44,25 +49,63 @@ class WaitClock(Protocol):
 
 
 class RunQueueWait:
-    """Seconds the calling thread has waited, runnable, for a CPU since it started (the second
-    field of its schedstat); 0.0 where the kernel does not count it. Opened by the thread it
-    measures (``/proc/thread-self`` is the opener's)."""
+    """Seconds the process's threads have waited, runnable, for a CPU (the second field of each
+    thread's schedstat), as a running total from when the clock was made: a thread counts from
+    when it is first seen, and one that has ended keeps what it added. 0.0 where the kernel
+    does not count it. Each read lists the threads once and reads each one's counter through
+    a descriptor kept open while the thread lives."""
 
     def __init__(self) -> None:
-        try:
-            self._fd: int | None = os.open(_SCHEDSTAT, os.O_RDONLY)
-        except OSError:
-            self._fd = None
+        self._threads: dict[str, tuple[int, int]] = {}  # tid -> (descriptor, last count)
+        self._total_ns = 0
+        self._counted = os.path.isdir(_TASKS)
 
     def __call__(self) -> float:
-        if self._fd is None:
+        if not self._counted:
             return 0.0
-        return int(os.pread(self._fd, 128, 0).split()[1]) / 1e9
+        try:
+            alive = set(os.listdir(_TASKS))
+        except OSError:
+            return self._total_ns / 1e9
+        for tid in self._threads.keys() - alive:
+            _close(self._threads.pop(tid)[0])
+        for tid in alive:
+            known = self._threads.get(tid)
+            if known is None:
+                self._threads[tid] = self._open(tid)
+                continue
+            fd, last = known
+            try:
+                count = _run_delay_ns(fd)
+            except (OSError, IndexError, ValueError):
+                continue  # ended since the listing
+            self._total_ns += count - last
+            self._threads[tid] = fd, count
+        return self._total_ns / 1e9
+
+    def _open(self, tid: str) -> tuple[int, int]:
+        fd = -1
+        try:
+            fd = os.open(f"{_TASKS}/{tid}/schedstat", os.O_RDONLY)
+            return fd, _run_delay_ns(fd)
+        except (OSError, IndexError, ValueError):
+            return fd, 0  # gone already; dropped at the next read
 
     def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        for fd, _ in self._threads.values():
+            _close(fd)
+        self._threads.clear()
+
+
+def _close(fd: int) -> None:
+    if fd >= 0:
+        os.close(fd)
+
+
+def _run_delay_ns(fd: int) -> int:
+    if fd < 0:
+        raise ValueError("no counter")
+    return int(os.pread(fd, 128, 0).split()[1])
 
 
 class StallReport:
@@ -146,8 +189,8 @@ class LoopLagProbe:
     """Sleeps ``interval_s`` again and again on the running loop and passes each wake-up's
     lateness and held time (seconds, never negative) to ``observe``; runs until cancelled.
 
-    ``run_queue_wait`` makes the clock of CPU waits, on the loop's thread (a test gives its
-    own). With ``stall_report``, each wake-up tells it.
+    ``run_queue_wait`` makes the clock of the process's CPU waits, on the loop's thread (a test
+    gives its own). With ``stall_report``, each wake-up tells it.
     """
 
     def __init__(
@@ -173,22 +216,23 @@ class LoopLagProbe:
     async def _run(self, loop: asyncio.AbstractEventLoop, report: StallReport | None) -> None:
         waited = self._run_queue_wait()
         interval_s = self._interval_s
-        before = waited()
+        before, ran_before = waited(), time.thread_time()
         due = loop.time() + interval_s
         timer: asyncio.TimerHandle
 
         def wake() -> None:
-            nonlocal before, due, timer
+            nonlocal before, ran_before, due, timer
             # The loop may run a timer up to its clock's resolution early: not negative lag.
             late = max(0.0, loop.time() - due)
-            now = waited()
+            now, ran = waited(), time.thread_time()
             due = loop.time() + interval_s
             timer = loop.call_at(due, wake)
-            held = max(0.0, late - (now - before))
+            own_work = min(late, ran - ran_before - interval_s)
+            held = max(0.0, late - (now - before), own_work)
             if report is not None:
                 report.woke(late, held)
             self._observe(late, held)
-            before = now
+            before, ran_before = now, ran
 
         timer = loop.call_at(due, wake)
         try:

@@ -5,7 +5,7 @@ three invariants checked after every case, beyond the answer's own checks
 - no worker died: prefill and decode both still answer ``/health``;
 - the gateway's event loop was never held for ``LAG_BOUND_S`` or more by the gateway's own
   work (its probe, ``isogate_event_loop_held_max_seconds``: the largest lag since the last
-  read less the loop's waits for a CPU, which other processes on a busy host cause alone);
+  read less its threads' waits for a CPU, which other processes on a busy host cause alone);
 - the gateway's memory stayed bounded: its RSS (and its parse pool's) within
   ``RSS_MARGIN_KB`` of what it was after one honest request per route.
 

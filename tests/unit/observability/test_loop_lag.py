@@ -4,6 +4,9 @@ series expose the worst stall since the last scrape once; its stall report shows
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import os
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -48,15 +51,23 @@ class _Waits:
         self.closed = True
 
 
+def _spin(seconds: float) -> None:
+    """Work on the CPU, as a long callback does."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
 async def _probe_across_a_block(
     observe: Callable[[float, float], None],
     block_s: float,
     clock: Callable[[], WaitClock] = RunQueueWait,
     on_block: Callable[[], None] = lambda: None,
     stall_report: StallReport | None = None,
+    hold: Callable[[float], None] = time.sleep,
 ) -> None:
-    """Runs the probe with ``observe``, holds the loop with a blocking callback, and returns once
-    the probe has woken after it."""
+    """Runs the probe with ``observe``, holds the loop with a blocking callback (``hold``), and
+    returns once the probe has woken after it."""
     woke = asyncio.Event()
 
     def observed(late: float, held: float) -> None:
@@ -65,7 +76,7 @@ async def _probe_across_a_block(
 
     def block() -> None:
         on_block()
-        time.sleep(block_s)
+        hold(block_s)
 
     task = asyncio.create_task(
         LoopLagProbe(
@@ -102,6 +113,24 @@ def test_lateness_spent_waiting_for_a_cpu_is_not_held_time() -> None:
     assert late >= BLOCK_S - INTERVAL_S
     assert held == 0.0
     assert waits.closed  # the probe closes its clock when cancelled
+
+
+def test_the_loops_own_cpu_work_is_held_time_however_long_other_threads_waited() -> None:
+    observed: list[tuple[float, float]] = []
+    waits = _Waits(waits_s=BLOCK_S + 1.0)  # as if another thread had waited all along
+    probed = _probe_across_a_block(
+        lambda *wake: observed.append(wake),
+        BLOCK_S,
+        clock=lambda: waits,
+        on_block=waits.block,
+        hold=_spin,
+    )
+    asyncio.run(probed)
+    late, held = max(observed)
+    # Its own CPU time beyond one interval, whatever the waits (a busy host may have made the
+    # spin take longer than its CPU time: late, not held).
+    assert late >= BLOCK_S - INTERVAL_S
+    assert held >= BLOCK_S - 2 * INTERVAL_S
 
 
 def test_a_stall_report_shows_what_held_the_loop_while_it_was_held(tmp_path: Path) -> None:
@@ -153,3 +182,35 @@ def test_the_run_queue_wait_clock_reads_this_threads_counter_and_never_goes_back
     finally:
         clock.close()
     assert 0.0 <= first <= second
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="the kernel's counters: Linux")
+def test_the_run_queue_wait_clock_counts_the_other_threads_waits_for_a_cpu() -> None:
+    """Two threads that hash without the GIL, on one CPU, each wait for it about half the time
+    while this one sleeps: their waits are the clock's, though this thread never waited."""
+    stop = threading.Event()
+    block = b"x" * (1 << 20)  # hashlib lets the GIL go for data this long
+
+    def hash_until_stopped() -> None:
+        while not stop.is_set():
+            hashlib.sha256(block).digest()
+
+    allowed = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(allowed)})  # this thread's; the workers inherit it
+    clock = RunQueueWait()
+    workers = [threading.Thread(target=hash_until_stopped) for _ in range(2)]
+    try:
+        clock()  # the workers are counted from the read after they are first seen
+        for worker in workers:
+            worker.start()
+        time.sleep(0.05)
+        before = clock()
+        time.sleep(BLOCK_S)
+        waited = clock() - before
+    finally:
+        stop.set()
+        for worker in workers:
+            worker.join()
+        os.sched_setaffinity(0, allowed)
+        clock.close()
+    assert waited >= BLOCK_S / 3
