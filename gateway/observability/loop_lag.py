@@ -5,7 +5,8 @@ Whatever holds the loop (a body parsed, a schema validated, a prompt tokenized o
 blocking call) delays every request of every tenant this process serves by as long, and
 nothing else in the gateway sees it. A wake-up is late by at least the time the loop was held,
 less one interval (the hold may begin just after a wake-up), so the interval is short; a
-wake-up costs a timer, a subtraction and one read of the thread's scheduler counters.
+wake-up costs a timer, a few subtractions, and one listing of the process's threads and a read
+of each one's scheduler counters.
 
 Lateness is also the time the loop's thread, runnable, waited for a CPU that other processes
 held: on a busy host that alone reaches tens of milliseconds with the loop idle. The kernel
@@ -51,60 +52,56 @@ class WaitClock(Protocol):
 class RunQueueWait:
     """Seconds the process's threads have waited, runnable, for a CPU (the second field of each
     thread's schedstat), as a running total from when the clock was made: a thread counts from
-    when it is first seen, and one that has ended keeps what it added. 0.0 where the kernel
-    does not count it. Each read lists the threads once and reads each one's counter through
-    a descriptor kept open while the thread lives."""
+    the read after it is first seen, and one that has ended keeps what it added. 0.0 where the
+    kernel does not count it. Each read lists the threads once and reads each one's counter
+    through a descriptor kept open while the thread lives."""
 
     def __init__(self) -> None:
         self._threads: dict[str, tuple[int, int]] = {}  # tid -> (descriptor, last count)
         self._total_ns = 0
-        self._counted = os.path.isdir(_TASKS)
 
     def __call__(self) -> float:
-        if not self._counted:
-            return 0.0
         try:
             alive = set(os.listdir(_TASKS))
         except OSError:
-            return self._total_ns / 1e9
+            return self._total_ns / 1e9  # not Linux: nothing counted
         for tid in self._threads.keys() - alive:
-            _close(self._threads.pop(tid)[0])
+            os.close(self._threads.pop(tid)[0])
         for tid in alive:
             known = self._threads.get(tid)
-            if known is None:
-                self._threads[tid] = self._open(tid)
-                continue
-            fd, last = known
             try:
+                if known is None:
+                    self._threads[tid] = _counter(tid)
+                    continue
+                fd, last = known
                 count = _run_delay_ns(fd)
             except (OSError, IndexError, ValueError):
-                continue  # ended since the listing
+                # Ended since the listing, or its id is now a new thread's: that one is
+                # counted from when it is seen again.
+                if known is not None:
+                    os.close(self._threads.pop(tid)[0])
+                continue
             self._total_ns += count - last
             self._threads[tid] = fd, count
         return self._total_ns / 1e9
 
-    def _open(self, tid: str) -> tuple[int, int]:
-        fd = -1
-        try:
-            fd = os.open(f"{_TASKS}/{tid}/schedstat", os.O_RDONLY)
-            return fd, _run_delay_ns(fd)
-        except (OSError, IndexError, ValueError):
-            return fd, 0  # gone already; dropped at the next read
-
     def close(self) -> None:
         for fd, _ in self._threads.values():
-            _close(fd)
+            os.close(fd)
         self._threads.clear()
 
 
-def _close(fd: int) -> None:
-    if fd >= 0:
+def _counter(tid: str) -> tuple[int, int]:
+    """A thread's schedstat, opened, and its count now."""
+    fd = os.open(f"{_TASKS}/{tid}/schedstat", os.O_RDONLY)
+    try:
+        return fd, _run_delay_ns(fd)
+    except (OSError, IndexError, ValueError):
         os.close(fd)
+        raise
 
 
 def _run_delay_ns(fd: int) -> int:
-    if fd < 0:
-        raise ValueError("no counter")
     return int(os.pread(fd, 128, 0).split()[1])
 
 

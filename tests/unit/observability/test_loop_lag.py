@@ -20,6 +20,10 @@ from gateway.observability.metrics import Metrics
 
 BLOCK_S = 0.3
 INTERVAL_S = 0.02
+# A sleep on the loop is held time less one interval (it may start just after a wake-up) and
+# less what the process's other threads (pytest's, the stall report's) waited for a CPU
+# meanwhile, which a busy host makes tens of milliseconds.
+SLEEP_HELD_AT_LEAST_S = BLOCK_S / 2
 
 
 def _lag_samples(metrics: Metrics) -> dict[tuple[str, str], float]:
@@ -97,9 +101,9 @@ def test_a_callback_that_blocks_the_loop_shows_up_as_lag_and_held_time() -> None
     asyncio.run(_probe_across_a_block(lambda *wake: observed.append(wake), BLOCK_S))
     late, held = max(observed)
     # At least the block less one interval (it may start just after a wake-up); sleeping on
-    # the loop is not a wait for a CPU, so all of it was held.
+    # the loop is not a wait for a CPU, so it was held.
     assert late >= BLOCK_S - INTERVAL_S
-    assert held >= BLOCK_S - INTERVAL_S
+    assert held >= SLEEP_HELD_AT_LEAST_S
 
 
 def test_lateness_spent_waiting_for_a_cpu_is_not_held_time() -> None:
@@ -143,7 +147,7 @@ def test_a_stall_report_shows_what_held_the_loop_while_it_was_held(tmp_path: Pat
     line = written.rstrip().splitlines()[-1]
     assert line.startswith("loop held ") and written.index("in block") < written.index(line)
     held_ms, ran_ms = (int(part.split(" ms")[0].split()[-1]) for part in line.split(",")[:2])
-    assert held_ms >= (BLOCK_S - INTERVAL_S) * 1000 and ran_ms < held_ms / 2
+    assert held_ms >= SLEEP_HELD_AT_LEAST_S * 1000 and ran_ms < held_ms / 2
     time.sleep(BLOCK_S)  # the probe is gone: nothing re-arms the watchdog, nor may it fire
     assert report.path.read_text() == written
 
@@ -171,7 +175,7 @@ def test_a_blocked_loop_reaches_the_scraped_gauges() -> None:
     asyncio.run(_probe_across_a_block(metrics.loop_lag.observe, BLOCK_S))
     samples = _lag_samples(metrics)
     assert samples[("isogate_event_loop_lag_max_seconds", "")] >= BLOCK_S - INTERVAL_S
-    assert samples[("isogate_event_loop_held_max_seconds", "")] >= BLOCK_S - INTERVAL_S
+    assert samples[("isogate_event_loop_held_max_seconds", "")] >= SLEEP_HELD_AT_LEAST_S
 
 
 def test_the_run_queue_wait_clock_reads_this_threads_counter_and_never_goes_back() -> None:
