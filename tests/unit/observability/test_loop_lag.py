@@ -178,7 +178,7 @@ def test_a_blocked_loop_reaches_the_scraped_gauges() -> None:
     assert samples[("isogate_event_loop_held_max_seconds", "")] >= SLEEP_HELD_AT_LEAST_S
 
 
-def test_the_run_queue_wait_clock_reads_this_threads_counter_and_never_goes_back() -> None:
+def test_the_run_queue_wait_clock_reads_the_kernels_counters_and_never_goes_back() -> None:
     clock = RunQueueWait()
     try:
         first = clock()
