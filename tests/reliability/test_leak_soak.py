@@ -68,6 +68,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StandInStack]:
             "ISOGATE_LOG_LEVEL": "warning",
             # Stand-ins share this busy process with 8 client threads: polls can be slow.
             "ISOGATE_CAPACITY_STALE_AFTER_S": "15",
+            # Every client here is one address: a longer soak sends it more bad keys a minute
+            # than the per-address throttle allows (its 429s have their own tests), and a bad
+            # key must end in the 401 this soak checks for leaks.
+            "ISOGATE_UNAUTHENTICATED_PER_ADDRESS_PER_MINUTE": str(10 * ROUNDS * REQUESTS_PER_ROUND),
         },
         # The workers never close an idle connection during the test: one the gateway did not
         # give back stays open, to be counted, rather than being closed for it by the worker.
