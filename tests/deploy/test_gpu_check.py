@@ -53,3 +53,5 @@ def test_the_gpu_model_shares_the_dev_tokenizer_and_has_gpu_friendly_heads(tmp_p
     text = "Tenants share the machines but never each other's pages."
     assert ours.encode(text).ids == dev.encode(text).ids
     assert (tmp_path / "m" / "tokenizer_config.json").is_file()
+    # Served with dummy weights: a weights file here would be the CPU model's, of other shapes.
+    assert not list((tmp_path / "m").glob("*.safetensors"))
