@@ -37,7 +37,9 @@ def test_without_a_gpu_it_fails_preflight_and_says_so_in_out(tmp_path: Path) -> 
     assert "preflight" in (out / "gpu-check.log").read_text()
 
 
-def test_the_gpu_model_shares_the_dev_tokenizer_and_has_gpu_friendly_heads(tmp_path: Path) -> None:
+def test_the_gpu_model_shares_the_dev_tokenizer_has_gpu_friendly_heads_and_no_weights(
+    tmp_path: Path,
+) -> None:
     result = subprocess.run(
         [sys.executable, str(SCRIPT), "--model-only", str(tmp_path / "m")],
         capture_output=True,
